@@ -1,0 +1,50 @@
+from django.contrib import admin, messages
+
+from . import catalog
+from .models import Machine, ModelFile, ServerRecord
+from .transports import TransportError
+
+
+@admin.register(Machine)
+class MachineAdmin(admin.ModelAdmin):
+    list_display = ("name", "transport", "host", "models_dir", "enabled", "models_refreshed_at")
+    list_filter = ("transport", "enabled")
+    actions = ["refresh_models"]
+    readonly_fields = ("models_refreshed_at", "models_refresh_error")
+
+    @admin.action(description="Refresh models (read GGUF heads)")
+    def refresh_models(self, request, queryset):
+        for machine in queryset:
+            try:
+                found = catalog.refresh_models(machine)
+            except TransportError as exc:
+                self.message_user(request, f"{machine.name}: {exc}", messages.ERROR)
+            else:
+                self.message_user(request, f"{machine.name}: {len(found)} model(s) found.")
+
+
+@admin.register(ModelFile)
+class ModelFileAdmin(admin.ModelAdmin):
+    list_display = (
+        "display_name", "machine", "key", "architecture", "size_label", "quantization", "context_length",
+        "has_chat_template", "has_mtp", "has_vision", "is_complete",
+    )
+    list_filter = ("machine", "architecture", "has_mtp", "has_vision")
+    search_fields = ("display_name", "key", "name")
+    readonly_fields = [f.name for f in ModelFile._meta.fields]
+
+    def has_add_permission(self, request):
+        return False  # model files are discovered, not typed in
+
+    @admin.display(boolean=True)
+    def is_complete(self, obj):
+        return obj.is_complete
+
+
+@admin.register(ServerRecord)
+class ServerRecordAdmin(admin.ModelAdmin):
+    list_display = ("session", "machine", "model_key", "pid", "port", "started_at", "ready_at", "stopping")
+    readonly_fields = [f.name for f in ServerRecord._meta.fields]
+
+    def has_add_permission(self, request):
+        return False

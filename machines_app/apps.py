@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class MachinesAppConfig(AppConfig):
+    name = "machines_app"
+    verbose_name = "Machines and model files"

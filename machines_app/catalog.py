@@ -1,0 +1,104 @@
+"""The list of models on a machine — one function answers it everywhere (SPEC §3).
+
+Refreshing reads only the head of each GGUF through the machine's Transport and stores
+the result as :class:`ModelFile` rows; the picker, the spawn form and the admin all read
+:func:`models_for`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from .discovery import InvalidModelKey, discover, validate_key
+from .models import Machine, ModelFile
+from .transports import TransportError, transport_for
+
+
+class ModelUnavailable(Exception):
+    """A session names a model that cannot be started; the message says why, naming the machine."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    key: str
+    path: str  # absolute path on the machine (for a split set: the first part)
+    has_mtp: bool
+    display_name: str
+
+
+def models_for(machine: Machine) -> QuerySet[ModelFile]:
+    """Every model file known on ``machine``, by display name (SPEC §3: the same list in
+    the picker, the spawn form and the API)."""
+    return ModelFile.objects.filter(machine=machine).order_by("display_name", "key")
+
+
+def refresh_models(machine: Machine) -> list[ModelFile]:
+    """Re-read the machine's models directory (heads only) and store what was found.
+
+    Raises TransportError when the machine or directory cannot be read; the error is also
+    kept on the machine for the admin page.
+    """
+    transport = transport_for(machine)
+    try:
+        root = transport.expand_path(machine.models_dir)
+        files = transport.list_gguf(root)
+        infos = discover(files, lambda key, n: transport.read_head(posixpath.join(root, key), n))
+    except TransportError as exc:
+        Machine.objects.filter(pk=machine.pk).update(models_refresh_error=str(exc), models_refreshed_at=timezone.now())
+        raise
+    with transaction.atomic():
+        keep = []
+        for info in infos:
+            obj, _ = ModelFile.objects.update_or_create(
+                machine=machine,
+                key=info.key,
+                defaults={
+                    "display_name": info.display_name,
+                    "name": info.name or "",
+                    "architecture": info.architecture or "",
+                    "size_label": info.size_label or "",
+                    "quantization": info.quantization or "",
+                    "context_length": info.context_length,
+                    "file_size": info.file_size,
+                    "has_chat_template": info.has_chat_template,
+                    "has_mtp": info.has_mtp,
+                    "has_vision": info.has_vision,
+                    "split_count": info.split_count,
+                    "missing_parts": list(info.missing_parts),
+                    "error": info.error or "",
+                },
+            )
+            keep.append(obj.pk)
+        ModelFile.objects.filter(machine=machine).exclude(pk__in=keep).delete()
+        Machine.objects.filter(pk=machine.pk).update(models_refresh_error="", models_refreshed_at=timezone.now())
+    return list(models_for(machine))
+
+
+def model_for_session(machine: Machine, key: str) -> ResolvedModel:
+    """The model a session may start, checked before anything starts (SPEC §3, §11).
+
+    Raises ModelUnavailable for a key with empty, '.' or '..' parts (never reaching the
+    file system), a model the machine does not have, or a broken/incomplete file.
+    """
+    try:
+        validate_key(key)
+    except InvalidModelKey as exc:
+        raise ModelUnavailable(str(exc)) from None
+    model = ModelFile.objects.filter(machine=machine, key=key).first()
+    if model is None:
+        raise ModelUnavailable(
+            f"Machine '{machine.name}' has no model '{key}' in {machine.models_dir}; "
+            "the file has to be on that machine (refresh the model list after copying it there)."
+        )
+    if model.problem:
+        raise ModelUnavailable(f"Model '{model.display_name}' on '{machine.name}' cannot be started: {model.problem}.")
+    try:
+        root = transport_for(machine).expand_path(machine.models_dir)
+    except TransportError as exc:
+        raise ModelUnavailable(str(exc)) from None
+    return ResolvedModel(key=key, path=posixpath.join(root, key), has_mtp=model.has_mtp, display_name=model.display_name)

@@ -1,0 +1,308 @@
+"""Turn a listing of the ``*.gguf`` files in a machine's models directory into model entries.
+
+Pure Python, no Django, no file system access of its own: the caller lists the
+files and supplies a ``read_head(key, nbytes)`` function (local read, SSH, ...).
+Only the head of each file (header + metadata, see :mod:`machines_app.gguf`) is
+ever read, never the weights.
+
+Rules:
+
+* Split sets: files named ``<prefix>-NNNNN-of-MMMMM.gguf`` (llama.cpp's
+  gguf-split naming, 5-digit numbers starting at 1) in the same directory with the
+  same prefix and part count are one model, listed once under the key of part 1
+  (llama-server is given the first part and finds the rest). Metadata comes from
+  part 1, or from the lowest present part when part 1 is missing.
+* Vision projectors: a file whose name starts with ``mmproj`` (any case), or whose
+  ``general.architecture`` is ``clip``, is not a model; it sets ``has_vision`` on
+  every model in the same directory.
+* Names: a model is shown by its ``general.name``; when two or more models share a
+  name (compared ignoring case and surrounding spaces) each is shown as
+  ``"<name> (<file name>)"``. Without a name it is shown by its file name without
+  ``.gguf`` (and without ``-00001-of-0000N`` for split sets).
+* A file that cannot be parsed is still listed, with ``error`` set and its file name
+  as display name, so the admin sees it; such entries cannot be started.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .gguf import GGUFError, GGUFHead, NeedMoreBytes, parse_head
+
+__all__ = [
+    "INITIAL_HEAD_BYTES",
+    "MAX_HEAD_BYTES",
+    "InvalidModelKey",
+    "ModelInfo",
+    "discover",
+    "read_model_head",
+    "split_key_parts",
+    "validate_key",
+]
+
+#: First read of every file: enough for the metadata of nearly all models.
+INITIAL_HEAD_BYTES = 2 * 1024 * 1024
+#: Largest head ever read; metadata beyond this is reported as an error.
+MAX_HEAD_BYTES = 64 * 1024 * 1024
+
+ReadHead = Callable[[str, int], bytes]
+
+# llama.cpp llama_split_path(): "%s-%05d-of-%05d.gguf"
+_SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+_GGUF_SUFFIX_RE = re.compile(r"\.gguf$", re.IGNORECASE)
+
+
+class InvalidModelKey(ValueError):
+    """A model key that is not a safe path relative to the models directory. The message is for the user."""
+
+
+def validate_key(key: str) -> str:
+    """Check that key is a safe '/'-separated path relative to the models directory.
+
+    Refused (InvalidModelKey): the empty string, absolute paths ('/x'), empty parts
+    ('a//b', a trailing '/'), '.' or '..' parts, backslashes and NUL characters.
+    Returns key unchanged when it is fine. Never touches the file system.
+    """
+    if not isinstance(key, str) or key == "":
+        raise InvalidModelKey("Model key must not be empty.")
+    if "\x00" in key:
+        raise InvalidModelKey(f"Model key {key!r} is not allowed: it may not contain NUL characters.")
+    if "\\" in key:
+        raise InvalidModelKey(f"Model key {key!r} is not allowed: it may not contain backslashes.")
+    if key.startswith("/"):
+        raise InvalidModelKey(f"Model key {key!r} is not allowed: it must be relative to the models directory.")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise InvalidModelKey(f"Model key {key!r} is not allowed: parts may not be empty, '.' or '..'.")
+    return key
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model as listed for a machine.
+
+    Attributes:
+        key: path relative to the models directory; for split sets the key of part 1
+            (or of the lowest present part when part 1 is missing).
+        display_name: what the UI shows (see the module docstring for the rules).
+        name: ``general.name`` as read (None when absent).
+        architecture, size_label, quantization, context_length: from the metadata, see
+            :class:`machines_app.gguf.GGUFHead`; context_length is in tokens.
+        file_size: bytes on disk; for split sets the sum of the parts present.
+        has_chat_template: the file carries a chat template.
+        has_mtp: the file carries a multi-token-prediction (NextN) head.
+        has_vision: a vision projector (mmproj) lies in the same directory.
+        split_count: number of parts (1 for a single file).
+        missing_parts: 1-based part numbers absent from a split set; () when complete.
+        error: why the file cannot be used (e.g. "not a GGUF file ..."); None when fine.
+    """
+
+    key: str
+    display_name: str
+    name: str | None
+    architecture: str | None
+    size_label: str | None
+    quantization: str | None
+    context_length: int | None
+    file_size: int
+    has_chat_template: bool
+    has_mtp: bool
+    has_vision: bool
+    split_count: int
+    missing_parts: tuple[int, ...]
+    error: str | None
+
+    @property
+    def is_complete(self) -> bool:
+        """True when the model can be started: no missing split parts and no error."""
+        return not self.missing_parts and self.error is None
+
+
+def split_key_parts(key: str) -> tuple[str, int, int] | None:
+    """For a gguf-split part return (key without "-NNNNN-of-MMMMM.gguf", part number, part count).
+
+    None when the file name (last part of key) is not a split part name, has an empty
+    prefix, or inconsistent numbers (part 0, part > count). Part numbers are 1-based as
+    in the file names, e.g. "dir/X-00002-of-00003.gguf" -> ("dir/X", 2, 3).
+    """
+    directory, basename = posixpath.split(key)
+    match = _SPLIT_RE.match(basename)
+    if match is None:
+        return None
+    number, count = int(match["no"]), int(match["count"])
+    if not 1 <= number <= count:
+        return None
+    return posixpath.join(directory, match["prefix"]), number, count
+
+
+def read_model_head(key: str, read_head: ReadHead) -> GGUFHead:
+    """Read and parse the head of one file, growing the read until the metadata fits.
+
+    Starts with INITIAL_HEAD_BYTES; on NeedMoreBytes retries with max(needed, 2 x previous),
+    at most MAX_HEAD_BYTES. Raises GGUFError (plain-words message) for a non-GGUF or corrupt
+    file, a file that ends inside its metadata, or metadata larger than MAX_HEAD_BYTES.
+    Exceptions from read_head propagate.
+    """
+    nbytes = INITIAL_HEAD_BYTES
+    while True:
+        data = read_head(key, nbytes)
+        try:
+            return parse_head(data)
+        except NeedMoreBytes as exc:
+            if len(data) < nbytes:
+                if len(data) < 8:
+                    raise GGUFError(f"not a GGUF file (only {len(data)} bytes long)") from None
+                raise GGUFError("the file ends inside its GGUF metadata (truncated or still being copied?)") from None
+            if nbytes >= MAX_HEAD_BYTES or exc.needed > MAX_HEAD_BYTES:
+                raise GGUFError(f"metadata larger than {MAX_HEAD_BYTES // (1024 * 1024)} MiB") from None
+            nbytes = min(max(exc.needed, 2 * nbytes), MAX_HEAD_BYTES)
+
+
+def _is_projector_name(basename: str) -> bool:
+    return basename.lower().startswith("mmproj")
+
+
+@dataclass
+class _Candidate:
+    """A model before naming: one single file or one split set."""
+
+    key: str
+    directory: str
+    fallback_name: str  # file name without .gguf / split suffix
+    file_size: int
+    split_count: int
+    missing_parts: tuple[int, ...]
+    head: GGUFHead | None = None
+    error: str | None = None
+
+
+def _group(files: Iterable[tuple[str, int]]) -> tuple[list[_Candidate], set[str]]:
+    """Group the listing into candidates; also return the directories holding an mmproj file."""
+    singles: list[_Candidate] = []
+    splits: dict[tuple[str, str, int], dict[int, tuple[str, int]]] = {}
+    vision_dirs: set[str] = set()
+    seen: set[str] = set()
+    for key, size in files:
+        if key in seen:
+            continue
+        seen.add(key)
+        directory, basename = posixpath.split(key)
+        if _is_projector_name(basename):
+            vision_dirs.add(directory)
+            continue
+        split = split_key_parts(key)
+        if split is None:
+            fallback = _GGUF_SUFFIX_RE.sub("", basename) or basename
+            singles.append(_Candidate(key, directory, fallback, size, 1, ()))
+        else:
+            prefix, number, count = split
+            splits.setdefault((directory, prefix, count), {})[number] = (key, size)
+    candidates = singles
+    for (directory, prefix, count), parts in splits.items():
+        first = min(parts)
+        candidates.append(
+            _Candidate(
+                key=parts[first][0],
+                directory=directory,
+                fallback_name=posixpath.basename(prefix),
+                file_size=sum(size for _, size in parts.values()),
+                split_count=count,
+                missing_parts=tuple(n for n in range(1, count + 1) if n not in parts),
+            )
+        )
+    return candidates, vision_dirs
+
+
+def _load(candidate: _Candidate, read_head: ReadHead) -> None:
+    try:
+        validate_key(candidate.key)
+    except InvalidModelKey as exc:
+        candidate.error = str(exc)
+        return
+    try:
+        head = read_model_head(candidate.key, read_head)
+    except GGUFError as exc:
+        candidate.error = str(exc)
+        return
+    except OSError as exc:
+        candidate.error = f"could not read the file: {exc}"
+        return
+    candidate.head = head
+    if candidate.split_count > 1 and 1 not in candidate.missing_parts:
+        stated = head.split_count
+        if stated is not None and stated != candidate.split_count:
+            candidate.error = f"the file says the model has {stated} parts, but its name says {candidate.split_count}"
+
+
+def _clean_name(head: GGUFHead | None) -> str | None:
+    if head is None or head.name is None:
+        return None
+    name = head.name.strip()
+    return name or None
+
+
+def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInfo]:
+    """List the models in a models directory.
+
+    Args:
+        files: every ``*.gguf`` file under the models directory as (key, size in bytes);
+            key is the '/'-separated path relative to that directory.
+        read_head: read_head(key, nbytes) returns up to the first nbytes of that file.
+            OSError from it marks that one file as unreadable; other exceptions propagate.
+
+    Returns:
+        one ModelInfo per single file or split set (projectors excluded), sorted by
+        display_name ignoring case, then key. See the module docstring for the rules.
+    """
+    candidates, vision_dirs = _group(files)
+    for candidate in candidates:
+        _load(candidate, read_head)
+    # Projectors recognised by their metadata rather than their file name.
+    models: list[_Candidate] = []
+    for candidate in candidates:
+        if candidate.head is not None and candidate.head.architecture == "clip" and candidate.error is None:
+            vision_dirs.add(candidate.directory)
+        else:
+            models.append(candidate)
+
+    name_counts: dict[str, int] = {}
+    for candidate in models:
+        name = _clean_name(candidate.head)
+        if name is not None and candidate.error is None:
+            name_counts[name.casefold()] = name_counts.get(name.casefold(), 0) + 1
+
+    result: list[ModelInfo] = []
+    for candidate in models:
+        head = candidate.head
+        basename = posixpath.basename(candidate.key)
+        name = _clean_name(head)
+        if candidate.error is not None:
+            display = basename
+        elif name is None:
+            display = candidate.fallback_name
+        elif name_counts[name.casefold()] > 1:
+            display = f"{name} ({basename})"
+        else:
+            display = name
+        result.append(
+            ModelInfo(
+                key=candidate.key,
+                display_name=display,
+                name=head.name if head else None,
+                architecture=head.architecture if head else None,
+                size_label=head.size_label if head else None,
+                quantization=head.quantization if head else None,
+                context_length=head.context_length if head else None,
+                file_size=candidate.file_size,
+                has_chat_template=head.has_chat_template if head else False,
+                has_mtp=head.has_mtp if head else False,
+                has_vision=candidate.directory in vision_dirs,
+                split_count=candidate.split_count,
+                missing_parts=candidate.missing_parts,
+                error=candidate.error,
+            )
+        )
+    result.sort(key=lambda m: (m.display_name.casefold(), m.key))
+    return result

@@ -1,0 +1,132 @@
+"""Starting, readying, watching and stopping ``llama-server`` through a Transport (SPEC §5).
+
+No Django import: the session lifecycle (:mod:`sessions_app.lifecycle`) wires this to the
+database and the transcript.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from .transports import ProcessId, Transport, TransportError
+
+#: Server parameters → llama-server flags (SPEC §5). Sampling parameters are not flags:
+#: they ride on every request, so changing them never reloads a model.
+SERVER_FLAGS = {"contextSize": "-c", "gpuLayers": "-ngl", "threads": "-t"}
+
+HEALTH_INTERVAL = 0.25  # SPEC §5: poll /health about four times a second
+
+
+class ServerStartError(Exception):
+    """llama-server did not become ready. ``str()`` is the user-facing sentence, ending
+    with the server's last log lines ("It last said: …")."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What to start: the binary, the model's absolute path there, and the session's
+    server parameters (``contextSize``, ``gpuLayers``, ``threads``, ``speculative``)."""
+
+    binary: str
+    model_path: str
+    port: int
+    params: dict
+    has_mtp: bool = False
+
+
+def build_argv(spec: ServerSpec) -> list[str]:
+    """The llama-server command line for one session (SPEC §5).
+
+    Loopback only, always; ``--tools all`` (the permission gate, not a flag, decides whether
+    a call runs); one slot (``-np 1``: extra slots split the context and slow speculative
+    decoding); ``--spec-type draft-mtp`` only for a file with an MTP head and speculation not
+    turned off (asking for it without a head makes llama-server exit).
+    """
+    argv = [spec.binary, "-m", spec.model_path, "--host", "127.0.0.1", "--port", str(spec.port)]
+    argv += ["--tools", "all", "-np", "1"]
+    for param, flag in SERVER_FLAGS.items():
+        value = spec.params.get(param)
+        if value not in (None, ""):
+            argv += [flag, str(int(value))]
+    if spec.has_mtp and spec.params.get("speculative") != "off":
+        argv += ["--spec-type", "draft-mtp"]
+    return argv
+
+
+def failure_message(headline: str, log_tail: str) -> str:
+    """A start failure in the user's terms, with the server's own last words."""
+    tail = log_tail.strip()
+    return f"{headline}. It last said:\n{tail}" if tail else f"{headline}."
+
+
+def wait_until_ready(
+    transport: Transport,
+    proc: ProcessId,
+    base_url: str,
+    log_path: str,
+    *,
+    timeout: float = 300.0,
+    on_loading: Callable[[], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
+    """Poll ``GET /health`` ~4×/s until it answers 200, checking the process each time.
+
+    Only ``/health`` 200 means ready: during a load it answers 503 while other endpoints may
+    already answer (case C09). A process that exits (bad flag, port taken, model that will
+    not load: case C08) is reported at once rather than after ``timeout`` seconds.
+
+    Raises ServerStartError with the log tail; TransportError when the machine is lost.
+    """
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as http:
+        while True:
+            if not transport.process_alive(proc):
+                # The log may still be flushing the last lines.
+                time.sleep(0.2)
+                raise ServerStartError(
+                    failure_message("llama-server exited while starting", transport.log_tail(log_path))
+                )
+            if should_stop is not None and should_stop():
+                raise ServerStartError("llama-server start was cancelled.")
+            try:
+                response = http.get(f"{base_url}/health")
+                if response.status_code == 200:
+                    return
+                if on_loading is not None:
+                    on_loading()
+            except httpx.HTTPError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    failure_message(
+                        f"llama-server did not become ready within {int(timeout)} s", transport.log_tail(log_path)
+                    )
+                )
+            time.sleep(HEALTH_INTERVAL)
+
+
+def fetch_tools(base_url: str) -> list[dict]:
+    """llama-server's built-in tool catalogue from ``GET /tools`` (SPEC §9); [] when the
+    server has none. Raises httpx.HTTPError when it cannot be read."""
+    response = httpx.get(f"{base_url}/tools", timeout=10.0)
+    if response.status_code == 404:
+        return []
+    response.raise_for_status()
+    data = response.json()
+    return data if isinstance(data, list) else data.get("tools", [])
+
+
+__all__ = [
+    "SERVER_FLAGS",
+    "ServerSpec",
+    "ServerStartError",
+    "TransportError",
+    "build_argv",
+    "failure_message",
+    "fetch_tools",
+    "wait_until_ready",
+]

@@ -1,0 +1,105 @@
+"""Machines, the model files on them, and the record of a running llama-server (SPEC §2)."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Machine(models.Model):
+    """A computer that serves models: the local one, or one reached over SSH (SPEC §2, §11)."""
+
+    class Transport(models.TextChoices):
+        LOCAL = "local", "Local"
+        SSH = "ssh", "SSH"
+
+    name = models.CharField(max_length=100, unique=True)
+    transport = models.CharField(max_length=10, choices=Transport.choices, default=Transport.LOCAL)
+    host = models.CharField(max_length=255, blank=True)
+    port = models.PositiveIntegerField(default=22)
+    user = models.CharField(max_length=100, blank=True)
+    private_key_path = models.CharField(
+        max_length=500, blank=True, help_text="Path of the private key on the Corral backend."
+    )
+    host_key = models.TextField(
+        blank=True, help_text="Pinned host key ('ssh-ed25519 AAAA…'); connections with another key are refused."
+    )
+    models_dir = models.CharField(max_length=500, default="~/models")
+    llama_server_path = models.CharField(max_length=500, default="llama-server")
+    enabled = models.BooleanField(default=True)
+    models_refreshed_at = models.DateTimeField(null=True, blank=True)
+    models_refresh_error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ModelFile(models.Model):
+    """One GGUF model on one machine, as read from the file's head (SPEC §3).
+
+    ``key`` is the path relative to the machine's models directory, ``/``-separated; for a
+    split set it is the first part's. The list for a machine is answered by
+    :func:`machines_app.catalog.models_for` everywhere (picker, spawn form, API).
+    """
+
+    machine = models.ForeignKey(Machine, on_delete=models.CASCADE, related_name="model_files")
+    key = models.CharField(max_length=1000)
+    display_name = models.CharField(max_length=300)
+    name = models.CharField(max_length=300, blank=True, help_text="general.name from the GGUF metadata")
+    architecture = models.CharField(max_length=100, blank=True)
+    size_label = models.CharField(max_length=50, blank=True)
+    quantization = models.CharField(max_length=50, blank=True)
+    context_length = models.PositiveIntegerField(null=True, blank=True)
+    file_size = models.BigIntegerField(default=0)
+    has_chat_template = models.BooleanField(default=False)
+    has_mtp = models.BooleanField(default=False, help_text="<arch>.nextn_predict_layers > 0")
+    has_vision = models.BooleanField(default=False, help_text="An mmproj file sits beside it.")
+    split_count = models.PositiveIntegerField(default=1)
+    missing_parts = models.JSONField(default=list, blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["display_name", "key"]
+        constraints = [models.UniqueConstraint(fields=["machine", "key"], name="unique_model_key_per_machine")]
+
+    def __str__(self) -> str:
+        return f"{self.display_name} on {self.machine}"
+
+    @property
+    def is_complete(self) -> bool:
+        return not self.missing_parts and not self.error
+
+    @property
+    def problem(self) -> str:
+        """Why this file cannot be started, in the user's terms ('' when it can)."""
+        if self.error:
+            return self.error
+        if self.missing_parts:
+            parts = ", ".join(str(n) for n in self.missing_parts)
+            return f"split model is incomplete: part(s) {parts} of {self.split_count} missing"
+        return ""
+
+
+class ServerRecord(models.Model):
+    """A llama-server started for a session (SPEC §2, §5).
+
+    ``pid`` and ``start_time`` (the process start time as the machine's ``/proc`` reports it,
+    in clock ticks since boot) together identify the process, so a reused pid is never
+    taken for ours. ``port`` is the port on the serving machine (loopback there).
+    """
+
+    session = models.OneToOneField("sessions_app.AgentSession", on_delete=models.CASCADE, related_name="server")
+    machine = models.ForeignKey(Machine, on_delete=models.PROTECT)
+    model_key = models.CharField(max_length=1000)
+    pid = models.PositiveIntegerField()
+    start_time = models.CharField(max_length=40)
+    port = models.PositiveIntegerField()
+    log_path = models.CharField(max_length=1000)
+    started_at = models.DateTimeField(auto_now_add=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    stopping = models.BooleanField(default=False)
+
+    def __str__(self) -> str:
+        return f"llama-server pid {self.pid} on {self.machine} port {self.port}"

@@ -1,0 +1,217 @@
+"""Writes to sessions, each followed by its push (Zulip's ``access_*`` / ``do_*`` shape).
+
+- ``access_*`` fetches with a permission check (404 for someone else's session).
+- ``record_event`` is the one way an event enters a transcript: it takes the next sequence
+  number under a row lock and pushes the event after commit.
+- ``do_*`` are the user's actions; they raise :class:`SessionError` with a sentence for the
+  user when the action cannot be done.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import transaction
+from django.http import Http404
+from django.utils import timezone
+
+from . import broadcast, transcript
+from .models import AgentSession, TranscriptEvent
+
+Status = AgentSession.Status
+
+
+class SessionError(Exception):
+    """An action refused, with the reason in the user's terms."""
+
+
+def access_session(user, session_id: int) -> AgentSession:
+    """The session if ``user`` may see and use it (its owner, or staff); 404 otherwise, so
+    another member cannot even learn that it exists."""
+    qs = AgentSession.objects.select_related("machine", "owner")
+    if not user.is_staff:
+        qs = qs.filter(owner=user)
+    try:
+        return qs.get(pk=session_id)
+    except AgentSession.DoesNotExist:
+        raise Http404("No such session") from None
+
+
+def can_access(user, session: AgentSession) -> bool:
+    return bool(user.is_authenticated and user.is_active and (user.is_staff or session.owner_id == user.pk))
+
+
+def _locked(session_id: int) -> AgentSession:
+    return AgentSession.objects.select_for_update().get(pk=session_id)
+
+
+def _append(session: AgentSession, kind: str, payload: dict) -> TranscriptEvent:
+    """Append to a session already locked by the caller's transaction."""
+    session.last_seq += 1
+    event = TranscriptEvent.objects.create(session_id=session.pk, seq=session.last_seq, kind=kind, payload=payload)
+    AgentSession.objects.filter(pk=session.pk).update(last_seq=session.last_seq, last_activity_at=timezone.now())
+    transaction.on_commit(lambda: broadcast.push_event(session.pk, event.seq, kind, payload))
+    return event
+
+
+def record_event(session_id: int, kind: str, payload: dict | None = None) -> TranscriptEvent:
+    """Append one event to a transcript and push it to watchers after commit (SPEC §7, §12)."""
+    with transaction.atomic():
+        return _append(_locked(session_id), kind, payload or {})
+
+
+def set_status(session_id: int, status: str, *, only_from: tuple[str, ...] | None = None) -> bool:
+    """Change a session's status and record a ``status`` event; False when unchanged or
+    when the current status is not in ``only_from``."""
+    with transaction.atomic():
+        session = _locked(session_id)
+        if session.status == status or (only_from is not None and session.status not in only_from):
+            return False
+        AgentSession.objects.filter(pk=session_id).update(status=status)
+        _append(session, "status", {"status": status})
+        return True
+
+
+def record_error(session_id: int, message: str) -> None:
+    record_event(session_id, "error", {"message": message})
+
+
+def load_events(session_id: int, *, after: int = 0) -> list[TranscriptEvent]:
+    return list(TranscriptEvent.objects.filter(session_id=session_id, seq__gt=after).order_by("seq"))
+
+
+def do_create_session(
+    owner, *, machine, model_key: str, working_dir: str, server_params: dict, sampling: dict,
+    permission_mode: str, title: str = "",
+) -> AgentSession:
+    """Create a session and start its llama-server in the background (SPEC §5)."""
+    from .tasks import start_server
+
+    with transaction.atomic():
+        session = AgentSession.objects.create(
+            owner=owner,
+            machine=machine,
+            model_key=model_key,
+            working_dir=working_dir,
+            server_params=server_params,
+            sampling=sampling,
+            permission_mode=permission_mode,
+            title=title,
+            status=Status.LOADING,
+        )
+        record_event(session.pk, "settings", {"model_key": model_key, "permission_mode": permission_mode})
+        transaction.on_commit(lambda: start_server.delay(session.pk))
+    return session
+
+
+def do_restart(session: AgentSession, user) -> None:
+    """Start the server of an exited session again (SPEC §4: exited but restartable)."""
+    from .tasks import start_server
+
+    if not set_status(session.pk, Status.LOADING, only_from=(Status.EXITED, Status.UNKNOWN)):
+        raise SessionError("The session's server is already running or starting.")
+    transaction.on_commit(lambda: start_server.delay(session.pk))
+
+
+def do_stop(session: AgentSession, user) -> None:
+    """Stop the session's server; an open turn ends (the queue waits for a restart)."""
+    from .tasks import stop_server
+
+    if session.turn_active:
+        with transaction.atomic():
+            locked = _locked(session.pk)
+            AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
+    stop_server.delay(session.pk)
+
+
+# --- the turn flag and the queue change together (SPEC §10) ---------------------------
+
+
+def _enqueue_turn(session_id: int) -> None:
+    from .tasks import run_turn
+
+    transaction.on_commit(lambda: run_turn.delay(session_id))
+
+
+def do_send_message(session: AgentSession, user, text: str) -> None:
+    """Take a user's message: start a turn with it, or queue it behind the running one.
+
+    Raises SessionError for an empty message, a slash command (not supported for
+    llama.cpp sessions, SPEC §10) or a session whose server is gone (SPEC §4 ``exited``).
+    A message sent while the model is ``loading`` is accepted and waits (SPEC §4).
+    """
+    text = text.strip()
+    if not text:
+        raise SessionError("Type a message first.")
+    if text.startswith("/"):
+        command = text.split()[0]
+        raise SessionError(f"{command}: compact and slash commands are not supported for llama.cpp sessions.")
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        if locked.status == Status.EXITED:
+            raise SessionError("This session's llama-server is not running. Restart the session to send messages.")
+        if locked.turn_active:
+            _append(locked, "message_queued", {"id": uuid.uuid4().hex, "text": text, "author": user.get_username()})
+            return
+        _append(locked, "message_taken", {"text": text, "queued_id": None, "author": user.get_username()})
+        AgentSession.objects.filter(pk=locked.pk).update(turn_active=True, interrupt_requested=False)
+        _enqueue_turn(locked.pk)
+
+
+def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
+    """Withdraw a queued message before a turn takes it (SPEC §10)."""
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        pending = transcript.pending_queue(load_events(locked.pk))
+        if not any(item["id"] == queued_id for item in pending):
+            raise SessionError("That message has already been taken or withdrawn.")
+        _append(locked, "message_dropped", {"id": queued_id, "by": user.get_username()})
+
+
+def finish_turn(session_id: int, reason: str) -> None:
+    """End the running turn and, in the same transaction, take the next queued message
+    (SPEC §6.8, §10): a message is never stranded with nothing running."""
+    with transaction.atomic():
+        locked = _locked(session_id)
+        events = load_events(session_id)
+        if transcript.open_turn(events):
+            _append(locked, "turn_end", {"reason": reason})
+        pending = transcript.pending_queue(events)
+        if pending and locked.status not in (Status.EXITED,):
+            item = pending[0]
+            _append(locked, "message_taken", {"text": item["text"], "queued_id": item["id"], "author": item["author"]})
+            # The step that finished hands the lease back here, in the same transaction,
+            # so the step enqueued for the next message can claim it.
+            AgentSession.objects.filter(pk=session_id).update(
+                turn_active=True, interrupt_requested=False, lease_owner="", lease_expires=None
+            )
+            _enqueue_turn(session_id)
+        else:
+            AgentSession.objects.filter(pk=session_id).update(turn_active=False, interrupt_requested=False)
+            if locked.status in (Status.RUNNING, Status.AWAITING_INPUT):
+                AgentSession.objects.filter(pk=session_id).update(status=Status.IDLE)
+                _append(locked, "status", {"status": Status.IDLE})
+
+
+def do_interrupt(session: AgentSession, user) -> None:
+    """Ask the running turn to stop; the turn loop sees the flag within a fraction of a second."""
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        if not locked.turn_active:
+            raise SessionError("Nothing is running.")
+        AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
+        _append(locked, "interrupted", {"by": user.get_username()})
+    if session.status == Status.LOADING or not session.lease_owner:
+        # No step holds the turn (it waits for the model to load): end it here.
+        refreshed = AgentSession.objects.get(pk=session.pk)
+        if not refreshed.lease_owner:
+            finish_turn(session.pk, "interrupted")
+
+
+def do_clear(session: AgentSession, user) -> None:
+    """Record a ``cleared`` marker; the conversation folds from after it (SPEC §10)."""
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        if locked.turn_active:
+            raise SessionError("Stop the turn first, then clear.")
+        _append(locked, "cleared", {"by": user.get_username()})

@@ -1,0 +1,31 @@
+"""The only module that talks to the channel layer (STYLE: push from one place, after commit).
+
+Every message carries the session's sequence number, so a browser can tell a gap or a
+duplicate and catch up from the database (case C17).
+"""
+
+from __future__ import annotations
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+
+def group_name(session_id: int) -> str:
+    """The Channels group of a session's watchers (no colons: Channels rejects them)."""
+    return f"session-{session_id}"
+
+
+def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:
+    """Tell every watcher of the session about one stored event.
+
+    Called from ``transaction.on_commit`` only, so a watcher never sees an event the
+    database does not have yet. Losing one is harmless: the consumer sees the gap at the
+    next event and reads the missing ones from the database.
+    """
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    async_to_sync(layer.group_send)(
+        group_name(session_id),
+        {"type": "transcript.event", "seq": seq, "kind": kind, "payload": payload},
+    )

@@ -1,0 +1,706 @@
+"""Streaming client for llama-server's ``POST /v1/chat/completions`` (SPEC §6, §9).
+
+Pure Python over plain data plus one seam (:class:`CompletionClient`, the only place that
+talks HTTP to ``llama-server`` for completions); no Django import.
+
+- :func:`iter_sse_data` turns Server-Sent-Events lines into the data payload of each event.
+- :func:`parse_chunk` turns one decoded ``chat.completion.chunk`` into typed deltas:
+  :class:`TextDelta`, :class:`ReasoningDelta`, :class:`ToolCallFragment`, :class:`Finish`,
+  :class:`Usage`.
+- :class:`CompletionClient` streams one completion and raises :class:`CompletionError`
+  in the server's own words when the server refuses or breaks off (cases C07, C11).
+- :class:`ToolCallAssembler` joins streamed ``tool_calls`` fragments into
+  :class:`ToolCall` values (SPEC §9, cases C01, C02, C04).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import string
+import time
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "CompletionClient",
+    "CompletionError",
+    "Delta",
+    "Finish",
+    "ReasoningDelta",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallAssembler",
+    "ToolCallFragment",
+    "Usage",
+    "iter_sse_data",
+    "parse_chunk",
+]
+
+#: Wall-clock cap on one completion, in seconds (SPEC §6: "longer than 30 minutes").
+DEFAULT_TIMEOUT = 1800.0
+
+#: Seconds allowed to open the TCP connection, capped by the overall timeout.
+CONNECT_TIMEOUT = 30.0
+
+#: Longest piece of a non-JSON error body quoted to the user, in characters.
+MAX_BODY_QUOTE = 1000
+
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+
+_DONE = "[DONE]"
+_EOL = re.compile(rb"\r\n|\r|\n")
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+# --------------------------------------------------------------------------- deltas
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of the reply text (``choices[0].delta.content``); never empty."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """A piece of the model's reasoning (``choices[0].delta.reasoning_content``); never empty.
+
+    llama-server splits thinking out of ``content`` for reasoning models (``--reasoning-format``);
+    SPEC §6.4 keeps it as ``reasoning`` events.
+    """
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallFragment:
+    """The raw ``choices[0].delta.tool_calls`` entries of one chunk, in order.
+
+    Each entry is shaped ``{"index"?: int, "id"?: str, "type"?: "function",
+    "function": {"name"?: str, "arguments"?: str}}``; feed them to :class:`ToolCallAssembler`.
+    """
+
+    fragments: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """``choices[0].finish_reason``: ``"stop"``, ``"length"``, ``"tool_calls"``, …"""
+
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts and speeds of one completion (SPEC §6.7, case C11).
+
+    From the OpenAI ``usage`` object: ``prompt_tokens`` (the context held),
+    ``completion_tokens``, ``cached_tokens`` (``usage.prompt_tokens_details.cached_tokens``).
+    From llama-server's own ``timings`` object: ``prompt_n`` (prompt tokens processed this
+    time), ``cache_n`` (prompt tokens reused from the prompt cache), ``predicted_n`` (tokens
+    generated), ``predicted_per_second`` and ``prompt_per_second`` (tokens per second).
+    Any field the server did not send is ``None``.
+    """
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_n: int | None = None
+    cache_n: int | None = None
+    predicted_n: int | None = None
+    predicted_per_second: float | None = None
+    prompt_per_second: float | None = None
+
+    def as_payload(self) -> dict[str, Any]:
+        """The fields that were sent, as a JSON-able dict (e.g. for a ``usage`` event)."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+Delta = TextDelta | ReasoningDelta | ToolCallFragment | Finish | Usage
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CompletionError(Exception):
+    """The server refused or broke off the completion. `message` is in the server's own words.
+
+    ``status`` is the HTTP status (or the ``error.code`` of an error sent inside the stream);
+    ``n_prompt_tokens`` and ``n_ctx`` are the counts llama-server adds to an
+    ``exceed_context_size_error`` (case C07a); ``error_type`` is ``error.type``.
+    ``str(exc)`` is the sentence to show the user: the message, plus the counts when they
+    were given and the message does not already state them, e.g.
+    ``"... (request 9960 tokens, context 8192 tokens)"``.
+
+    Transport failures (nothing reached, connection cut, too slow) are raised as this class
+    too, with a plain sentence as ``message`` and no status.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        n_prompt_tokens: int | None = None,
+        n_ctx: int | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+        self.error_type = error_type
+
+    def __str__(self) -> str:
+        counts = []
+        if self.n_prompt_tokens is not None:
+            counts.append(("request", self.n_prompt_tokens))
+        if self.n_ctx is not None:
+            counts.append(("context", self.n_ctx))
+        if not counts or all(str(number) in self.message for _, number in counts):
+            return self.message
+        said = ", ".join(f"{label} {number} tokens" for label, number in counts)
+        return f"{self.message} ({said})"
+
+    @classmethod
+    def from_body(cls, status: int | None, body: str) -> CompletionError:
+        """The error for a refused request, read from its response body (SPEC §6.6).
+
+        The message is ``error.message``, else ``message``, else the body text (trimmed,
+        at most :data:`MAX_BODY_QUOTE` characters), else ``"HTTP <status>"``. llama-server
+        answers ``{"error": {"code", "message", "type", "n_prompt_tokens"?, "n_ctx"?}}``
+        (C07a, C07b) but a plain-text body (C07b, a proxy) is taken as it is.
+        """
+        text = body.strip()
+        try:
+            decoded: Any = json.loads(text) if text else None
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, Mapping):
+            return cls._from_json(decoded, status=status, body_text=text)
+        if text:
+            return cls(_quote(text), status=status)
+        return cls(f"HTTP {status}" if status is not None else "llama-server gave no reason", status=status)
+
+    @classmethod
+    def _from_json(cls, body: Mapping[str, Any], *, status: int | None, body_text: str) -> CompletionError:
+        error = body.get("error")
+        details: Mapping[str, Any] = error if isinstance(error, Mapping) else {}
+        message = _nonempty_str(details.get("message"))
+        if message is None and isinstance(error, str):
+            message = _nonempty_str(error)
+        if message is None:
+            message = _nonempty_str(body.get("message"))
+        if message is None:
+            message = _quote(text) if (text := body_text.strip()) else f"HTTP {status}"
+        code = _as_int(details.get("code"))
+        return cls(
+            message,
+            status=status if status is not None else code,
+            n_prompt_tokens=_as_int(details.get("n_prompt_tokens", body.get("n_prompt_tokens"))),
+            n_ctx=_as_int(details.get("n_ctx", body.get("n_ctx"))),
+            error_type=_nonempty_str(details.get("type")),
+        )
+
+
+def _quote(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= MAX_BODY_QUOTE else text[:MAX_BODY_QUOTE] + "…"
+
+
+def _nonempty_str(value: Any) -> str | None:
+    return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def iter_sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """The data payload of each Server-Sent Event, in order.
+
+    ``lines`` are the lines of a ``text/event-stream`` body, with or without their line
+    terminator. ``data:`` lines accumulate (one leading space stripped; several joined with
+    ``"\\n"``); a blank line ends the event; lines starting with ``:`` are comments
+    (llama-server's keep-alive pings); ``id``/``retry``/other fields are ignored. The last
+    event is flushed at end of input even without a trailing blank line (C11: ``[DONE]``
+    may arrive that way). Events without data yield nothing.
+
+    Errors are turned into ``{"error": ...}`` payloads so :func:`parse_chunk` raises on
+    them whatever their framing: older llama-server builds send a mid-stream error as an
+    ``error: {...}`` line (not ``data:``), and ``event: error`` events carry the error in
+    their data.
+    """
+    data: list[str] = []
+    error: list[str] = []
+    event = ""
+    first = True
+    for raw in lines:
+        line = raw.rstrip("\r\n")
+        if first:
+            line = line.removeprefix("\ufeff")
+            first = False
+        if not line:
+            payload = _dispatch(event, data, error)
+            if payload is not None:
+                yield payload
+            data, error, event = [], [], ""
+            continue
+        if line.startswith(":"):
+            continue
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            data.append(value)
+        elif name == "error":
+            error.append(value)
+        elif name == "event":
+            event = value
+    payload = _dispatch(event, data, error)
+    if payload is not None:
+        yield payload
+
+
+def _dispatch(event: str, data: list[str], error: list[str]) -> str | None:
+    if error:
+        return _as_error_payload("\n".join(error))
+    if not data:
+        return None
+    payload = "\n".join(data)
+    return _as_error_payload(payload) if event == "error" else payload
+
+
+def _as_error_payload(text: str) -> str:
+    """``text`` as a chunk with a top-level ``error``, unless it already is one."""
+    try:
+        decoded: Any = json.loads(text)
+    except ValueError:
+        return json.dumps({"error": {"message": text}})
+    if isinstance(decoded, Mapping) and "error" in decoded:
+        return text
+    return json.dumps({"error": decoded})
+
+
+def _iter_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """Split a byte stream into lines at CR, LF or CRLF only (the SSE line terminators).
+
+    Splitting bytes before decoding is safe for UTF-8 and avoids ``str.splitlines()``
+    (used by ``httpx.Response.iter_lines``), which also breaks at U+2028, U+0085 and
+    form feeds — characters llama-server writes unescaped inside JSON strings.
+    """
+    buffer = b""
+    for chunk in chunks:
+        buffer += chunk
+        start = 0
+        while (match := _EOL.search(buffer, start)) is not None:
+            if match.group() == b"\r" and match.end() == len(buffer):
+                break  # maybe the first half of a CRLF split across chunks
+            yield buffer[start : match.start()].decode("utf-8", "replace")
+            start = match.end()
+        buffer = buffer[start:]
+    if buffer:
+        yield buffer.removesuffix(b"\r").decode("utf-8", "replace")
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
+    """One decoded ``chat.completion.chunk`` → its deltas, in this order:
+    reasoning, text, tool-call fragments, finish, usage.
+
+    Only ``choices[0]`` is read (one completion per request). Empty or null ``content``
+    / ``reasoning_content`` yield nothing. A :class:`Usage` is produced when the chunk has
+    ``usage``, or has llama-server's ``timings`` on a final chunk (empty ``choices`` — C11,
+    the ``include_usage`` chunk — or one with a ``finish_reason``); per-token timings on
+    ordinary chunks (``timings_per_token``) are ignored. A non-streamed body
+    (``choices[0].message``) is read the same way.
+
+    Raises :class:`CompletionError` for a chunk with a top-level ``error`` (C07c: HTTP 200,
+    the stream started, then ``data: {"error": {...}}``).
+    """
+    if data.get("error") is not None:
+        raise CompletionError._from_json(data, status=None, body_text=_dump(data))
+    deltas: list[Delta] = []
+    choices = data.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    finished = False
+    if isinstance(choice, Mapping):
+        delta = choice.get("delta")
+        if not isinstance(delta, Mapping):
+            delta = choice.get("message")
+        if isinstance(delta, Mapping):
+            deltas.extend(_message_deltas(delta))
+        reason = choice.get("finish_reason")
+        if isinstance(reason, str) and reason:
+            deltas.append(Finish(reason))
+            finished = True
+    usage = data.get("usage")
+    timings = data.get("timings")
+    if isinstance(usage, Mapping) or (isinstance(timings, Mapping) and (finished or not choices)):
+        deltas.append(_usage(usage, timings))
+    return deltas
+
+
+def _message_deltas(delta: Mapping[str, Any]) -> list[Delta]:
+    deltas: list[Delta] = []
+    reasoning = delta.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        deltas.append(ReasoningDelta(reasoning))
+    content = delta.get("content")
+    if isinstance(content, str) and content:
+        deltas.append(TextDelta(content))
+    tool_calls = delta.get("tool_calls")
+    if isinstance(tool_calls, list):
+        fragments = [dict(entry) for entry in tool_calls if isinstance(entry, Mapping)]
+        if fragments:
+            deltas.append(ToolCallFragment(fragments))
+    return deltas
+
+
+def _usage(usage: Any, timings: Any) -> Usage:
+    usage = usage if isinstance(usage, Mapping) else {}
+    timings = timings if isinstance(timings, Mapping) else {}
+    details = usage.get("prompt_tokens_details")
+    details = details if isinstance(details, Mapping) else {}
+    return Usage(
+        prompt_tokens=_as_int(usage.get("prompt_tokens")),
+        completion_tokens=_as_int(usage.get("completion_tokens")),
+        cached_tokens=_as_int(details.get("cached_tokens")),
+        prompt_n=_as_int(timings.get("prompt_n")),
+        cache_n=_as_int(timings.get("cache_n")),
+        predicted_n=_as_int(timings.get("predicted_n")),
+        predicted_per_second=_as_float(timings.get("predicted_per_second")),
+        prompt_per_second=_as_float(timings.get("prompt_per_second")),
+    )
+
+
+def _dump(data: Mapping[str, Any]) -> str:
+    try:
+        return json.dumps(data, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(data)
+
+
+# --------------------------------------------------------------------------- client
+
+
+class CompletionClient:
+    """Streams completions from one llama-server (SPEC §6.4); the seam tests replace.
+
+    ``base_url`` is the server root (``http://host:port``, no ``/v1``). ``http`` is an
+    ``httpx.Client`` to use (tests may pass one with a mock transport); without it each
+    :meth:`stream` opens its own client and closes it when the stream ends, so nothing
+    needs closing. ``timeout`` is the wall-clock cap on one completion, in seconds
+    (SPEC §6: 30 minutes); it is also the read timeout, since llama-server sends nothing,
+    not even headers, while it processes a long prompt.
+    """
+
+    def __init__(self, base_url: str, *, http: httpx.Client | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._http = http
+
+    def request_body(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The JSON body :meth:`stream` sends.
+
+        ``{**sampling, "messages", "stream": true, "stream_options": {"include_usage":
+        true}}`` plus ``"tools"`` only when ``tools`` is non-empty. Sampling keys
+        (``temperature``, ``top_k``, ``seed``, …) pass through as given but cannot
+        override ``messages``, ``stream``, ``stream_options`` or ``tools``.
+        """
+        body: dict[str, Any] = dict(sampling or {})
+        body.pop("tools", None)
+        body["messages"] = messages
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        if tools:
+            body["tools"] = tools
+        return body
+
+    def stream(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+    ) -> Generator[Delta, None, None]:
+        """POST ``/v1/chat/completions`` and yield the deltas as they arrive.
+
+        ``messages`` are OpenAI chat messages; ``tools`` OpenAI function definitions;
+        ``sampling`` extra body keys (see :meth:`request_body`). Nothing is sent until
+        the first ``next()``. Ends at ``data: [DONE]`` or at the end of the stream (C11).
+        Closing the generator (``gen.close()``, the interrupt) closes the HTTP response at
+        once; llama-server notices the closed socket and stops generating.
+
+        Raises :class:`CompletionError`:
+
+        - non-2xx: in the server's words, read from the body (C07a, C07b);
+        - an ``error`` frame inside the stream (C07c);
+        - connection refused or unreachable: "could not reach llama-server at …";
+        - the connection cut mid-stream: "llama-server closed the connection mid-reply";
+        - longer than ``timeout`` seconds in all: "completion took longer than 30 minutes;
+          abandoned".
+        """
+        body = self.request_body(messages, tools=tools, sampling=sampling)
+        if self._http is not None:
+            yield from self._stream(self._http, body)
+            return
+        with httpx.Client() as http:
+            yield from self._stream(http, body)
+
+    def _stream(self, http: httpx.Client, body: dict[str, Any]) -> Generator[Delta, None, None]:
+        url = self.base_url + CHAT_COMPLETIONS_PATH
+        deadline = time.monotonic() + self.timeout
+        timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout))
+        started = False
+        try:
+            with http.stream("POST", url, json=body, timeout=timeout) as response:
+                started = True
+                if not response.is_success:
+                    raise CompletionError.from_body(response.status_code, _read_text(response))
+                content_type = response.headers.get("content-type", "")
+                if "text/event-stream" not in content_type:
+                    yield from self._whole_body(response, content_type)
+                    return
+                chunks = self._until(deadline, response.iter_bytes())
+                for data in iter_sse_data(_iter_lines(chunks)):
+                    if data.strip() == _DONE:
+                        return
+                    yield from parse_chunk(_decode_chunk(data))
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                raise self._unreachable(exc) from exc
+            raise self._too_slow() from exc
+        except (httpx.ConnectError, httpx.UnsupportedProtocol) as exc:
+            raise self._unreachable(exc) from exc
+        except httpx.TransportError as exc:
+            if started:
+                raise CompletionError("llama-server closed the connection mid-reply") from exc
+            raise CompletionError(
+                f"llama-server at {self.base_url} closed the connection before replying ({exc})"
+            ) from exc
+
+    def _whole_body(self, response: httpx.Response, content_type: str) -> Iterator[Delta]:
+        """A 2xx that is not an event stream: a whole JSON completion or error, else an error."""
+        text = _read_text(response)
+        if "json" in content_type:
+            decoded = _decode_chunk(text)
+            yield from parse_chunk(decoded)
+            return
+        raise CompletionError.from_body(response.status_code, text)
+
+    def _until(self, deadline: float, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            if time.monotonic() > deadline:
+                raise self._too_slow()
+            yield chunk
+
+    def _too_slow(self) -> CompletionError:
+        return CompletionError(f"completion took longer than {_duration(self.timeout)}; abandoned")
+
+    def _unreachable(self, exc: Exception) -> CompletionError:
+        reason = str(exc) or type(exc).__name__
+        return CompletionError(f"could not reach llama-server at {self.base_url} ({reason})")
+
+
+def _read_text(response: httpx.Response) -> str:
+    """The body of a response being streamed, or "" if it cannot be read."""
+    try:
+        response.read()
+    except httpx.HTTPError:
+        return ""
+    return response.content.decode("utf-8", "replace")
+
+
+def _decode_chunk(data: str) -> Mapping[str, Any]:
+    try:
+        decoded: Any = json.loads(data)
+    except ValueError:
+        decoded = None
+    if not isinstance(decoded, Mapping):
+        raise CompletionError(f"llama-server sent something that is not a completion chunk: {_quote(data)}")
+    return decoded
+
+
+def _duration(seconds: float) -> str:
+    """``1800`` → ``"30 minutes"``, ``0.5`` → ``"0.5 seconds"``."""
+    if seconds >= 60 and seconds % 60 == 0:
+        minutes = int(seconds // 60)
+        return f"{minutes} minute{'s' if minutes != 1 else ''}"
+    return f"{seconds:g} second{'s' if seconds != 1 else ''}"
+
+
+# --------------------------------------------------------------------------- tool calls
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One assembled tool call (SPEC §9).
+
+    ``arguments`` is the JSON text sent back to the model in the assistant message's
+    ``tool_calls``: the received text byte for byte when it is a JSON object, ``"{}"``
+    otherwise (empty — C04 — or malformed, e.g. truncated ``{"q"``). Malformed text is
+    not sent back because llama-server parses the arguments of earlier calls for chat
+    templates that take them as objects and refuses the whole request when they are not
+    JSON ("Failed to parse tool call arguments as JSON"), which would break every later
+    turn of the session. ``raw_arguments`` keeps the text as received when it differs from
+    ``arguments`` (``None`` otherwise), for the transcript and the user.
+    """
+
+    id: str
+    name: str
+    arguments: str
+    raw_arguments: str | None = None
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        """``arguments`` as a dict; ``{}`` when they are not a JSON object (SPEC §9: run as ``{}``)."""
+        decoded = _json_object(self.arguments)
+        return decoded if decoded is not None else {}
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """``text`` decoded when it is a JSON object llama-server's parser accepts, else None.
+
+    Stricter than ``json.loads``: ``NaN``/``Infinity`` and lone surrogates are refused,
+    as nlohmann::json (llama-server) refuses them.
+    """
+    try:
+        decoded = json.loads(text, parse_constant=_refuse_constant)
+        json.dumps(decoded, ensure_ascii=False).encode("utf-8")
+    except (ValueError, UnicodeError):
+        return None
+    return decoded if isinstance(decoded, dict) else None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass
+class _PartialCall:
+    index: int | None
+    id: str | None = None
+    name: str | None = None
+    pieces: list[str] = field(default_factory=list)
+
+
+class ToolCallAssembler:
+    """Joins streamed ``tool_calls`` fragments into calls (SPEC §9; cases C01, C02, C04).
+
+    Rules, per fragment ``{"index"?, "id"?, "function": {"name"?, "arguments"?}}``:
+
+    - a non-empty ``id`` already seen names that call, whatever its ``index`` (C02: a
+      repeated id is the same call, not a new one);
+    - otherwise ``index`` names the call; a fragment at a known index that brings a new,
+      different id starts a new call there (servers that number every call 0);
+    - without ``index`` a fragment extends the newest call, unless it carries a new
+      non-empty id, which starts a new call (C01);
+    - ``id`` and ``function.name`` are taken from the first fragment that has them;
+      ``function.arguments`` pieces are concatenated in arrival order (a non-string value
+      is serialised as JSON).
+
+    :meth:`calls` lists calls in the order their first fragment arrived; a call whose name
+    never arrived is dropped; a call with a name but no id gets ``"call_"`` + 24 random
+    letters and digits, fixed for the assembler's lifetime.
+    """
+
+    def __init__(self) -> None:
+        self._calls: list[_PartialCall] = []
+        self._by_index: dict[int, _PartialCall] = {}
+        self._by_id: dict[str, _PartialCall] = {}
+
+    def feed(self, fragments: Iterable[Mapping[str, Any]]) -> None:
+        """Take the ``tool_calls`` entries of one chunk (a :class:`ToolCallFragment`)."""
+        for fragment in fragments:
+            if isinstance(fragment, Mapping):
+                self._feed_one(fragment)
+
+    def _feed_one(self, fragment: Mapping[str, Any]) -> None:
+        index = _as_int(fragment.get("index"))
+        call_id = fragment.get("id") if isinstance(fragment.get("id"), str) and fragment.get("id") else None
+        function = fragment.get("function")
+        function = function if isinstance(function, Mapping) else {}
+
+        call = self._find(index, call_id)
+        if call_id is not None and call.id is None:
+            call.id = call_id
+            self._by_id[call_id] = call
+        name = function.get("name")
+        if call.name is None and isinstance(name, str) and name:
+            call.name = name
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            call.pieces.append(arguments)
+        elif arguments is not None:
+            call.pieces.append(json.dumps(arguments, ensure_ascii=False))
+
+    def _find(self, index: int | None, call_id: str | None) -> _PartialCall:
+        if call_id is not None and call_id in self._by_id:
+            return self._by_id[call_id]
+        if index is not None:
+            known = self._by_index.get(index)
+            if known is not None and (call_id is None or known.id in (None, call_id)):
+                return known
+            return self._start(index)
+        # C01: no index; a new id starts a new call (an id already seen was handled above).
+        if self._calls and call_id is None:
+            return self._calls[-1]
+        return self._start(None)
+
+    def _start(self, index: int | None) -> _PartialCall:
+        call = _PartialCall(index=index)
+        self._calls.append(call)
+        if index is not None:
+            self._by_index[index] = call
+        return call
+
+    def calls(self) -> list[ToolCall]:
+        """The assembled calls, in the order their first fragment arrived."""
+        result = []
+        for call in self._calls:
+            if call.name is None:
+                continue
+            if call.id is None:
+                call.id = _new_call_id()
+                self._by_id[call.id] = call
+            received = "".join(call.pieces)
+            arguments = received if _json_object(received) is not None else "{}"
+            raw = received if received != arguments else None
+            result.append(ToolCall(id=call.id, name=call.name, arguments=arguments, raw_arguments=raw))
+        return result

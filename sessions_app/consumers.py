@@ -1,0 +1,88 @@
+"""Push-only websocket for one session's live transcript (SPEC §12, cases C17, C19).
+
+Connect to ``/ws/sessions/<id>/?after=<last seq the page has>``. The consumer joins the
+session's group first, then reads what the page missed from the database, then forwards
+group messages — so nothing falls between the two (register, then fetch, then apply).
+Every message sent is ``{"seq": n, "ops": [...]}`` in strictly increasing ``seq`` order:
+a group message that repeats one already sent is dropped, and a gap is filled from the
+database before going on.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from . import broadcast
+from .actions import can_access
+from .models import AgentSession, TranscriptEvent
+from .presenters import BLOCK_KINDS, SILENT_KINDS, LiveRenderer
+
+FORBIDDEN = 4403
+
+
+class SessionConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self) -> None:
+        self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
+        self.group = broadcast.group_name(self.session_id)
+        if not await self._allowed():
+            await self.close(code=FORBIDDEN)
+            return
+        query = parse_qs(self.scope.get("query_string", b"").decode())
+        try:
+            self.last_sent = max(0, int(query.get("after", ["0"])[0]))
+        except ValueError:
+            self.last_sent = 0
+        self.renderer = LiveRenderer(self.session_id)
+        await self.accept()
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await database_sync_to_async(self._prime)()
+        await self._catch_up()
+
+    async def disconnect(self, code: int) -> None:
+        if hasattr(self, "group"):
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def receive_json(self, content, **kwargs) -> None:
+        pass  # push-only: actions go through the HTTP views
+
+    async def transcript_event(self, message: dict) -> None:
+        seq = message["seq"]
+        if seq <= self.last_sent:
+            return  # already sent (catch-up overlapped the live stream)
+        if seq > self.last_sent + 1:
+            await self._catch_up()  # a gap: read the missing events (and this one) from the DB
+            return
+        await self._send(seq, message["kind"], message["payload"])
+
+    async def _send(self, seq: int, kind: str, payload: dict) -> None:
+        event = TranscriptEvent(seq=seq, kind=kind, payload=payload)
+        ops = await database_sync_to_async(self.renderer.feed)(event)
+        self.last_sent = seq
+        await self.send_json({"seq": seq, "ops": ops})
+
+    async def _catch_up(self) -> None:
+        events = await database_sync_to_async(self._events_after)(self.last_sent)
+        for event in events:
+            if event.seq > self.last_sent:
+                await self._send(event.seq, event.kind, event.payload)
+
+    @database_sync_to_async
+    def _allowed(self) -> bool:
+        user = self.scope.get("user")
+        session = AgentSession.objects.filter(pk=self.session_id).first()
+        return bool(user is not None and session is not None and can_access(user, session))
+
+    def _events_after(self, after: int) -> list[TranscriptEvent]:
+        return list(TranscriptEvent.objects.filter(session_id=self.session_id, seq__gt=after).order_by("seq"))
+
+    def _prime(self) -> None:
+        """Learn the block the page may hold open at ``last_sent`` (no operations sent)."""
+        if self.last_sent == 0:
+            return
+        quiet = set(BLOCK_KINDS) | SILENT_KINDS
+        before = TranscriptEvent.objects.filter(session_id=self.session_id, seq__lte=self.last_sent)
+        closing = before.exclude(kind__in=quiet).order_by("-seq").values_list("seq", flat=True).first() or 0
+        self.renderer.prime(before.filter(seq__gt=closing).order_by("seq"))

@@ -1,0 +1,92 @@
+"""The new-session form (SPEC §12): machine, model by name, working directory, parameters."""
+
+from __future__ import annotations
+
+from django import forms
+
+from machines_app import catalog
+from machines_app.discovery import InvalidModelKey, validate_key
+from machines_app.models import Machine
+from machines_app.transports import TransportError, transport_for
+
+from .models import AgentSession
+
+
+class NewSessionForm(forms.Form):
+    machine = forms.ModelChoiceField(queryset=Machine.objects.filter(enabled=True), empty_label=None)
+    model_key = forms.ChoiceField(label="Model")
+    working_dir = forms.CharField(
+        max_length=1000, initial="~", help_text="Where the model's tools read, write and run commands."
+    )
+    title = forms.CharField(max_length=200, required=False)
+    permission_mode = forms.ChoiceField(
+        choices=AgentSession.PermissionMode.choices, initial=AgentSession.PermissionMode.MANUAL
+    )
+    # Server parameters (llama-server flags, SPEC §5)
+    contextSize = forms.IntegerField(label="Context size (n_ctx)", required=False, min_value=128, max_value=4_194_304)
+    gpuLayers = forms.IntegerField(label="GPU layers", required=False, min_value=0, max_value=1000)
+    threads = forms.IntegerField(required=False, min_value=1, max_value=1024)
+    speculative = forms.ChoiceField(
+        choices=[("auto", "Use the MTP head when the model has one"), ("off", "Off")], initial="auto"
+    )
+    # Sampling parameters (ride on every request, SPEC §5)
+    temperature = forms.FloatField(required=False, min_value=0.0, max_value=5.0)
+    top_p = forms.FloatField(required=False, min_value=0.0, max_value=1.0)
+    top_k = forms.IntegerField(required=False, min_value=0, max_value=100_000)
+    max_tokens = forms.IntegerField(required=False, min_value=1, max_value=4_194_304)
+    seed = forms.IntegerField(required=False, min_value=0, max_value=2**32 - 1)
+
+    SERVER_FIELDS = ("contextSize", "gpuLayers", "threads", "speculative")
+    SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        machine = self._chosen_machine()
+        self.model_choices = list(catalog.models_for(machine)) if machine else []
+        self.fields["model_key"].choices = [
+            (m.key, m.display_name if m.is_complete else f"{m.display_name} — {m.problem}") for m in self.model_choices
+        ]
+
+    def _chosen_machine(self) -> Machine | None:
+        queryset = self.fields["machine"].queryset
+        value = self.data.get("machine") if self.is_bound else self.initial.get("machine")
+        if value:
+            return queryset.filter(pk=getattr(value, "pk", value)).first()
+        return queryset.first()
+
+    def clean_model_key(self) -> str:
+        key = self.cleaned_data["model_key"]
+        try:
+            validate_key(key)
+        except InvalidModelKey as exc:
+            raise forms.ValidationError(str(exc)) from None
+        return key
+
+    def clean(self) -> dict:
+        data = super().clean()
+        machine, key = data.get("machine"), data.get("model_key")
+        if machine and key:
+            try:
+                catalog.model_for_session(machine, key)
+            except catalog.ModelUnavailable as exc:
+                self.add_error("model_key", str(exc))
+        if machine and data.get("working_dir"):
+            try:
+                transport = transport_for(machine)
+                if not transport.is_dir(data["working_dir"]):
+                    self.add_error("working_dir", f"There is no directory {data['working_dir']} on {machine.name}.")
+                else:
+                    data["working_dir"] = transport.expand_path(data["working_dir"])
+            except TransportError as exc:
+                self.add_error("machine", str(exc))
+        return data
+
+    def server_params(self) -> dict:
+        return {k: self.cleaned_data[k] for k in self.SERVER_FIELDS if self.cleaned_data.get(k) not in (None, "")}
+
+    def sampling(self) -> dict:
+        return {k: self.cleaned_data[k] for k in self.SAMPLING_FIELDS if self.cleaned_data.get(k) is not None}
+
+
+class MessageForm(forms.Form):
+    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=200_000)

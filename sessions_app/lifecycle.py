@@ -1,0 +1,169 @@
+"""A session's llama-server: start, ready, watch, stop, adopt (SPEC §4, §5).
+
+Wires :mod:`machines_app.llama_server` (no Django) to the database and the transcript.
+No database transaction is held across a process start, a health poll or a stop.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from machines_app import catalog
+from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, fetch_tools, wait_until_ready
+from machines_app.models import ServerRecord
+from machines_app.transports import ProcessId, TransportError, transport_for
+
+from . import actions
+from .models import AgentSession
+
+Status = AgentSession.Status
+log = logging.getLogger(__name__)
+
+
+def log_path_for(session: AgentSession) -> str:
+    """One append-only, owner-only log file per session (SPEC §5)."""
+    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.log")
+
+
+def _proc(record: ServerRecord) -> ProcessId:
+    return ProcessId(record.pid, record.start_time)
+
+
+def server_base_url(session: AgentSession) -> str | None:
+    """How this backend reaches the session's server, or None when it has none."""
+    record = ServerRecord.objects.filter(session=session).select_related("machine").first()
+    if record is None:
+        return None
+    return transport_for(record.machine).base_url(record.port)
+
+
+def _fail(session: AgentSession, message: str) -> None:
+    actions.record_error(session.pk, message)
+    actions.set_status(session.pk, Status.EXITED)
+    if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
+        actions.finish_turn(session.pk, "error")
+
+
+def start_server(session_id: int) -> None:
+    """Start the session's llama-server and wait until it is ready (SPEC §5).
+
+    A live recorded server (same pid and start time) is adopted instead of starting a
+    second one. Every failure — a model the machine does not have, a server that exits or
+    never answers — ends as an error event with the server's last words and status
+    ``exited``. Once ready: catalogue read, status ``idle``, and a waiting message runs.
+    """
+    session = AgentSession.objects.select_related("machine").get(pk=session_id)
+    transport = transport_for(session.machine)
+    record = ServerRecord.objects.filter(session=session).first()
+    if record is not None:
+        try:
+            alive = transport.process_alive(_proc(record))
+        except TransportError:
+            alive = True  # cannot tell: never risk two servers holding one model
+        if alive:
+            log.info("session %s: adopting llama-server pid %s", session_id, record.pid)
+            if record.ready_at is None:
+                _wait(session, transport, record)
+            return
+        record.delete()
+
+    try:
+        model = catalog.model_for_session(session.machine, session.model_key)
+        spec = ServerSpec(
+            binary=session.machine.llama_server_path,
+            model_path=model.path,
+            port=transport.free_port(),
+            params=session.server_params,
+            has_mtp=model.has_mtp,
+        )
+        log_path = log_path_for(session)
+        actions.set_status(session.pk, Status.LOADING)
+        proc = transport.spawn(build_argv(spec), log_path, cwd=None)
+    except (catalog.ModelUnavailable, TransportError) as exc:
+        _fail(session, str(exc))
+        return
+    record = ServerRecord.objects.create(
+        session=session,
+        machine=session.machine,
+        model_key=session.model_key,
+        pid=proc.pid,
+        start_time=proc.start_time,
+        port=spec.port,
+        log_path=log_path,
+    )
+    _wait(session, transport, record)
+
+
+def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
+    try:
+        wait_until_ready(
+            transport,
+            _proc(record),
+            transport.base_url(record.port),
+            record.log_path,
+            timeout=settings.CORRAL_READY_TIMEOUT,
+            should_stop=lambda: ServerRecord.objects.filter(pk=record.pk, stopping=False).count() == 0,
+        )
+    except (ServerStartError, TransportError) as exc:
+        try:
+            transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+        except TransportError:
+            pass
+        stopped_on_purpose = ServerRecord.objects.filter(pk=record.pk, stopping=True).exists()
+        ServerRecord.objects.filter(pk=record.pk).delete()
+        if not stopped_on_purpose:
+            _fail(session, str(exc))
+        return
+    ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
+    try:
+        tools = fetch_tools(transport.base_url(record.port))
+    except httpx.HTTPError as exc:
+        tools = []
+        actions.record_error(session.pk, f"Could not read llama-server's tool list: {exc}")
+    actions.record_event(session.pk, "catalogue", {"tools": tools})
+    actions.set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
+    from .tasks import run_turn
+
+    if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
+        transaction.on_commit(lambda: run_turn.delay(session.pk))
+
+
+def stop_server(session_id: int, *, reason: str = "stopped") -> None:
+    """Stop the session's server: SIGTERM, a grace period, then SIGKILL, and only then
+    clear the record (SPEC §5, case C21). Status becomes ``exited``."""
+    record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
+    if record is not None:
+        ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
+        transport_for(record.machine).stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+        record.delete()
+    actions.record_event(session_id, "server_stopped", {"reason": reason})
+    actions.set_status(session_id, Status.EXITED)
+
+
+def watch_servers() -> None:
+    """Check every ready server's process (SPEC §5 "keep watching"): one that died
+    without being stopped ends with "llama-server exited" and status ``exited``; one whose
+    liveness cannot be told makes the session ``unknown`` until it can."""
+    for record in ServerRecord.objects.filter(ready_at__isnull=False, stopping=False).select_related("machine"):
+        transport = transport_for(record.machine)
+        try:
+            alive = transport.process_alive(_proc(record))
+        except TransportError:
+            actions.set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
+            continue
+        if alive:
+            actions.set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
+            continue
+        # Delete first, conditionally, so two watchers never both report the death.
+        if ServerRecord.objects.filter(pk=record.pk, stopping=False).delete()[0] == 0:
+            continue
+        tail = transport.log_tail(record.log_path)
+        message = "llama-server exited." + (f" It last said:\n{tail}" if tail else "")
+        session = AgentSession.objects.get(pk=record.session_id)
+        _fail(session, message)

@@ -1,0 +1,86 @@
+"""Agent sessions and their append-only transcripts (SPEC §2, §4, §7)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.urls import reverse
+
+
+class AgentSession(models.Model):
+    """A chat with one model served by one llama-server on one machine.
+
+    Named so it is never confused with ``django.contrib.sessions``. The transcript is the
+    session's only memory (SPEC §7); the columns below hold only what must be claimed or
+    changed atomically (status, the turn flag and lease, the sequence counter).
+    """
+
+    class Status(models.TextChoices):
+        LOADING = "loading", "Loading"
+        IDLE = "idle", "Idle"
+        RUNNING = "running", "Running"
+        AWAITING_INPUT = "awaiting_input", "Awaiting input"
+        EXITED = "exited", "Exited"
+        UNKNOWN = "unknown", "Unknown"
+
+    class PermissionMode(models.TextChoices):
+        MANUAL = "manual", "Ask before each tool call"
+        BYPASS = "bypassPermissions", "Run tools without asking"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_sessions")
+    machine = models.ForeignKey("machines_app.Machine", on_delete=models.PROTECT, related_name="sessions")
+    model_key = models.CharField(max_length=1000)
+    working_dir = models.CharField(max_length=1000)
+    server_params = models.JSONField(default=dict, blank=True, help_text="contextSize, gpuLayers, threads, speculative")
+    sampling = models.JSONField(default=dict, blank=True, help_text="temperature, top_p, top_k, max_tokens, seed")
+    permission_mode = models.CharField(max_length=20, choices=PermissionMode.choices, default=PermissionMode.MANUAL)
+    title = models.CharField(max_length=200, blank=True)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.LOADING)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_activity_at = models.DateTimeField(auto_now_add=True)
+
+    # Highest sequence number handed out; bumped with a row lock (see transcript append).
+    last_seq = models.PositiveBigIntegerField(default=0)
+    # A turn is in progress (set with the message that starts it, cleared with the queue
+    # check that finds nothing more: SPEC §10, atomically).
+    turn_active = models.BooleanField(default=False)
+    # Case C16: who is running a turn step, until when. A step is claimed with a
+    # conditional UPDATE; a second copy finds the lease held and leaves.
+    lease_owner = models.CharField(max_length=64, blank=True)
+    lease_expires = models.DateTimeField(null=True, blank=True)
+    interrupt_requested = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["-last_activity_at"]
+
+    def __str__(self) -> str:
+        return self.title or f"Session {self.pk}"
+
+    def get_absolute_url(self) -> str:
+        return reverse("session_detail", args=[self.pk])
+
+    @property
+    def display_title(self) -> str:
+        return self.title or f"Session {self.pk}"
+
+
+class TranscriptEvent(models.Model):
+    """One append-only entry in a session's transcript (SPEC §2, §7).
+
+    ``seq`` is per session, starting at 1, without gaps; every pushed event carries it so a
+    browser can tell a gap and catch up (case C17). ``payload`` shapes per ``kind`` are
+    listed in :mod:`sessions_app.transcript`.
+    """
+
+    session = models.ForeignKey(AgentSession, on_delete=models.CASCADE, related_name="events")
+    seq = models.PositiveBigIntegerField()
+    kind = models.CharField(max_length=30)
+    payload = models.JSONField(default=dict)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["session", "seq"]
+        constraints = [models.UniqueConstraint(fields=["session", "seq"], name="unique_seq_per_session")]
+
+    def __str__(self) -> str:
+        return f"#{self.seq} {self.kind}"

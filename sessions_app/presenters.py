@@ -1,0 +1,171 @@
+"""What the browser sees of a transcript: display items and live operations (SPEC §12).
+
+Both the first paint and the live updates go through the same templates
+(``sessions_app/_item.html``), so a reloaded page and a live one look the same. HTML
+is only ever produced by templates (autoescaped) and by the Markdown sanitiser.
+
+Blocks: consecutive ``assistant_text`` fragments form one assistant block, consecutive
+``reasoning`` fragments one reasoning block. While a block is open the browser appends
+fragments as plain text; when it closes it is replaced by its rendered Markdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from django.template.loader import render_to_string
+
+from .markdown import render_markdown
+
+#: Kinds that neither show nor close a block.
+SILENT_KINDS = frozenset({"status", "catalogue", "turn_end", "message_dropped"})
+BLOCK_KINDS = {"assistant_text": "assistant", "reasoning": "reasoning"}
+
+
+@dataclass
+class Block:
+    type: str  # "assistant" | "reasoning"
+    start_seq: int
+    parts: list[str] = field(default_factory=list)
+    open: bool = True
+
+    @property
+    def dom_id(self) -> str:
+        return f"{self.type[0]}-{self.start_seq}"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def as_item(self) -> dict:
+        text = self.text
+        item = {"type": self.type, "dom_id": self.dom_id, "text": text, "open": self.open}
+        if not self.open and self.type == "assistant":
+            item["html"] = render_markdown(text)
+        return item
+
+
+def event_item(event) -> dict | None:
+    """The display item of one non-block event, or None when it shows nothing by itself."""
+    kind, payload, seq = event.kind, event.payload, event.seq
+    dom_id = f"ev-{seq}"
+    if kind == "message_taken":
+        return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": payload.get("author", "")}
+    if kind == "error":
+        return {"type": "error", "dom_id": dom_id, "message": payload.get("message", "")}
+    if kind == "usage":
+        return {"type": "usage", "dom_id": dom_id, "usage": payload}
+    if kind == "cleared":
+        return {"type": "cleared", "dom_id": dom_id, "by": payload.get("by", "")}
+    if kind == "interrupted":
+        return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {payload.get('by', 'someone')}."}
+    if kind == "server_stopped":
+        return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped."}
+    if kind == "settings":
+        parts = [f"{key} → {value}" for key, value in payload.items() if key != "by"]
+        return {"type": "note", "dom_id": dom_id, "text": "Settings: " + ", ".join(parts)}
+    return None
+
+
+def build_items(events: Iterable) -> list[dict]:
+    """The display items of a whole transcript, in order (first paint)."""
+    items: list[dict] = []
+    block: Block | None = None
+    for event in events:
+        block_type = BLOCK_KINDS.get(event.kind)
+        if event.kind in SILENT_KINDS or event.kind == "message_queued":
+            continue
+        if block_type:
+            if block is not None and block.type == block_type:
+                block.parts.append(event.payload.get("text", ""))
+                continue
+            if block is not None:
+                block.open = False
+                items.append(block.as_item())
+            block = Block(block_type, event.seq, [event.payload.get("text", "")])
+            continue
+        if block is not None:
+            block.open = False
+            items.append(block.as_item())
+            block = None
+        item = event_item(event)
+        if item is not None:
+            items.append(item)
+    if block is not None:
+        items.append(block.as_item())
+    return items
+
+
+def render_item(item: dict) -> str:
+    return render_to_string("sessions_app/_item.html", {"item": item})
+
+
+def render_queued(session_id: int, item: dict) -> str:
+    return render_to_string("sessions_app/_queued.html", {"q": item, "session_id": session_id})
+
+
+def render_status(status: str) -> str:
+    return render_to_string("sessions_app/_status.html", {"status": status})
+
+
+class LiveRenderer:
+    """Turns events, fed in sequence order, into browser operations.
+
+    One per websocket connection. ``prime()`` feeds events the browser already has (to
+    know an open block) without producing operations. Operations (JSON-able dicts):
+    ``{"op": "append", "target": id, "html": …}``, ``{"op": "text", "id": id, "text": …}``,
+    ``{"op": "replace", "id": id, "html": …}``, ``{"op": "remove", "id": id}``,
+    ``{"op": "status", "status": …, "html": …}``.
+    """
+
+    def __init__(self, session_id: int) -> None:
+        self.session_id = session_id
+        self.block: Block | None = None
+
+    def prime(self, events: Iterable) -> None:
+        for event in events:
+            self.feed(event, render=False)
+
+    def _close(self, ops: list[dict], render: bool) -> None:
+        if self.block is None:
+            return
+        self.block.open = False
+        if render:
+            ops.append({"op": "replace", "id": self.block.dom_id, "html": render_item(self.block.as_item())})
+        self.block = None
+
+    def feed(self, event, *, render: bool = True) -> list[dict]:
+        ops: list[dict] = []
+        kind, payload = event.kind, event.payload
+        if kind == "status":
+            if render:
+                ops.append({"op": "status", "status": payload.get("status"), "html": render_status(payload["status"])})
+            return ops
+        if kind in SILENT_KINDS:
+            return ops
+        if kind == "message_queued":
+            if render:
+                ops.append({"op": "append", "target": "queue", "html": render_queued(self.session_id, payload)})
+            return ops
+        if kind == "message_dropped":
+            return [{"op": "remove", "id": f"q-{payload.get('id')}"}] if render else []
+        block_type = BLOCK_KINDS.get(kind)
+        text = payload.get("text", "")
+        if block_type and self.block is not None and self.block.type == block_type:
+            self.block.parts.append(text)
+            if render:
+                ops.append({"op": "text", "id": self.block.dom_id, "text": text})
+            return ops
+        self._close(ops, render)
+        if block_type:
+            self.block = Block(block_type, event.seq, [text])
+            if render:
+                ops.append({"op": "append", "target": "transcript", "html": render_item(self.block.as_item())})
+            return ops
+        if kind == "message_taken" and payload.get("queued_id") and render:
+            ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
+        item = event_item(event)
+        if item is not None and render:
+            ops.append({"op": "append", "target": "transcript", "html": render_item(item)})
+        return ops

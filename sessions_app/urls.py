@@ -1,0 +1,18 @@
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("", views.session_list, name="session_list"),
+    path("sessions/new/", views.session_new, name="session_new"),
+    path("sessions/models/", views.model_options, name="model_options"),
+    path("machines/<int:machine_id>/refresh/", views.refresh_models, name="refresh_models"),
+    path("machines/<int:machine_id>/refresh/status/", views.refresh_status, name="refresh_status"),
+    path("sessions/<int:session_id>/", views.session_detail, name="session_detail"),
+    path("sessions/<int:session_id>/send/", views.session_send, name="session_send"),
+    path("sessions/<int:session_id>/interrupt/", views.session_interrupt, name="session_interrupt"),
+    path("sessions/<int:session_id>/clear/", views.session_clear, name="session_clear"),
+    path("sessions/<int:session_id>/stop/", views.session_stop, name="session_stop"),
+    path("sessions/<int:session_id>/restart/", views.session_restart, name="session_restart"),
+    path("sessions/<int:session_id>/queue/<str:queued_id>/drop/", views.session_drop, name="session_drop"),
+]

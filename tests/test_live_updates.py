@@ -1,0 +1,93 @@
+"""Live updates over the real websocket: order, catch-up, gaps, duplicates (C17, C19)."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+from machines_app.models import Machine
+from sessions_app import actions, broadcast
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import WSRecorder, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def session(alice, tmp_path):
+    machine = Machine.objects.create(name="m1", models_dir=str(tmp_path))
+    return AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path))
+
+
+@pytest.fixture
+def connect(stack, alice):
+    client = Client()
+    client.force_login(alice)
+    opened = []
+
+    def open_socket(session, after=0):
+        ws = WSRecorder(
+            stack.ws_url(session.pk, after), cookie=f"sessionid={client.cookies['sessionid'].value}",
+            origin=stack.base_url,
+        )
+        opened.append(ws)
+        return ws
+
+    yield open_socket
+    for ws in opened:
+        ws.close()
+
+
+def test_case_c17_reconnect_catches_up_from_the_last_seq_without_duplicates(session, connect):
+    for text in ["a", "b", "c"]:
+        actions.record_event(session.pk, "assistant_text", {"text": text})
+    first = connect(session)
+    wait_for(lambda: first.seqs == [1, 2, 3], 10, what="catch-up")
+    first.close()
+    actions.record_event(session.pk, "assistant_text", {"text": "d"})
+    actions.record_event(session.pk, "error", {"message": "x"})
+    again = connect(session, after=3)
+    actions.record_event(session.pk, "assistant_text", {"text": "e"})
+    wait_for(lambda: again.seqs and again.seqs[-1] == 6, 10, what="catch-up after reconnect")
+    assert again.seqs == [4, 5, 6]
+    # The block opened before the reconnect is continued, then closed into Markdown.
+    assert again.messages[0]["ops"] == [{"op": "text", "id": "a-1", "text": "d"}]
+    replace = again.messages[1]["ops"][0]
+    assert replace["op"] == "replace" and replace["id"] == "a-1" and "abcd" in replace["html"]
+
+
+def test_case_c17_a_gap_is_filled_from_the_database_and_a_repeat_is_dropped(session, connect):
+    ws = connect(session)
+    actions.record_event(session.pk, "assistant_text", {"text": "one"})
+    wait_for(lambda: ws.seqs == [1], 10, what="the first event")
+    # An event stored but never pushed (a message the channel layer dropped) …
+    AgentSession.objects.filter(pk=session.pk).update(last_seq=2)
+    TranscriptEvent.objects.create(session=session, seq=2, kind="assistant_text", payload={"text": " two"})
+    # … and a push repeated by a fast sender.
+    broadcast.push_event(session.pk, 1, "assistant_text", {"text": "one"})
+    actions.record_event(session.pk, "assistant_text", {"text": " three"})
+    wait_for(lambda: ws.seqs and ws.seqs[-1] == 3, 10, what="the gap to be filled")
+    assert ws.seqs == [1, 2, 3]
+    texts = [op["text"] for m in ws.messages for op in m["ops"] if op["op"] == "text"]
+    assert texts == [" two", " three"]
+
+
+def test_case_c19_fragments_carry_non_empty_ids_and_the_socket_is_not_on_a_swapped_element(session, connect, alice):
+    actions.record_event(session.pk, "message_queued", {"id": "q1", "text": "later", "author": "alice"})
+    actions.record_event(session.pk, "assistant_text", {"text": "<b>bold</b> **md**"})
+    actions.record_event(session.pk, "usage", {"prompt_tokens": 3})
+    ws = connect(session)
+    wait_for(lambda: len(ws.seqs) == 3, 10, what="events")
+    for message in ws.messages:
+        for op in message["ops"]:
+            assert op.get("id", "x") and op.get("target", "x")
+            if op["op"] == "append":
+                assert 'id=""' not in op["html"] and ' id="' in op["html"]
+    html = "".join(op.get("html", "") for m in ws.messages for op in m["ops"])
+    assert "<b>bold</b>" not in html and "&lt;b&gt;bold&lt;/b&gt;" in html
+    client = Client()
+    client.force_login(alice)
+    page = client.get(f"/sessions/{session.pk}/").content.decode()
+    # The page script owns the socket; no element carries a ws-connect htmx attribute.
+    assert "ws-connect" not in page and 'id="session"' in page and 'data-last-seq="3"' in page

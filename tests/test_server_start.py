@@ -1,0 +1,231 @@
+"""Starting, watching and stopping llama-server (SPEC §5; cases C08, C09, C21).
+
+The real llama-server is used for C08 (a bad flag, a taken port, a file that is not a
+model) and for the stop and watch paths; a stand-in only for a long 503 load (C09) and a
+server that ignores SIGTERM (C21).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gguf import GGUFWriter
+
+from machines_app import catalog
+from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, wait_until_ready
+from machines_app.models import Machine, ServerRecord
+from machines_app.transports import LocalTransport, ProcessId
+from sessions_app import actions, lifecycle
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import model_key, wait_for
+
+TESTS = Path(__file__).resolve().parent
+
+
+# --- the command line -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "has_mtp", "present", "absent"),
+    [
+        ({}, False, ["--host 127.0.0.1", "--tools all", "-np 1"], ["--spec-type", "-c ", "-ngl", "-t "]),
+        ({"contextSize": 4096, "gpuLayers": 99, "threads": 4}, False, ["-c 4096", "-ngl 99", "-t 4"], []),
+        ({}, True, ["--spec-type draft-mtp"], []),
+        ({"speculative": "off"}, True, [], ["--spec-type"]),
+        ({"speculative": "auto"}, False, [], ["--spec-type"]),
+    ],
+)
+def test_it_builds_the_command_line_as_spec_5_says(params, has_mtp, present, absent):
+    argv = build_argv(ServerSpec("/bin/llama-server", "/m/x.gguf", 8123, params, has_mtp))
+    line = " ".join(argv) + " "
+    assert argv[:3] == ["/bin/llama-server", "-m", "/m/x.gguf"]
+    assert "--port 8123" in line
+    assert "0.0.0.0" not in line
+    for part in present:
+        assert part + " " in line or line.endswith(part + " ")
+    for part in absent:
+        assert part not in line
+
+
+# --- C08: the server dies at start, reported fast with its last words ---------------------
+
+
+def _start_and_wait(argv: list[str], log: Path, port: int) -> tuple[float, str]:
+    transport = LocalTransport()
+    proc = transport.spawn(argv, str(log))
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as info:
+        wait_until_ready(transport, proc, transport.base_url(port), str(log), timeout=120)
+    return time.monotonic() - started, str(info.value)
+
+
+def test_case_c08_bad_flag_is_reported_at_once_with_the_log_tail(llama_server_bin, real_models_dir, tmp_path):
+    model = next(real_models_dir.glob("*SmolLM2*")) if list(real_models_dir.glob("*SmolLM2*")) else next(real_models_dir.iterdir())
+    port = LocalTransport().free_port()
+    argv = build_argv(ServerSpec(llama_server_bin, str(model), port, {})) + ["--something-bogus"]
+    elapsed, message = _start_and_wait(argv, tmp_path / "s.log", port)
+    assert elapsed < 10
+    assert "llama-server exited while starting" in message
+    assert "--something-bogus" in message  # its own words: error: invalid argument: --something-bogus
+
+
+def test_case_c08_taken_port_is_reported_with_the_log_tail(llama_server_bin, real_models_dir, tmp_path):
+    model = sorted(real_models_dir.iterdir())[-1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        elapsed, message = _start_and_wait(
+            build_argv(ServerSpec(llama_server_bin, str(model), port, {"contextSize": 512})), tmp_path / "s.log", port
+        )
+    assert elapsed < 30
+    assert "bind" in message.lower()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_case_c08_a_file_that_is_not_a_model_ends_the_session_exited(stack, alice, llama_server_bin, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    # A well-formed GGUF head with no tensors: discovery lists it, llama-server cannot load it.
+    writer = GGUFWriter(str(models / "hollow.gguf"), "llama")
+    writer.add_name("Hollow")
+    writer.add_context_length(2048)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    machine = Machine.objects.create(name="hollow", models_dir=str(models), llama_server_path=llama_server_bin)
+    catalog.refresh_models(machine)
+    session = actions.do_create_session(
+        alice, machine=machine, model_key="hollow.gguf", working_dir=str(tmp_path), server_params={},
+        sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "exited", 60, what="exited")
+    error = TranscriptEvent.objects.filter(session=session, kind="error").last()
+    assert "llama-server exited while starting" in error.payload["message"]
+    assert "It last said:" in error.payload["message"]
+    assert not ServerRecord.objects.filter(session=session).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_refuses_a_model_the_machine_does_not_have_before_starting_anything(stack, alice, local_machine, tmp_path):
+    session = actions.do_create_session(
+        alice, machine=local_machine, model_key="elsewhere/missing.gguf", working_dir=str(tmp_path),
+        server_params={}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "exited", 30, what="exited")
+    error = TranscriptEvent.objects.filter(session=session, kind="error").last().payload["message"]
+    assert "Machine 'local' has no model 'elsewhere/missing.gguf'" in error
+    assert not ServerRecord.objects.filter(session=session).exists()
+
+
+# --- C09 and C21 with the stand-in ------------------------------------------------------------
+
+
+def fake_server(tmp_path: Path, **env: str) -> str:
+    script = tmp_path / "fake-llama-server"
+    exports = "".join(f"export {k}={v}\n" for k, v in env.items())
+    script.write_text(f"#!/bin/sh\n{exports}exec {sys.executable} {TESTS / 'fake_llama_server.py'} \"$@\"\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.fixture
+def fake_machine(db, tmp_path, real_models_dir):
+    def make(**env: str) -> Machine:
+        machine = Machine.objects.create(
+            name=f"fake-{len(env)}-{time.monotonic_ns()}", models_dir=str(real_models_dir),
+            llama_server_path=fake_server(tmp_path, **env),
+        )
+        catalog.refresh_models(machine)
+        return machine
+
+    return make
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_case_c09_health_503_shows_loading_and_a_message_waits(stack, alice, fake_machine, tmp_path):
+    machine = fake_machine(FAKE_LOADING_SECONDS="4")
+    session = actions.do_create_session(
+        alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: ServerRecord.objects.filter(session=session).exists(), 20, what="the server record")
+    time.sleep(1.5)
+    assert AgentSession.objects.get(pk=session.pk).status == "loading"
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "are you there?")  # accepted, waits
+    assert TranscriptEvent.objects.filter(session=session, kind="message_taken").exists()
+    assert not TranscriptEvent.objects.filter(session=session, kind="error").exists()
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status != "loading", 20, what="ready")
+    # Once ready, the waiting message is taken up by a turn (the stand-in has no chat, so
+    # the turn ends with the server's refusal — what matters is that it ran).
+    wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="turn_end").exists(), 20, what="the turn")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_case_c21_stop_kills_a_server_that_ignores_sigterm(stack, alice, fake_machine, tmp_path):
+    machine = fake_machine(FAKE_IGNORE_TERM="1")
+    session = actions.do_create_session(
+        alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 30, what="idle")
+    record = ServerRecord.objects.get(session=session)
+    proc = ProcessId(record.pid, record.start_time)
+    started = time.monotonic()
+    lifecycle.stop_server(session.pk)
+    assert time.monotonic() - started < 15
+    assert not LocalTransport().process_alive(proc)
+    assert "cleaning up before exit" in Path(record.log_path).read_text()
+    assert AgentSession.objects.get(pk=session.pk).status == "exited"
+    assert not ServerRecord.objects.filter(session=session).exists()
+
+
+# --- the real server: stop, watch, adopt --------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_it_notices_a_real_server_killed_from_outside_and_adopts_a_live_one(stack, alice, local_machine, tmp_path):
+    session = actions.do_create_session(
+        alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 120, what="idle")
+    record = ServerRecord.objects.get(session=session)
+    assert Path(record.log_path).stat().st_mode & 0o077 == 0, "the log must be owner-only"
+
+    # Adoption: starting again while the recorded server lives does not start a second one.
+    lifecycle.start_server(session.pk)
+    assert ServerRecord.objects.get(session=session).pid == record.pid
+
+    os.kill(record.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "exited", 10, what="exited after kill")
+    assert time.monotonic() - killed < 5
+    error = TranscriptEvent.objects.filter(session=session, kind="error").last().payload["message"]
+    assert error.startswith("llama-server exited")
+    with pytest.raises(actions.SessionError, match="not running"):
+        actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "hello?")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_case_c21_stop_leaves_no_real_server_behind(stack, alice, local_machine, tmp_path):
+    session = actions.do_create_session(
+        alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 120, what="idle")
+    record = ServerRecord.objects.get(session=session)
+    lifecycle.stop_server(session.pk)
+    assert not LocalTransport().process_alive(ProcessId(record.pid, record.start_time))
+    assert not Path(f"/proc/{record.pid}").exists() or "Z" in Path(f"/proc/{record.pid}/stat").read_text().split()[2]
