@@ -41,7 +41,7 @@ class NewSessionForm(forms.Form):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        machine = self._chosen_machine()
+        self.chosen_machine = machine = self._chosen_machine()
         self.model_choices = list(catalog.models_for(machine)) if machine else []
         self.fields["model_key"].choices = [
             (m.key, m.display_name if m.is_complete else f"{m.display_name} — {m.problem}") for m in self.model_choices

@@ -192,11 +192,18 @@ class WSRecorder:
     """A real websocket client in a thread, keeping every message it receives."""
 
     def __init__(self, url: str, *, cookie: str, origin: str) -> None:
+        from websockets.exceptions import InvalidStatus
         from websockets.sync.client import connect
 
         self.messages: list[dict] = []
         self.close_code: int | None = None
-        self._conn = connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, open_timeout=10)
+        self.refused_status: int | None = None  # HTTP status when the handshake was refused
+        self._conn = None
+        try:
+            self._conn = connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, open_timeout=10)
+        except InvalidStatus as exc:
+            self.refused_status = exc.response.status_code
+            return
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -217,5 +224,6 @@ class WSRecorder:
         return [m["seq"] for m in self.messages]
 
     def close(self) -> None:
-        self._conn.close()
-        self._thread.join(5)
+        if self._conn is not None:
+            self._conn.close()
+            self._thread.join(5)
