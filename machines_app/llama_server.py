@@ -109,17 +109,6 @@ def wait_until_ready(
             time.sleep(HEALTH_INTERVAL)
 
 
-def fetch_tools(base_url: str) -> list[dict]:
-    """llama-server's built-in tool catalogue from ``GET /tools`` (SPEC §9); [] when the
-    server has none. Raises httpx.HTTPError when it cannot be read."""
-    response = httpx.get(f"{base_url}/tools", timeout=10.0)
-    if response.status_code == 404:
-        return []
-    response.raise_for_status()
-    data = response.json()
-    return data if isinstance(data, list) else data.get("tools", [])
-
-
 __all__ = [
     "SERVER_FLAGS",
     "ServerSpec",
@@ -127,6 +116,5 @@ __all__ = [
     "TransportError",
     "build_argv",
     "failure_message",
-    "fetch_tools",
     "wait_until_ready",
 ]

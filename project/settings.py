@@ -152,6 +152,9 @@ CORRAL_LLAMA_SERVER = env.str("CORRAL_LLAMA_SERVER", default="")
 CORRAL_READY_TIMEOUT = env.float("CORRAL_READY_TIMEOUT", default=300.0)
 CORRAL_STOP_GRACE = env.float("CORRAL_STOP_GRACE", default=5.0)
 CORRAL_LOG_DIR = DATA_DIR / "logs"
+# A turn step holds its lease this long without renewing (it renews every third of it);
+# a worker that dies mid-step is taken over once it lapses (case C16).
+CORRAL_LEASE_SECONDS = env.float("CORRAL_LEASE_SECONDS", default=60.0)
 
 LOGGING = {
     "version": 1,

@@ -168,12 +168,25 @@ def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
         _append(locked, "message_dropped", {"id": queued_id, "by": user.get_username()})
 
 
+def _close_questions(locked: AgentSession, events, reason: str) -> None:
+    """Close every open question as a refusal (SPEC §8: no card stays open anywhere)."""
+    for question in transcript.open_questions(events):
+        _append(
+            locked,
+            "answered",
+            {"id": question["id"], "tool": question.get("tool"), "answer": transcript.ANSWER_REFUSE,
+             "by": "", "reason": reason},
+        )
+
+
 def finish_turn(session_id: int, reason: str) -> None:
     """End the running turn and, in the same transaction, take the next queued message
-    (SPEC §6.8, §10): a message is never stranded with nothing running."""
+    (SPEC §6.8, §10): a message is never stranded with nothing running. Open questions
+    are closed as refusals."""
     with transaction.atomic():
         locked = _locked(session_id)
         events = load_events(session_id)
+        _close_questions(locked, events, reason)
         if transcript.open_turn(events):
             _append(locked, "turn_end", {"reason": reason})
         pending = transcript.pending_queue(events)
@@ -194,18 +207,64 @@ def finish_turn(session_id: int, reason: str) -> None:
 
 
 def do_interrupt(session: AgentSession, user) -> None:
-    """Ask the running turn to stop; the turn loop sees the flag within a fraction of a second."""
+    """Stop the running turn (SPEC §6): a streaming step sees the flag within a fraction
+    of a second; a turn that no step holds (waiting for a person or for the model to
+    load) ends here, its open questions closed as refusals."""
     with transaction.atomic():
         locked = _locked(session.pk)
         if not locked.turn_active:
             raise SessionError("Nothing is running.")
         AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
         _append(locked, "interrupted", {"by": user.get_username()})
-    if session.status == Status.LOADING or not session.lease_owner:
-        # No step holds the turn (it waits for the model to load): end it here.
-        refreshed = AgentSession.objects.get(pk=session.pk)
-        if not refreshed.lease_owner:
-            finish_turn(session.pk, "interrupted")
+        held = bool(locked.lease_owner) and locked.lease_expires is not None and locked.lease_expires > timezone.now()
+    if not held:
+        finish_turn(session.pk, "interrupted")
+
+
+# --- the permission gate (SPEC §8) ---------------------------------------------------------
+
+
+def ask_question(session_id: int, call_id: str, tool: str) -> None:
+    """Record a question about one call and show the session as awaiting input."""
+    with transaction.atomic():
+        locked = _locked(session_id)
+        _append(locked, "question", {"id": call_id, "tool": tool})
+        if locked.status != Status.AWAITING_INPUT:
+            AgentSession.objects.filter(pk=session_id).update(status=Status.AWAITING_INPUT)
+            _append(locked, "status", {"status": Status.AWAITING_INPUT})
+
+
+ANSWERS = (transcript.ANSWER_ALLOW_ONCE, transcript.ANSWER_ALLOW_ALWAYS, transcript.ANSWER_REFUSE)
+
+
+def do_answer(session: AgentSession, user, call_id: str, answer: str) -> None:
+    """Answer an open question; the first valid answer wins and the turn goes on in a
+    new step (no worker waited for it, SPEC §8)."""
+    if answer not in ANSWERS:
+        raise SessionError("Choose Allow once, Always allow or Refuse.")
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        question = next((q for q in transcript.open_questions(load_events(locked.pk)) if q["id"] == call_id), None)
+        if question is None:
+            raise SessionError("That question has already been answered.")
+        _append(locked, "answered", {"id": call_id, "tool": question.get("tool"), "answer": answer,
+                                     "by": user.get_username()})
+        if locked.status == Status.AWAITING_INPUT:
+            AgentSession.objects.filter(pk=locked.pk).update(status=Status.RUNNING)
+            _append(locked, "status", {"status": Status.RUNNING})
+        _enqueue_turn(locked.pk)
+
+
+def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
+    """Switch between asking and not asking; takes effect for the next call (SPEC §8)."""
+    if mode not in AgentSession.PermissionMode.values:
+        raise SessionError("Unknown permission mode.")
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        if locked.permission_mode == mode:
+            return
+        AgentSession.objects.filter(pk=locked.pk).update(permission_mode=mode)
+        _append(locked, "settings", {"permission_mode": mode, "by": user.get_username()})
 
 
 def do_clear(session: AgentSession, user) -> None:

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import AgentSession, TranscriptEvent
+from .models import AgentSession, McpServer, TranscriptEvent
 
 
 class TranscriptEventInline(admin.TabularInline):
@@ -36,3 +36,9 @@ class TranscriptEventAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None):
         return False
+
+
+@admin.register(McpServer)
+class McpServerAdmin(admin.ModelAdmin):
+    list_display = ("name", "url", "enabled")
+    list_filter = ("enabled",)

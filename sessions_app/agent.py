@@ -1,27 +1,33 @@
-"""The turn loop (SPEC §6): fold the transcript, stream a completion, record what comes.
+"""The turn loop (SPEC §6): fold the transcript, stream a completion, run the calls.
 
-A turn step is claimed with a conditional UPDATE on the session row (a lease), so a
-second copy of the same step — a redelivered task, a recovery run — finds the lease held
-and leaves (case C16). Nothing here waits for a person: a step that needs an answer
-records the question and ends; the answer enqueues the next step (SPEC §8).
+A turn is driven by *steps*. A step claims the session's lease with a conditional
+UPDATE (case C16: a second copy of the same step — a redelivered task, a recovery run —
+finds the lease held and leaves), folds the transcript to learn where the turn stands,
+and goes on from there: run the calls that are allowed, ask about the first one that is
+not (then end: no worker waits for a person, SPEC §8), or ask the model again. Where a
+turn stands is never kept in memory, so a restarted worker picks it up from the
+transcript.
 
-The completion client is a parameter, so tests can script the server side of a stream
-(a malformed stream, a context overflow) while the rest stays real.
+The completion client, the catalogue loader and the tool runner are parameters, so tests
+can script the server side of a stream while everything else stays real.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
+from django.conf import settings
+from django.db import connection
 from django.db.models import Q
 from django.utils import timezone
 
-from . import actions, lifecycle, transcript
+from . import actions, lifecycle, tools, transcript
 from .completions import (
     CompletionClient,
     CompletionError,
@@ -37,32 +43,56 @@ from .models import AgentSession
 Status = AgentSession.Status
 log = logging.getLogger(__name__)
 
-LEASE_TTL = timedelta(seconds=90)
-LEASE_RENEW_EVERY = 20.0  # seconds
+MAX_ROUNDS = 32  # SPEC §6.5
+ROUND_LIMIT_MESSAGE = (
+    f"Stopped after {MAX_ROUNDS} tool calls in one turn; send another message to carry on, "
+    "or ask for something narrower."
+)
+REFUSED_RESULT = "The user refused this call of {tool}; it was not run."
+WORKER_LOST_RESULT = (
+    "The result of this call is unknown: the worker running it stopped while it ran, and it was not run again."
+)
+WORKER_LOST_REPLY = (
+    "The worker running this turn stopped while the model was replying; the reply above is partial. "
+    "Send another message to carry on."
+)
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 
 ClientFactory = Callable[[str], CompletionClient]
 
 
-def claim_step(session_id: int, owner: str) -> bool:
-    """Take the session's turn lease if nobody holds a live one; True when taken."""
+def lease_ttl() -> timedelta:
+    return timedelta(seconds=settings.CORRAL_LEASE_SECONDS)
+
+
+def claim_step(session_id: int, owner: str) -> str | None:
+    """Take the session's turn lease if nobody holds a live one.
+
+    Returns None when not taken; otherwise the previous holder's id ('' when the lease
+    was free, another id when its holder died without handing it back).
+    """
     now = timezone.now()
-    return (
+    row = (
         AgentSession.objects.filter(pk=session_id, turn_active=True)
         .filter(Q(lease_expires__isnull=True) | Q(lease_expires__lt=now))
-        .update(lease_owner=owner, lease_expires=now + LEASE_TTL)
-        == 1
+        .values_list("lease_owner", flat=True)
+        .first()
     )
+    if row is None:
+        return None
+    taken = (
+        AgentSession.objects.filter(pk=session_id, turn_active=True, lease_owner=row)
+        .filter(Q(lease_expires__isnull=True) | Q(lease_expires__lt=now))
+        .update(lease_owner=owner, lease_expires=now + lease_ttl())
+    )
+    return row if taken == 1 else None
 
 
 def renew_lease(session_id: int, owner: str) -> bool:
-    return (
-        AgentSession.objects.filter(pk=session_id, lease_owner=owner).update(
-            lease_expires=timezone.now() + LEASE_TTL
-        )
-        == 1
-    )
+    return AgentSession.objects.filter(pk=session_id, lease_owner=owner).update(
+        lease_expires=timezone.now() + lease_ttl()
+    ) == 1
 
 
 def release_lease(session_id: int, owner: str) -> None:
@@ -78,85 +108,261 @@ def request_sampling(sampling: dict) -> tuple[dict, int]:
     return params, int(params["seed"])
 
 
-def run_turn_step(session_id: int, *, client_factory: ClientFactory = CompletionClient) -> None:
-    """Advance the session's open turn by one completion (SPEC §6).
+def catalogue_of(events) -> tools.Catalogue:
+    """The tool catalogue recorded when the server became ready (the last one wins)."""
+    for event in reversed(events):
+        if event.kind == "catalogue":
+            return tools.Catalogue.from_payload(event.payload.get("tools", []))
+    return tools.Catalogue(entries=())
+
+
+def rounds_in_turn(events) -> int:
+    """How many times the model asked for tools in the open turn (batches of tool_start)."""
+    rounds, in_batch, counting = 0, False, False
+    for event in events:
+        if event.kind == "turn_end":
+            rounds, counting = 0, False
+        elif event.kind == "message_taken" and not counting:
+            rounds, counting = 0, True
+        if event.kind == "tool_start":
+            if not in_batch:
+                rounds += 1
+            in_batch = True
+        elif event.kind in ("tool_end", "assistant_text", "message_taken", "turn_end"):
+            in_batch = False
+    return rounds
+
+
+class LeaseKeeper:
+    """Renews a step's lease every third of its lifetime from a thread of its own, so a
+    long prompt or a long tool run never lets it lapse while the step lives; when the
+    worker dies, the renewals stop and the lease lapses (case C16)."""
+
+    def __init__(self, session_id: int, owner: str) -> None:
+        self.session_id, self.owner = session_id, owner
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"lease-{session_id}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stopped.wait(settings.CORRAL_LEASE_SECONDS / 3):
+                renew_lease(self.session_id, self.owner)
+        finally:
+            connection.close()
+
+    def __enter__(self) -> LeaseKeeper:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join(5)
+
+
+class Step:
+    """One claimed step of one session's turn."""
+
+    def __init__(
+        self,
+        session_id: int,
+        owner: str,
+        client_factory: ClientFactory,
+        run_tool: Callable[..., tools.ToolResult],
+    ) -> None:
+        self.session_id = session_id
+        self.owner = owner
+        self.client_factory = client_factory
+        self.run_tool = run_tool
+
+    def interrupted(self) -> bool:
+        return AgentSession.objects.filter(pk=self.session_id, interrupt_requested=True).exists()
+
+    def run(self, resumed_after_loss: bool) -> None:
+        session = AgentSession.objects.select_related("machine").get(pk=self.session_id)
+        if session.status == Status.LOADING:
+            return  # SPEC §4: the message waits; start_server enqueues the step once ready
+        events = actions.load_events(self.session_id)
+        if not transcript.open_turn(events) or session.interrupt_requested:
+            actions.finish_turn(self.session_id, "interrupted" if session.interrupt_requested else "done")
+            return
+        if resumed_after_loss and not transcript.pending_calls(events):
+            # A worker died mid-reply: never answer twice from half a stream.
+            actions.record_error(self.session_id, WORKER_LOST_REPLY)
+            actions.finish_turn(self.session_id, "interrupted")
+            return
+        base_url = lifecycle.server_base_url(session) if session.status not in (Status.EXITED,) else None
+        if base_url is None or session.status == Status.UNKNOWN:
+            actions.record_error(
+                self.session_id, "llama-server is not running for this session; restart it and send again."
+            )
+            actions.finish_turn(self.session_id, "error")
+            return
+        while True:
+            events = actions.load_events(self.session_id)
+            if transcript.pending_calls(events):
+                if not self.run_calls(session, events, base_url):
+                    return  # waiting for a person, or interrupted
+                continue
+            if rounds_in_turn(events) >= MAX_ROUNDS:
+                actions.record_error(self.session_id, ROUND_LIMIT_MESSAGE)
+                actions.finish_turn(self.session_id, "limit")
+                return
+            outcome = self.complete(session, events, base_url)
+            if outcome != "tool_calls":
+                actions.finish_turn(self.session_id, outcome)
+                return
+
+    # --- one completion -----------------------------------------------------------------
+
+    def complete(self, session: AgentSession, events, base_url: str) -> str:
+        """Stream one completion into the transcript. Returns "tool_calls" when the
+        reply asked for tools (their tool_start events are recorded), else the reason
+        the turn ends: "done", "error" or "interrupted"."""
+        actions.set_status(self.session_id, Status.RUNNING)
+        catalogue = catalogue_of(events)
+        messages = transcript.build_messages(events)
+        fresh = AgentSession.objects.get(pk=self.session_id)  # sampling changes apply now
+        sampling, seed = request_sampling(fresh.sampling)
+        assembler = ToolCallAssembler()
+        usage: Usage | None = None
+        finish_reason = None
+        interrupted = False
+        stream = self.client_factory(base_url).stream(messages, tools=catalogue.definitions(), sampling=sampling)
+        last_poll = time.monotonic()
+        try:
+            for delta in stream:
+                if isinstance(delta, TextDelta):
+                    actions.record_event(self.session_id, "assistant_text", {"text": delta.text})
+                elif isinstance(delta, ReasoningDelta):
+                    actions.record_event(self.session_id, "reasoning", {"text": delta.text})
+                elif isinstance(delta, ToolCallFragment):
+                    assembler.feed(delta.fragments)
+                elif isinstance(delta, Usage):
+                    usage = delta
+                elif isinstance(delta, Finish):
+                    finish_reason = delta.reason or finish_reason
+                if time.monotonic() - last_poll >= INTERRUPT_POLL_EVERY:
+                    last_poll = time.monotonic()
+                    if self.interrupted():
+                        interrupted = True
+                        break
+        except CompletionError as exc:
+            actions.record_error(self.session_id, str(exc))
+            return "error"
+        finally:
+            stream.close()  # closes the HTTP response: llama-server stops generating
+        if usage is not None or finish_reason is not None:
+            payload = usage.as_payload() if usage is not None else {}
+            payload.update({"seed": seed, "finish_reason": finish_reason})
+            actions.record_event(self.session_id, "usage", payload)
+        if interrupted:
+            return "interrupted"
+        calls = assembler.calls()
+        if not calls:
+            return "done"
+        # SPEC §9: every call of the reply is recorded, in order, before any runs, so the
+        # fold knows they belong to one assistant message. Results are paired by call id,
+        # so an id the transcript has seen before (some servers number calls call_0,
+        # call_1 in every reply) is replaced by a fresh one.
+        used = {e.payload.get("id") for e in events if e.kind == "tool_start"}
+        for call in calls:
+            call_id = call.id if call.id not in used else f"call_{secrets.token_hex(12)}"
+            used.add(call_id)
+            entry = catalogue.get(call.name)
+            actions.record_event(
+                self.session_id,
+                "tool_start",
+                {
+                    "id": call_id,
+                    "tool": call.name,
+                    "arguments": call.arguments,
+                    "input": call.parsed_arguments(),
+                    "origin": entry.origin if entry else None,
+                    "server": entry.server if entry else None,
+                    "writes": entry.writes if entry else None,
+                    "display_name": entry.display_name if entry else call.name,
+                },
+            )
+        return "tool_calls"
+
+    # --- the calls and the gate (SPEC §8) ---------------------------------------------------
+
+    def run_calls(self, session: AgentSession, events, base_url: str) -> bool:
+        """Run the pending calls in order. False when the step must end here: a question
+        was asked (status awaiting_input) or the turn was interrupted."""
+        catalogue = catalogue_of(events)
+        answers = {e.payload.get("id"): e.payload for e in events if e.kind == "answered"}
+        asked = {e.payload.get("id") for e in events if e.kind == "question"}
+        running = {e.payload.get("id") for e in events if e.kind == "tool_running"}
+        mode = AgentSession.objects.values_list("permission_mode", flat=True).get(pk=self.session_id)
+        allowed = transcript.allowed_tools(events)
+        for call in transcript.pending_calls(events):
+            call_id, name = call["id"], call["tool"]
+            if self.interrupted():
+                actions.finish_turn(self.session_id, "interrupted")
+                return False
+            if call_id in running:
+                # Started by a worker that died: a command may have run; never re-run it silently.
+                actions.record_event(self.session_id, "tool_end", {"id": call_id, "output": WORKER_LOST_RESULT, "ok": False})
+                continue
+            entry = catalogue.get(name)
+            if entry is None:
+                output = tools.UNKNOWN_TOOL_RESULT.format(name=name)
+                actions.record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
+                continue
+            answer = answers.get(call_id, {}).get("answer")
+            if answer == transcript.ANSWER_REFUSE:
+                output = REFUSED_RESULT.format(tool=name)
+                actions.record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
+                continue
+            if answer is None and mode != AgentSession.PermissionMode.BYPASS and name not in allowed:
+                if call_id not in asked:
+                    actions.ask_question(self.session_id, call_id, name)
+                return False
+            self.execute(session, entry, call, base_url)
+        return True
+
+    def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, base_url: str) -> None:
+        actions.set_status(self.session_id, Status.RUNNING)
+        actions.record_event(self.session_id, "tool_running", {"id": call["id"]})
+        result = self.run_tool(
+            entry,
+            call.get("input") or {},
+            base_url=base_url,
+            cwd=session.working_dir,
+            mcp_servers=mcp_configs(),
+        )
+        actions.record_event(self.session_id, "tool_end", {"id": call["id"], "output": result.output, "ok": result.ok})
+
+
+def mcp_configs() -> dict[str, tools.McpServerConfig]:
+    from .models import McpServer
+
+    return {s.name: s.config() for s in McpServer.objects.filter(enabled=True)}
+
+
+def run_turn_step(
+    session_id: int,
+    *,
+    client_factory: ClientFactory = CompletionClient,
+    run_tool: Callable[..., tools.ToolResult] | None = None,
+) -> None:
+    """Advance the session's open turn as far as it can go without a person (SPEC §6, §8).
 
     Returns without doing anything when another step holds the lease, when no turn is
     open, or while the model is still loading (the server's readiness re-enqueues the
     step). Every failure ends the turn with an error event in the user's terms.
     """
     owner = uuid.uuid4().hex
-    if not claim_step(session_id, owner):
+    previous = claim_step(session_id, owner)
+    if previous is None:
         return
     try:
-        _step(session_id, owner, client_factory)
+        with LeaseKeeper(session_id, owner):
+            Step(session_id, owner, client_factory, run_tool or tools.run_tool).run(resumed_after_loss=bool(previous))
     except Exception as exc:  # the turn must end, whatever broke
         log.exception("turn step failed for session %s", session_id)
         actions.record_error(session_id, f"The turn failed: {exc}")
         actions.finish_turn(session_id, "error")
     finally:
         release_lease(session_id, owner)
-
-
-def _step(session_id: int, owner: str, client_factory: ClientFactory) -> None:
-    session = AgentSession.objects.select_related("machine").get(pk=session_id)
-    if session.status == Status.LOADING:
-        return  # SPEC §4: the message waits; start_server enqueues the step once ready
-    events = actions.load_events(session_id)
-    if not transcript.open_turn(events) or session.interrupt_requested:
-        actions.finish_turn(session_id, "interrupted" if session.interrupt_requested else "done")
-        return
-    base_url = lifecycle.server_base_url(session) if session.status != Status.EXITED else None
-    if base_url is None or session.status == Status.UNKNOWN:
-        actions.record_error(session_id, "llama-server is not running for this session; restart it and send again.")
-        actions.finish_turn(session_id, "error")
-        return
-
-    actions.set_status(session_id, Status.RUNNING)
-    messages = transcript.build_messages(events)
-    sampling, seed = request_sampling(session.sampling)
-    assembler = ToolCallAssembler()
-    usage: Usage | None = None
-    finish_reason = None
-    stream = client_factory(base_url).stream(messages, tools=None, sampling=sampling)
-    last_poll = last_renew = time.monotonic()
-    interrupted = False
-    try:
-        for delta in stream:
-            if isinstance(delta, TextDelta):
-                if delta.text:
-                    actions.record_event(session_id, "assistant_text", {"text": delta.text})
-            elif isinstance(delta, ReasoningDelta):
-                if delta.text:
-                    actions.record_event(session_id, "reasoning", {"text": delta.text})
-            elif isinstance(delta, ToolCallFragment):
-                assembler.feed(delta.fragments)
-            elif isinstance(delta, Usage):
-                usage = delta
-            elif isinstance(delta, Finish):
-                finish_reason = delta.reason or finish_reason
-            now = time.monotonic()
-            if now - last_poll >= INTERRUPT_POLL_EVERY:
-                last_poll = now
-                if AgentSession.objects.filter(pk=session_id, interrupt_requested=True).exists():
-                    interrupted = True
-                    break
-            if now - last_renew >= LEASE_RENEW_EVERY:
-                last_renew = now
-                renew_lease(session_id, owner)
-    except CompletionError as exc:
-        actions.record_error(session_id, str(exc))
-        actions.finish_turn(session_id, "error")
-        return
-    finally:
-        stream.close()  # closes the HTTP response: llama-server stops generating
-
-    if usage is not None or finish_reason is not None:
-        payload = usage.as_payload() if usage is not None else {}
-        payload.update({"seed": seed, "finish_reason": finish_reason})
-        actions.record_event(session_id, "usage", payload)
-    if interrupted:
-        actions.finish_turn(session_id, "interrupted")
-        return
-    # Tool calls are assembled here; running them (SPEC §6.5, §8, §9) plugs in at this point.
-    actions.finish_turn(session_id, "done")

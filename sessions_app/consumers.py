@@ -18,7 +18,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from . import broadcast
 from .actions import can_access
 from .models import AgentSession, TranscriptEvent
-from .presenters import BLOCK_KINDS, SILENT_KINDS, LiveRenderer
+from .presenters import BLOCK_KINDS, SILENT_KINDS, TOOL_KINDS, LiveRenderer
 
 FORBIDDEN = 4403
 
@@ -35,7 +35,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             self.last_sent = max(0, int(query.get("after", ["0"])[0]))
         except ValueError:
             self.last_sent = 0
-        self.renderer = LiveRenderer(self.session_id)
+        self.renderer = LiveRenderer(self.session_id, call_events=self._call_events)
         await self.accept()
         await self.channel_layer.group_add(self.group, self.channel_name)
         await database_sync_to_async(self._prime)()
@@ -74,6 +74,14 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         user = self.scope.get("user")
         session = AgentSession.objects.filter(pk=self.session_id).first()
         return bool(user is not None and session is not None and can_access(user, session))
+
+    def _call_events(self, call_id: str, before_seq: int) -> list[TranscriptEvent]:
+        """The earlier events of one tool call (runs in the sync thread of feed())."""
+        return list(
+            TranscriptEvent.objects.filter(
+                session_id=self.session_id, kind__in=TOOL_KINDS, payload__id=call_id, seq__lt=before_seq
+            ).order_by("seq")
+        )
 
     def _events_after(self, after: int) -> list[TranscriptEvent]:
         return list(TranscriptEvent.objects.filter(session_id=self.session_id, seq__gt=after).order_by("seq"))

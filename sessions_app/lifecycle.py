@@ -9,17 +9,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import httpx
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from machines_app import catalog
-from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, fetch_tools, wait_until_ready
+from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, wait_until_ready
 from machines_app.models import ServerRecord
 from machines_app.transports import ProcessId, TransportError, transport_for
 
-from . import actions
+from . import actions, tools
 from .models import AgentSession
 
 Status = AgentSession.Status
@@ -121,17 +120,24 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             _fail(session, str(exc))
         return
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
-    try:
-        tools = fetch_tools(transport.base_url(record.port))
-    except httpx.HTTPError as exc:
-        tools = []
-        actions.record_error(session.pk, f"Could not read llama-server's tool list: {exc}")
-    actions.record_event(session.pk, "catalogue", {"tools": tools})
+    record_catalogue(session.pk, transport.base_url(record.port))
     actions.set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
     from .tasks import run_turn
 
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
         transaction.on_commit(lambda: run_turn.delay(session.pk))
+
+
+def record_catalogue(session_id: int, base_url: str) -> None:
+    """Read the tool catalogue — llama-server's ``GET /tools`` plus every enabled MCP
+    server, reached from the backend — and record it (SPEC §9). An MCP server that does
+    not answer is left out and the transcript says so; the session still starts."""
+    from .agent import mcp_configs
+
+    catalogue, warnings = tools.load_catalogue(base_url, list(mcp_configs().values()))
+    for warning in warnings:
+        actions.record_error(session_id, warning)
+    actions.record_event(session_id, "catalogue", {"tools": catalogue.as_payload()})
 
 
 def stop_server(session_id: int, *, reason: str = "stopped") -> None:

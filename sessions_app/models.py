@@ -84,3 +84,30 @@ class TranscriptEvent(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.seq} {self.kind}"
+
+
+class McpServer(models.Model):
+    """An MCP server whose tools every session may call, reached from the backend (SPEC §9)."""
+
+    name = models.SlugField(
+        max_length=40, unique=True, help_text="Prefix of its tools' names, e.g. 'exa' → exa__web_search."
+    )
+    url = models.URLField(help_text="Streamable HTTP endpoint, e.g. https://mcp.exa.ai/mcp")
+    headers = models.JSONField(default=dict, blank=True, help_text='Extra HTTP headers, e.g. {"x-api-key": "…"}')
+    api_key = models.CharField(max_length=500, blank=True, help_text="Sent as 'Authorization: Bearer <key>'.")
+    enabled = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "MCP server"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def config(self):
+        from .tools import McpServerConfig
+
+        headers = {str(k): str(v) for k, v in (self.headers or {}).items()}
+        if self.api_key:
+            headers.setdefault("Authorization", f"Bearer {self.api_key}")
+        return McpServerConfig(name=self.name, url=self.url, headers=headers)

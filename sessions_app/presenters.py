@@ -20,6 +20,40 @@ from .markdown import render_markdown
 
 #: Kinds that neither show nor close a block.
 SILENT_KINDS = frozenset({"status", "catalogue", "turn_end", "message_dropped"})
+#: Kinds that belong to one tool call's row (keyed by the call id in the payload).
+TOOL_KINDS = frozenset({"tool_start", "tool_running", "tool_end", "question", "answered"})
+
+
+def tool_item(events: Iterable) -> dict:
+    """One call's row from its events, in order: the call, whether it ran, the question
+    and its answer, the output (SPEC §12: questions appear on the tool's own row)."""
+    item: dict = {"type": "tool", "question_open": False, "answer": None, "output": None, "running": False}
+    for event in events:
+        payload = event.payload
+        if event.kind == "tool_start":
+            item.update(
+                call_id=payload.get("id", ""),
+                dom_id=f"tool-{payload.get('id', '')}",
+                tool=payload.get("tool", ""),
+                display_name=payload.get("display_name") or payload.get("tool", ""),
+                input=payload.get("input"),
+                arguments=payload.get("arguments", ""),
+                origin=payload.get("origin"),
+                server=payload.get("server"),
+                writes=payload.get("writes"),
+            )
+        elif event.kind == "tool_running":
+            item["running"] = True
+        elif event.kind == "question":
+            item["question_open"] = True
+        elif event.kind == "answered":
+            item["question_open"] = False
+            item["answer"] = payload
+        elif event.kind == "tool_end":
+            item["running"] = False
+            item["output"] = payload.get("output", "")
+            item["ok"] = payload.get("ok", True)
+    return item
 BLOCK_KINDS = {"assistant_text": "assistant", "reasoning": "reasoning"}
 
 
@@ -68,11 +102,23 @@ def event_item(event) -> dict | None:
     return None
 
 
-def build_items(events: Iterable) -> list[dict]:
+def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
     """The display items of a whole transcript, in order (first paint)."""
     items: list[dict] = []
     block: Block | None = None
+    calls: dict[str, list] = {}
     for event in events:
+        if event.kind in TOOL_KINDS:
+            call_id = event.payload.get("id", "")
+            if event.kind == "tool_start":
+                calls[call_id] = []
+                if block is not None:
+                    block.open = False
+                    items.append(block.as_item())
+                    block = None
+                items.append({"type": "tool-placeholder", "call_id": call_id})
+            calls.setdefault(call_id, []).append(event)
+            continue
         block_type = BLOCK_KINDS.get(event.kind)
         if event.kind in SILENT_KINDS or event.kind == "message_queued":
             continue
@@ -94,7 +140,10 @@ def build_items(events: Iterable) -> list[dict]:
             items.append(item)
     if block is not None:
         items.append(block.as_item())
-    return items
+    return [
+        {**tool_item(calls[item["call_id"]]), "session_id": session_id} if item["type"] == "tool-placeholder" else item
+        for item in items
+    ]
 
 
 def render_item(item: dict) -> str:
@@ -119,9 +168,11 @@ class LiveRenderer:
     ``{"op": "status", "status": …, "html": …}``.
     """
 
-    def __init__(self, session_id: int) -> None:
+    def __init__(self, session_id: int, call_events=None) -> None:
         self.session_id = session_id
         self.block: Block | None = None
+        # call id → that call's events so far (read from the database by the consumer).
+        self.call_events = call_events
 
     def prime(self, events: Iterable) -> None:
         for event in events:
@@ -150,6 +201,18 @@ class LiveRenderer:
             return ops
         if kind == "message_dropped":
             return [{"op": "remove", "id": f"q-{payload.get('id')}"}] if render else []
+        if kind in TOOL_KINDS:
+            if kind == "tool_start":
+                self._close(ops, render)
+            if render and self.call_events is not None:
+                item = tool_item([*self.call_events(payload.get("id", ""), event.seq), event])
+                item["session_id"] = self.session_id
+                html = render_item(item)
+                if kind == "tool_start":
+                    ops.append({"op": "append", "target": "transcript", "html": html})
+                else:
+                    ops.append({"op": "replace", "id": item["dom_id"], "html": html})
+            return ops
         block_type = BLOCK_KINDS.get(kind)
         text = payload.get("text", "")
         if block_type and self.block is not None and self.block.type == block_type:

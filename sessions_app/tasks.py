@@ -31,7 +31,7 @@ def recover_turns() -> None:
     """Re-enqueue the step of every active turn whose lease is free or expired: a worker
     that died mid-step, or a step message that was lost. A duplicate is harmless: the
     lease lets one copy run (case C16)."""
-    stale = timezone.now() - timedelta(seconds=5)
+    stale = timezone.now() - timedelta(seconds=10)
     for session_id in AgentSession.objects.filter(
         turn_active=True, last_activity_at__lt=stale, status__in=["idle", "running"]
     ).filter(lease_expires__isnull=True).values_list("pk", flat=True):

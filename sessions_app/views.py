@@ -83,7 +83,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     context = {
         "session": session,
         "session_id": session.pk,
-        "items": build_items(events),
+        "items": build_items(events, session.pk),
         "queued": transcript.pending_queue(events),
         "last_seq": events[-1].seq if events else 0,
         "form": MessageForm(),
@@ -139,6 +139,16 @@ def session_drop(request: HttpRequest, session_id: int, queued_id: str) -> HttpR
 @require_POST
 def session_stop(request: HttpRequest, session_id: int) -> HttpResponse:
     return _act(request, session_id, actions.do_stop)
+
+
+@require_POST
+def session_answer(request: HttpRequest, session_id: int, call_id: str) -> HttpResponse:
+    return _act(request, session_id, actions.do_answer, call_id, request.POST.get("answer", ""))
+
+
+@require_POST
+def session_mode(request: HttpRequest, session_id: int) -> HttpResponse:
+    return _act(request, session_id, actions.do_set_permission_mode, request.POST.get("permission_mode", ""))
 
 
 @require_POST

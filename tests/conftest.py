@@ -227,3 +227,34 @@ class WSRecorder:
         if self._conn is not None:
             self._conn.close()
             self._thread.join(5)
+
+
+def fake_server(directory: Path, **env: str) -> str:
+    """A wrapper script that runs tests/fake_llama_server.py with ``env`` (see there)."""
+    script = directory / f"fake-llama-server-{time.monotonic_ns()}"
+    exports = "".join(f"export {k}={v}\n" for k, v in env.items())
+    fake = Path(__file__).resolve().parent / "fake_llama_server.py"
+    script.write_text(f"#!/bin/sh\n{exports}exec {sys.executable} {fake} \"$@\"\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.fixture
+def fake_machine(db, tmp_path, real_models_dir):
+    """make(**env) → a Machine whose llama-server is the stand-in, with the real model list."""
+    from machines_app import catalog
+    from machines_app.models import Machine
+
+    def make(script: list | None = None, **env: str) -> Machine:
+        if script is not None:
+            path = tmp_path / f"script-{time.monotonic_ns()}.json"
+            path.write_text(json.dumps(script))
+            env["FAKE_SCRIPT"] = str(path)
+        machine = Machine.objects.create(
+            name=f"fake-{time.monotonic_ns()}", models_dir=str(real_models_dir),
+            llama_server_path=fake_server(tmp_path, **env),
+        )
+        catalog.refresh_models(machine)
+        return machine
+
+    return make

@@ -5,8 +5,15 @@ Used only where the real server cannot produce the behaviour at a chosen moment:
 (case C21: seen to hang in "cleaning up before exit…"). It takes llama-server's command
 line, listens where told, and serves /health, /tools and a scripted chat completion.
 
+It also stands in for the model side when a test needs the model to call a tool (a
+135M model will not on demand): FAKE_SCRIPT names a JSON file holding a list of replies,
+one per chat request — ``{"text": "...", "delay": 0.05}`` streams the text word by word,
+``{"tool_calls": [{"name": "read_file", "arguments": "{...}"}]}`` asks for calls. When the
+list is used up it answers "done.". Its /tools offers read_file and exec_shell_command,
+run for real in the x-tool-cwd directory.
+
 Behaviour from the environment of the wrapper script the tests write:
-FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1.
+FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1, FAKE_SCRIPT.
 """
 
 from __future__ import annotations
@@ -14,12 +21,36 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 START = time.monotonic()
 LOADING = float(os.environ.get("FAKE_LOADING_SECONDS", "0"))
+SCRIPT = json.load(open(os.environ["FAKE_SCRIPT"])) if os.environ.get("FAKE_SCRIPT") else []
+LOCK = threading.Lock()
+REQUESTS: list[dict] = []
+
+TOOLS = [
+    {"display_name": "Read file", "tool": "read_file", "type": "server", "permissions": {"write": False},
+     "definition": {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}},
+    {"display_name": "Shell", "tool": "exec_shell_command", "type": "server", "permissions": {"write": True},
+     "definition": {"type": "function", "function": {"name": "exec_shell_command", "description": "Run a command",
+                    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}},
+]
+
+
+def run_tool(name: str, params: dict, cwd: str) -> dict:
+    if name == "read_file":
+        with open(os.path.join(cwd, params["path"])) as f:
+            return {"plain_text_response": f.read()}
+    if name == "exec_shell_command":
+        done = subprocess.run(params["command"], shell=True, cwd=cwd, capture_output=True, text=True)
+        return {"plain_text_response": done.stdout + f"\n[exit code: {done.returncode}]"}
+    return {"error": {"message": "File Not Found", "code": 404}}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -41,9 +72,44 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._json(200, {"status": "ok"})
         elif self.path == "/tools":
-            self._json(200, [])
+            self._json(200, TOOLS)
+        elif self.path == "/requests":
+            self._json(200, REQUESTS)
         else:
             self._json(200, {})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+        if self.path == "/tools":
+            self._json(200, run_tool(body["tool"], body.get("params", {}), self.headers.get("x-tool-cwd", ".")))
+            return
+        with LOCK:
+            REQUESTS.append(body)
+            reply = SCRIPT.pop(0) if SCRIPT else {"text": "done."}
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+
+        def send(obj) -> None:
+            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+            self.wfile.flush()
+
+        def chunk(delta, finish=None):
+            return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        try:
+            for i, word in enumerate(reply.get("text", "").split(" ")) if reply.get("text") else []:
+                send(chunk({"content": (" " if i else "") + word}))
+                time.sleep(reply.get("delay", 0.0))
+            for i, call in enumerate(reply.get("tool_calls", [])):
+                send(chunk({"tool_calls": [{"index": i, "id": f"call_{len(REQUESTS)}_{i}", "type": "function",
+                                            "function": {"name": call["name"], "arguments": call.get("arguments", "")}}]}))
+            send(chunk({}, "tool_calls" if reply.get("tool_calls") else "stop"))
+            send({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3},
+                  "timings": {"prompt_n": 10, "cache_n": 0, "predicted_n": 3, "predicted_per_second": 30.0}})
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
 
 def main(argv: list[str]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +24,6 @@ from sessions_app import actions, lifecycle
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import model_key, wait_for
-
-TESTS = Path(__file__).resolve().parent
-
 
 # --- the command line -------------------------------------------------------------------
 
@@ -128,27 +124,6 @@ def test_it_refuses_a_model_the_machine_does_not_have_before_starting_anything(s
 
 
 # --- C09 and C21 with the stand-in ------------------------------------------------------------
-
-
-def fake_server(tmp_path: Path, **env: str) -> str:
-    script = tmp_path / "fake-llama-server"
-    exports = "".join(f"export {k}={v}\n" for k, v in env.items())
-    script.write_text(f"#!/bin/sh\n{exports}exec {sys.executable} {TESTS / 'fake_llama_server.py'} \"$@\"\n")
-    script.chmod(0o755)
-    return str(script)
-
-
-@pytest.fixture
-def fake_machine(db, tmp_path, real_models_dir):
-    def make(**env: str) -> Machine:
-        machine = Machine.objects.create(
-            name=f"fake-{len(env)}-{time.monotonic_ns()}", models_dir=str(real_models_dir),
-            llama_server_path=fake_server(tmp_path, **env),
-        )
-        catalog.refresh_models(machine)
-        return machine
-
-    return make
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,0 +1,184 @@
+"""The agent loop and the permission gate (issue 3; SPEC §6.5, §7, §8, §9).
+
+Steps run in this process so each stage can be checked; the model side is scripted (a
+135M model will not call a tool on demand) while tools run on the REAL llama-server
+started by the product (`POST /tools` with `x-tool-cwd`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sessions_app import actions, agent, lifecycle
+from sessions_app.completions import CompletionClient
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import model_key
+from .scripted_server import ScriptedServer, chunk, sse
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
+
+
+def tool_call_reply(*calls: tuple[str, str]) -> list[bytes]:
+    pieces = [
+        sse(chunk({"tool_calls": [{"index": i, "id": f"call_{name}_{i}", "type": "function",
+                                   "function": {"name": name, "arguments": args}}]}))
+        for i, (name, args) in enumerate(calls)
+    ]
+    return [*pieces, sse(chunk({}, finish_reason="tool_calls")), b"data: [DONE]\n\n"]
+
+
+def text_reply(text: str) -> list[bytes]:
+    return [sse(chunk({"content": text})), sse(chunk({}, finish_reason="stop")), b"data: [DONE]\n\n"]
+
+
+@pytest.fixture
+def model_side():
+    scripted = ScriptedServer()
+    yield scripted
+    scripted.close()
+
+
+@pytest.fixture
+def real_session(local_machine, alice, tmp_path):
+    """A session whose real llama-server (SmolLM2, --tools all) is up, in manual mode."""
+    (tmp_path / "notes.txt").write_text("the sheep are in the north field\n")
+    session = AgentSession.objects.create(
+        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, status="loading",
+    )
+    lifecycle.start_server(session.pk)
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+    return session
+
+
+def step(session, model_side):
+    agent.run_turn_step(session.pk, client_factory=lambda _url: CompletionClient(model_side.url))
+
+
+def events_of(session, *kinds):
+    qs = TranscriptEvent.objects.filter(session=session).order_by("seq")
+    return [e for e in qs if not kinds or e.kind in kinds]
+
+
+def test_it_reads_the_catalogue_from_the_real_server_and_runs_a_call_in_the_working_dir(real_session, alice, model_side):
+    catalogue = events_of(real_session, "catalogue")[-1].payload["tools"]
+    names = {entry["name"] for entry in catalogue}
+    assert {"read_file", "exec_shell_command", "write_file", "edit_file", "grep_search"} <= names
+    actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
+    model_side.will_answer(*tool_call_reply(("read_file", '{"path": "notes.txt"}')))
+    model_side.will_answer(*text_reply("The sheep are in the north field."))
+    actions.do_send_message(real_session, alice, "Where are the sheep? Read notes.txt.")
+    step(real_session, model_side)
+
+    end = events_of(real_session, "tool_end")[0].payload
+    assert "the sheep are in the north field" in end["output"] and end["ok"] is True  # relative path → x-tool-cwd
+    start = events_of(real_session, "tool_start")[0].payload
+    assert start["origin"] == "machine" and start["input"] == {"path": "notes.txt"}
+    second = model_side.requests[1]["messages"]
+    assert second[-2]["role"] == "assistant" and second[-2]["content"] == ""  # case C05
+    assert second[-2]["tool_calls"][0]["function"] == {"name": "read_file", "arguments": '{"path": "notes.txt"}'}
+    assert second[-1] == {"role": "tool", "tool_call_id": start["id"], "content": end["output"]}
+    assert [d["function"]["name"] for d in model_side.requests[0]["tools"]] == [e["name"] for e in catalogue]
+    assert events_of(real_session, "turn_end")[0].payload["reason"] == "done"
+
+
+def test_it_asks_in_manual_mode_and_runs_after_allow_once(real_session, alice, bob, model_side):
+    model_side.will_answer(*tool_call_reply(("exec_shell_command", '{"command": "pwd"}')))
+    model_side.will_answer(*text_reply("Done."))
+    actions.do_send_message(real_session, alice, "Where am I?")
+    step(real_session, model_side)
+
+    session = AgentSession.objects.get(pk=real_session.pk)
+    assert session.status == "awaiting_input" and session.turn_active and not session.lease_owner  # no worker holds it
+    question = events_of(session, "question")[0].payload
+    assert question["tool"] == "exec_shell_command"
+    assert not events_of(session, "tool_end") and len(model_side.requests) == 1
+
+    actions.do_answer(session, alice, question["id"], "allow_once")
+    with pytest.raises(actions.SessionError, match="already been answered"):
+        actions.do_answer(session, alice, question["id"], "refuse")  # the first answer wins
+    step(session, model_side)
+    output = events_of(session, "tool_end")[0].payload["output"]
+    assert output.startswith(session.working_dir)
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+
+
+def test_it_returns_the_refusal_sentence_to_the_model(real_session, alice, model_side):
+    model_side.will_answer(*tool_call_reply(("write_file", '{"path": "x.txt", "content": "boo"}')))
+    model_side.will_answer(*text_reply("Understood."))
+    actions.do_send_message(real_session, alice, "Write x.txt")
+    step(real_session, model_side)
+    question = events_of(real_session, "question")[0].payload
+    actions.do_answer(real_session, alice, question["id"], "refuse")
+    step(real_session, model_side)
+    assert not (real_session.working_dir and __import__("pathlib").Path(real_session.working_dir, "x.txt").exists())
+    tool_message = model_side.requests[1]["messages"][-1]
+    assert tool_message["content"] == agent.REFUSED_RESULT.format(tool="write_file")
+
+
+def test_it_stops_asking_after_always_allow_also_in_a_new_worker(real_session, alice, model_side):
+    model_side.will_answer(*tool_call_reply(("read_file", '{"path": "notes.txt"}')))
+    model_side.will_answer(*text_reply("ok"))
+    actions.do_send_message(real_session, alice, "read it")
+    step(real_session, model_side)
+    actions.do_answer(real_session, alice, events_of(real_session, "question")[0].payload["id"], "allow_always")
+    step(real_session, model_side)
+    # A later turn, run by a fresh step (as after a worker restart): the allowance is
+    # folded from the transcript, not remembered by anything.
+    model_side.will_answer(*tool_call_reply(("read_file", '{"path": "notes.txt"}'), ("exec_shell_command", '{"command": "true"}')))
+    model_side.will_answer(*text_reply("ok again"))
+    actions.do_send_message(real_session, alice, "read it again")
+    step(real_session, model_side)
+    questions = [e.payload["tool"] for e in events_of(real_session, "question")]
+    assert questions == ["read_file", "exec_shell_command"]  # read_file not asked again
+    assert len(events_of(real_session, "tool_end")) == 2  # first read + second read; shell waits
+
+
+def test_it_answers_unknown_tools_and_keeps_the_turn_going(real_session, alice, model_side):
+    actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
+    model_side.will_answer(*tool_call_reply(("launch_rockets", "{}")))
+    model_side.will_answer(*text_reply("Sorry."))
+    actions.do_send_message(real_session, alice, "go")
+    step(real_session, model_side)
+    assert "There is no tool named launch_rockets" in events_of(real_session, "tool_end")[0].payload["output"]
+    assert events_of(real_session, "turn_end")[0].payload["reason"] == "done"
+
+
+def test_interrupt_while_a_question_is_open_closes_it_as_a_refusal(real_session, alice, model_side):
+    model_side.will_answer(*tool_call_reply(("exec_shell_command", '{"command": "ls"}')))
+    actions.do_send_message(real_session, alice, "list")
+    step(real_session, model_side)
+    actions.do_interrupt(AgentSession.objects.get(pk=real_session.pk), alice)
+    answered = events_of(real_session, "answered")[0].payload
+    assert answered["answer"] == "refuse" and answered["reason"] == "interrupted"
+    session = AgentSession.objects.get(pk=real_session.pk)
+    assert not session.turn_active and session.status == "idle"
+    assert events_of(real_session, "turn_end")[0].payload["reason"] == "interrupted"
+
+
+def test_it_stops_after_32_rounds_and_says_so(real_session, alice, model_side):
+    actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
+    for _ in range(agent.MAX_ROUNDS + 1):
+        model_side.will_answer(*tool_call_reply(("get_info", "")))
+    actions.do_send_message(real_session, alice, "loop forever")
+    step(real_session, model_side)
+    assert len(model_side.requests) == agent.MAX_ROUNDS
+    assert len(events_of(real_session, "tool_end")) == agent.MAX_ROUNDS
+    assert events_of(real_session, "error")[-1].payload["message"].startswith("Stopped after 32 tool calls in one turn")
+    assert events_of(real_session, "turn_end")[0].payload["reason"] == "limit"
+    # case C04: empty arguments ran as {} and went back to the model as "{}"
+    assert model_side.requests[1]["messages"][-2]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_it_gives_a_fresh_id_to_a_call_id_seen_before(real_session, alice, model_side):
+    actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
+    model_side.will_answer(*tool_call_reply(("get_info", "{}")))
+    model_side.will_answer(*tool_call_reply(("get_info", "{}")))  # same id "call_get_info_0" again
+    model_side.will_answer(*text_reply("fine"))
+    actions.do_send_message(real_session, alice, "twice")
+    step(real_session, model_side)
+    ids = [e.payload["id"] for e in events_of(real_session, "tool_start")]
+    assert len(ids) == 2 and len(set(ids)) == 2
+    ends = [e.payload["id"] for e in events_of(real_session, "tool_end")]
+    assert ends == ids
