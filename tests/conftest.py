@@ -104,10 +104,10 @@ class Stack:
     def ws_url(self, session_id: int, after: int = 0) -> str:
         return f"{self.ws_base}/ws/sessions/{session_id}/?after={after}"
 
-    def start_worker(self) -> None:
+    def start_worker(self, concurrency: int = 8) -> None:
         log = open(self.data_dir / "worker.log", "ab")
         self.procs["worker"] = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-P", "threads", "-c", "8",
+            [sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-P", "threads", "-c", str(concurrency),
              "--without-gossip", "--without-mingle", "-l", "info",
              "-s", str(self.data_dir / "celerybeat-schedule")],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -167,6 +167,7 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory):
         "SECRET_KEY": settings.SECRET_KEY,
         "CORRAL_DATA_DIR": str(data),
         "CORRAL_STOP_GRACE": "3",
+        "CORRAL_LEASE_SECONDS": "3",
         "PYTHONUNBUFFERED": "1",
     }
     s = Stack(base_url=f"http://127.0.0.1:{port}", ws_base=f"ws://127.0.0.1:{port}", data_dir=data, env=env)
@@ -175,6 +176,24 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory):
     yield s
     s.stop_web()
     s.stop_worker()
+    _wait_for_other_connections_to_close()
+
+
+def _wait_for_other_connections_to_close() -> None:
+    """PostgreSQL notices a closed client a moment later; dropping the test database
+    before then fails with "being accessed by other users"."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        for _ in range(100):
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            if cursor.fetchone()[0] == 0:
+                return
+            time.sleep(0.1)
 
 
 @pytest.fixture

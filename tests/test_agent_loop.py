@@ -182,3 +182,52 @@ def test_it_gives_a_fresh_id_to_a_call_id_seen_before(real_session, alice, model
     assert len(ids) == 2 and len(set(ids)) == 2
     ends = [e.payload["id"] for e in events_of(real_session, "tool_end")]
     assert ends == ids
+
+
+@pytest.fixture
+def calc_mcp(tmp_path):
+    """A real MCP server (the mcp SDK's, streamable HTTP) configured for the deployment."""
+    from sessions_app.models import McpServer
+
+    from .test_tools import API_KEY_HEADER, _start_mcp_server, stop_process
+
+    proc, port = _start_mcp_server(tmp_path)
+    (header, value), = API_KEY_HEADER.items()
+    McpServer.objects.create(name="calc", url=f"http://127.0.0.1:{port}/mcp", headers={header: value})
+    yield
+    stop_process(proc)
+
+
+@pytest.mark.usefixtures("calc_mcp")
+def test_it_calls_a_tool_of_a_real_mcp_server_from_the_backend(local_machine, alice, tmp_path, model_side):
+    session = AgentSession.objects.create(
+        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, status="loading", permission_mode="bypassPermissions",
+    )
+    lifecycle.start_server(session.pk)
+    names = {entry["name"] for entry in events_of(session, "catalogue")[-1].payload["tools"]}
+    assert {"calc__add", "read_file"} <= names
+    model_side.will_answer(*tool_call_reply(("calc__add", '{"a": 20, "b": 22}')))
+    model_side.will_answer(*text_reply("42"))
+    actions.do_send_message(session, alice, "add 20 and 22")
+    step(session, model_side)
+    start = events_of(session, "tool_start")[0].payload
+    assert start["origin"] == "mcp" and start["server"] == "calc"
+    end = events_of(session, "tool_end")[0].payload
+    assert end["ok"] is True and end["output"].strip() == "42"
+
+
+def test_an_unreachable_mcp_server_is_reported_and_the_session_still_starts(local_machine, alice, tmp_path):
+    from machines_app.transports import LocalTransport
+    from sessions_app.models import McpServer
+
+    McpServer.objects.create(name="gone", url=f"http://127.0.0.1:{LocalTransport().free_port()}/mcp")
+    session = AgentSession.objects.create(
+        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, status="loading",
+    )
+    lifecycle.start_server(session.pk)
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+    errors = [e.payload["message"] for e in events_of(session, "error")]
+    assert any("MCP server 'gone'" in message for message in errors), errors
+    assert "read_file" in {entry["name"] for entry in events_of(session, "catalogue")[-1].payload["tools"]}

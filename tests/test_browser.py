@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 
 import pytest
 
@@ -46,14 +47,18 @@ def page(monkeypatch):
         browser.close()
 
 
-def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page, local_machine, alice, tmp_path):
+def log_in(page, stack, username: str, password: str) -> None:
     page.set_default_timeout(30_000)
     page.goto(stack.base_url + "/")
     assert "/login/" in page.url
-    page.fill("#id_username", "alice")
-    page.fill("#id_password", "alice-password-1")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
     page.click("button[type=submit]")
     page.wait_for_url(stack.base_url + "/")
+
+
+def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page, local_machine, alice, tmp_path):
+    log_in(page, stack, "alice", "alice-password-1")
 
     page.goto(stack.base_url + "/sessions/new/")
     option = page.locator("#id_model_key option", has_text="SmolLM2")
@@ -89,3 +94,42 @@ def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page
     assert words(page.inner_text(".msg.assistant .md")) == words(reply)
     assert page.locator(".msg.user").count() == 1
     page.screenshot(path=str(stack.data_dir / "browser-after-reload.png"))
+
+
+def test_a_tool_question_is_answered_with_a_click_and_the_output_appears_in_the_row(
+    stack, page, fake_machine, alice, tmp_path
+):
+    """Issue 3, done-means 7 (the model side is the stand-in: a 135M model will not call tools)."""
+    from sessions_app import actions
+
+    (tmp_path / "flock.txt").write_text("twelve sheep, one goat")
+    machine = fake_machine([{"tool_calls": [{"name": "read_file", "arguments": '{"path": "flock.txt"}'}]},
+                            {"text": "Twelve sheep and a goat."}])
+    created = []
+
+    def create() -> None:  # off the thread where Playwright runs its event loop
+        created.append(actions.do_create_session(
+            alice, machine=machine, model_key=machine.model_files.first().key, working_dir=str(tmp_path),
+            server_params={}, sampling={}, permission_mode="manual",
+        ))
+
+    worker = threading.Thread(target=create)
+    worker.start()
+    worker.join()
+    session = created[0]
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(f"{stack.base_url}/sessions/{session.pk}/")
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    page.fill("#id_text", "Count the flock.")
+    page.press("#id_text", "Enter")
+    row = page.locator(".msg.tool[data-tool=read_file]")
+    row.locator("button", has_text="Allow once").wait_for()
+    page.wait_for_selector("#status-badge[data-status=awaiting_input]")
+    row.locator("button", has_text="Allow once").click()
+    row.locator(".tool-output pre", has_text="twelve sheep, one goat").wait_for()
+    assert row.locator(".question").count() == 0
+    assert "Allowed once by alice" in row.inner_text()
+    page.wait_for_selector(".msg.assistant .md", state="attached")
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    page.screenshot(path=str(stack.data_dir / "browser-tool-row.png"))

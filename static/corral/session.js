@@ -36,9 +36,11 @@
       if (badge) { badge.outerHTML = op.html.replace("<span ", '<span id="status-badge" '); }
       root.dataset.status = op.status;
     }
-    if (op.op === "append" && window.htmx) {
-      const target = document.getElementById(op.target);
-      if (target && target.lastElementChild) window.htmx.process(target.lastElementChild);
+    // New markup may carry hx- attributes (question buttons, withdraw): let htmx see it.
+    if (window.htmx) {
+      const fresh = op.op === "append" ? (document.getElementById(op.target) || {}).lastElementChild
+        : op.op === "replace" ? document.getElementById(op.id) : null;
+      if (fresh) window.htmx.process(fresh);
     }
   }
 
