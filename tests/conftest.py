@@ -176,7 +176,8 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory):
     yield s
     s.stop_web()
     s.stop_worker()
-    _wait_for_other_connections_to_close()
+    with django_db_blocker.unblock():
+        _wait_for_other_connections_to_close()
 
 
 def _wait_for_other_connections_to_close() -> None:
