@@ -93,6 +93,7 @@ class ServerRecord(models.Model):
     session = models.OneToOneField("sessions_app.AgentSession", on_delete=models.CASCADE, related_name="server")
     machine = models.ForeignKey(Machine, on_delete=models.PROTECT)
     model_key = models.CharField(max_length=1000)
+    server_params = models.JSONField(default=dict, blank=True, help_text="The session's server parameters at start.")
     pid = models.PositiveIntegerField()
     start_time = models.CharField(max_length=40)
     port = models.PositiveIntegerField()

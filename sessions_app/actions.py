@@ -105,12 +105,74 @@ def do_create_session(
 
 
 def do_restart(session: AgentSession, user) -> None:
-    """Start the server of an exited session again (SPEC §4: exited but restartable)."""
-    from .tasks import start_server
+    """Start the session's server again: after it exited (SPEC §4: exited but
+    restartable), or to apply changed server parameters. Refused mid-turn."""
+    from .tasks import restart_server
 
-    if not set_status(session.pk, Status.LOADING, only_from=(Status.EXITED, Status.UNKNOWN)):
-        raise SessionError("The session's server is already running or starting.")
-    transaction.on_commit(lambda: start_server.delay(session.pk))
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        if locked.turn_active:
+            raise SessionError("Stop the turn first, then restart.")
+        if locked.status == Status.LOADING:
+            raise SessionError("The server is already starting.")
+        AgentSession.objects.filter(pk=locked.pk).update(status=Status.LOADING)
+        _append(locked, "status", {"status": Status.LOADING})
+        transaction.on_commit(lambda: restart_server.delay(session.pk))
+
+
+def do_change_model(session: AgentSession, user, model_key: str) -> None:
+    """Move the session to another model on its machine (SPEC §10): refused mid-turn;
+    otherwise stop the server and start one with the new model. The conversation goes on
+    (it lives in the transcript); the prompt cache is lost."""
+    from machines_app import catalog
+
+    from .tasks import restart_server
+
+    try:
+        model = catalog.model_for_session(session.machine, model_key)
+    except catalog.ModelUnavailable as exc:
+        raise SessionError(str(exc)) from None
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        if locked.turn_active:
+            raise SessionError("Stop the turn first, then change the model.")
+        if locked.model_key == model_key and locked.status not in (Status.EXITED, Status.UNKNOWN):
+            raise SessionError(f"The session already uses {model.display_name}.")
+        AgentSession.objects.filter(pk=locked.pk).update(model_key=model_key, status=Status.LOADING)
+        _append(locked, "status", {"status": Status.LOADING})
+        _append(locked, "settings", {"model_key": model_key, "model": model.display_name, "by": user.get_username()})
+        transaction.on_commit(lambda: restart_server.delay(session.pk))
+
+
+def do_update_settings(session: AgentSession, user, *, title: str, sampling: dict, server_params: dict) -> bool:
+    """Rename the session and change its parameters. Sampling takes effect on the next
+    request; server parameters need a restart (returns True when they changed)."""
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        changes: dict = {}
+        if title != locked.title:
+            changes["title"] = title
+        if sampling != locked.sampling:
+            changes["sampling"] = sampling
+        if server_params != locked.server_params:
+            changes["server_params"] = server_params
+        if not changes:
+            return False
+        AgentSession.objects.filter(pk=locked.pk).update(**changes)
+        _append(locked, "settings", {**changes, "by": user.get_username()})
+        return "server_params" in changes
+
+
+def do_delete(session: AgentSession, user) -> None:
+    """Delete a session and its transcript, stopping its server first (no process is
+    left behind)."""
+    from . import lifecycle
+
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
+    lifecycle._stop_process(session.pk)
+    AgentSession.objects.filter(pk=session.pk).delete()
 
 
 def do_stop(session: AgentSession, user) -> None:

@@ -90,3 +90,29 @@ class NewSessionForm(forms.Form):
 
 class MessageForm(forms.Form):
     text = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=200_000)
+
+
+class SessionSettingsForm(forms.Form):
+    """Title and parameters of an existing session (sampling applies at once, server
+    parameters after a restart)."""
+
+    title = forms.CharField(max_length=200, required=False)
+    contextSize = NewSessionForm.base_fields["contextSize"]
+    gpuLayers = NewSessionForm.base_fields["gpuLayers"]
+    threads = NewSessionForm.base_fields["threads"]
+    speculative = NewSessionForm.base_fields["speculative"]
+    temperature = NewSessionForm.base_fields["temperature"]
+    top_p = NewSessionForm.base_fields["top_p"]
+    top_k = NewSessionForm.base_fields["top_k"]
+    max_tokens = NewSessionForm.base_fields["max_tokens"]
+    seed = NewSessionForm.base_fields["seed"]
+
+    SERVER_FIELDS = NewSessionForm.SERVER_FIELDS
+    SAMPLING_FIELDS = NewSessionForm.SAMPLING_FIELDS
+    server_params = NewSessionForm.server_params
+    sampling = NewSessionForm.sampling
+
+    @classmethod
+    def for_session(cls, session: AgentSession) -> SessionSettingsForm:
+        initial = {"title": session.title, "speculative": "auto", **session.server_params, **session.sampling}
+        return cls(initial=initial)

@@ -91,6 +91,7 @@ def start_server(session_id: int) -> None:
         session=session,
         machine=session.machine,
         model_key=session.model_key,
+        server_params=session.server_params,
         pid=proc.pid,
         start_time=proc.start_time,
         port=spec.port,
@@ -140,16 +141,32 @@ def record_catalogue(session_id: int, base_url: str) -> None:
     actions.record_event(session_id, "catalogue", {"tools": catalogue.as_payload()})
 
 
-def stop_server(session_id: int, *, reason: str = "stopped") -> None:
-    """Stop the session's server: SIGTERM, a grace period, then SIGKILL, and only then
-    clear the record (SPEC §5, case C21). Status becomes ``exited``."""
+def _stop_process(session_id: int) -> bool:
+    """SIGTERM, a grace period, then SIGKILL, and only then clear the record (SPEC §5,
+    case C21). False when there was no server."""
     record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
-    if record is not None:
-        ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
-        transport_for(record.machine).stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
-        record.delete()
+    if record is None:
+        return False
+    ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
+    transport_for(record.machine).stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+    record.delete()
+    return True
+
+
+def stop_server(session_id: int, *, reason: str = "stopped") -> None:
+    """Stop the session's server; status becomes ``exited``."""
+    _stop_process(session_id)
     actions.record_event(session_id, "server_stopped", {"reason": reason})
     actions.set_status(session_id, Status.EXITED)
+
+
+def restart_server(session_id: int) -> None:
+    """Stop the session's server (if any) and start one with the session's current model
+    and server parameters (SPEC §10 model change; a server-parameter change). The
+    conversation survives because it was never in the server; the prompt cache does not."""
+    if _stop_process(session_id):
+        actions.record_event(session_id, "server_stopped", {"reason": "restart"})
+    start_server(session_id)
 
 
 def watch_servers() -> None:

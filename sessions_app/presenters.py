@@ -19,7 +19,9 @@ from django.template.loader import render_to_string
 from .markdown import render_markdown
 
 #: Kinds that neither show nor close a block.
-SILENT_KINDS = frozenset({"status", "catalogue", "turn_end", "message_dropped"})
+SILENT_KINDS = frozenset({"status", "catalogue", "turn_end"})
+#: The queue's kinds: shown apart from the transcript (pending bubbles), closing nothing.
+QUEUE_KINDS = frozenset({"message_queued", "message_dropped"})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({"tool_start", "tool_running", "tool_end", "question", "answered"})
 
@@ -120,7 +122,7 @@ def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
             calls.setdefault(call_id, []).append(event)
             continue
         block_type = BLOCK_KINDS.get(event.kind)
-        if event.kind in SILENT_KINDS or event.kind == "message_queued":
+        if event.kind in SILENT_KINDS or event.kind in QUEUE_KINDS:
             continue
         if block_type:
             if block is not None and block.type == block_type:

@@ -22,6 +22,11 @@ def stop_server(session_id: int) -> None:
 
 
 @shared_task
+def restart_server(session_id: int) -> None:
+    lifecycle.restart_server(session_id)
+
+
+@shared_task
 def run_turn(session_id: int) -> None:
     agent.run_turn_step(session_id)
 

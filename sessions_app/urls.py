@@ -15,6 +15,9 @@ urlpatterns = [
     path("sessions/<int:session_id>/stop/", views.session_stop, name="session_stop"),
     path("sessions/<int:session_id>/restart/", views.session_restart, name="session_restart"),
     path("sessions/<int:session_id>/calls/<str:call_id>/answer/", views.session_answer, name="session_answer"),
+    path("sessions/<int:session_id>/model/", views.session_model, name="session_model"),
+    path("sessions/<int:session_id>/settings/", views.session_settings, name="session_settings"),
+    path("sessions/<int:session_id>/delete/", views.session_delete, name="session_delete"),
     path("sessions/<int:session_id>/mode/", views.session_mode, name="session_mode"),
     path("sessions/<int:session_id>/queue/<str:queued_id>/drop/", views.session_drop, name="session_drop"),
 ]

@@ -12,14 +12,19 @@ from machines_app import catalog
 from machines_app.models import Machine
 
 from . import actions, transcript
-from .forms import MessageForm, NewSessionForm
+from .forms import MessageForm, NewSessionForm, SessionSettingsForm
 from .models import AgentSession
 from .presenters import build_items
 
 
 @require_GET
 def session_list(request: HttpRequest) -> HttpResponse:
-    sessions = AgentSession.objects.select_related("machine", "owner")
+    from django.db.models import OuterRef, Subquery
+
+    from machines_app.models import ModelFile
+
+    model_name = ModelFile.objects.filter(machine=OuterRef("machine"), key=OuterRef("model_key")).values("display_name")
+    sessions = AgentSession.objects.select_related("machine", "owner").annotate(model_name=Subquery(model_name[:1]))
     if not request.user.is_staff:
         sessions = sessions.filter(owner=request.user)
     return render(request, "sessions_app/session_list.html", {"sessions": sessions.order_by("-last_activity_at")})
@@ -76,11 +81,28 @@ def refresh_status(request: HttpRequest, machine_id: int) -> HttpResponse:
     return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine})
 
 
+def _session_context(session: AgentSession) -> dict:
+    """What the session page shows besides the transcript: the model by name, the other
+    models of the machine (same list as everywhere), whether a restart is pending."""
+    from machines_app.models import ServerRecord
+
+    models = list(catalog.models_for(session.machine))
+    current = next((m for m in models if m.key == session.model_key), None)
+    record = ServerRecord.objects.filter(session=session).first()
+    return {
+        "model_name": current.display_name if current else session.model_key,
+        "machine_models": models,
+        "restart_needed": record is not None and record.server_params != session.server_params,
+    }
+
+
 @require_GET
 def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
     events = actions.load_events(session.pk)
     context = {
+        **_session_context(session),
+        "settings_form": SessionSettingsForm.for_session(session),
         "session": session,
         "session_id": session.pk,
         "items": build_items(events, session.pk),
@@ -149,6 +171,40 @@ def session_answer(request: HttpRequest, session_id: int, call_id: str) -> HttpR
 @require_POST
 def session_mode(request: HttpRequest, session_id: int) -> HttpResponse:
     return _act(request, session_id, actions.do_set_permission_mode, request.POST.get("permission_mode", ""))
+
+
+@require_POST
+def session_model(request: HttpRequest, session_id: int) -> HttpResponse:
+    return _act(request, session_id, actions.do_change_model, request.POST.get("model_key", ""))
+
+
+@require_POST
+def session_settings(request: HttpRequest, session_id: int) -> HttpResponse:
+    session = actions.access_session(request.user, session_id)
+    form = SessionSettingsForm(request.POST)
+    if not form.is_valid():
+        return render(request, "sessions_app/_settings.html", {"session": session, "settings_form": form,
+                                                               **_session_context(session)})
+    restart = actions.do_update_settings(
+        session, request.user, title=form.cleaned_data["title"], sampling=form.sampling(),
+        server_params=form.server_params(),
+    )
+    session.refresh_from_db()
+    context = {"session": session, "settings_form": form, "saved": True, "restart_asked": restart,
+               **_session_context(session)}
+    return render(request, "sessions_app/_settings.html", context)
+
+
+@require_POST
+def session_delete(request: HttpRequest, session_id: int) -> HttpResponse:
+    session = actions.access_session(request.user, session_id)
+    actions.do_delete(session, request.user)
+    flash.success(request, f"Deleted {session.display_title}.")
+    if request.htmx:
+        response = HttpResponse(status=204)
+        response["HX-Redirect"] = "/"
+        return response
+    return redirect("session_list")
 
 
 @require_POST

@@ -12,6 +12,7 @@ import shutil
 import threading
 
 import pytest
+from django.db import connection
 
 from sessions_app.models import AgentSession, TranscriptEvent
 
@@ -112,6 +113,7 @@ def test_a_tool_question_is_answered_with_a_click_and_the_output_appears_in_the_
             alice, machine=machine, model_key=machine.model_files.first().key, working_dir=str(tmp_path),
             server_params={}, sampling={}, permission_mode="manual",
         ))
+        connection.close()
 
     worker = threading.Thread(target=create)
     worker.start()
