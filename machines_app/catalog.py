@@ -37,6 +37,20 @@ def models_for(machine: Machine) -> QuerySet[ModelFile]:
     return ModelFile.objects.filter(machine=machine).order_by("display_name", "key")
 
 
+def _text(value: object, field: str) -> str:
+    """A metadata string as the column can hold it: no NUL, no lone surrogate, cut to
+    the column's length (case C13: odd metadata is shown, never a crash)."""
+    text = "" if value is None else str(value)
+    text = text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+    limit = ModelFile._meta.get_field(field).max_length
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _count(value: object) -> int | None:
+    """A positive count that fits the column, else unknown."""
+    return value if isinstance(value, int) and 0 < value < 2**31 else None
+
+
 def refresh_models(machine: Machine) -> list[ModelFile]:
     """Re-read the machine's models directory (heads only) and store what was found.
 
@@ -54,23 +68,25 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
     with transaction.atomic():
         keep = []
         for info in infos:
+            if _text(info.key, "key") != info.key:
+                continue  # a file name no database column can hold exactly: it could not be started by key
             obj, _ = ModelFile.objects.update_or_create(
                 machine=machine,
                 key=info.key,
                 defaults={
-                    "display_name": info.display_name,
-                    "name": info.name or "",
-                    "architecture": info.architecture or "",
-                    "size_label": info.size_label or "",
-                    "quantization": info.quantization or "",
-                    "context_length": info.context_length,
+                    "display_name": _text(info.display_name, "display_name"),
+                    "name": _text(info.name, "name"),
+                    "architecture": _text(info.architecture, "architecture"),
+                    "size_label": _text(info.size_label, "size_label"),
+                    "quantization": _text(info.quantization, "quantization"),
+                    "context_length": _count(info.context_length),
                     "file_size": info.file_size,
                     "has_chat_template": info.has_chat_template,
                     "has_mtp": info.has_mtp,
                     "has_vision": info.has_vision,
                     "split_count": info.split_count,
                     "missing_parts": list(info.missing_parts),
-                    "error": info.error or "",
+                    "error": _text(info.error, "error") if info.error else "",
                 },
             )
             keep.append(obj.pk)

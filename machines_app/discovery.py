@@ -273,10 +273,22 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
         if name is not None and candidate.error is None:
             name_counts[name.casefold()] = name_counts.get(name.casefold(), 0) + 1
 
+    # Same-named models whose file names also match (a.gguf and sub/a.gguf) are told
+    # apart by their whole key, the path under the models directory.
+    basename_counts: dict[tuple[str, str], int] = {}
+    for candidate in models:
+        name = _clean_name(candidate.head)
+        if name is not None and candidate.error is None:
+            pair = (name.casefold(), posixpath.basename(candidate.key))
+            basename_counts[pair] = basename_counts.get(pair, 0) + 1
+
     result: list[ModelInfo] = []
     for candidate in models:
         head = candidate.head
         basename = posixpath.basename(candidate.key)
+        label = _clean_name(head)
+        if label is not None and basename_counts.get((label.casefold(), basename), 0) > 1:
+            basename = candidate.key
         name = _clean_name(head)
         if candidate.error is not None:
             display = basename

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
+from django.utils import timezone
 
 from . import catalog
 from .models import Machine
 from .transports import TransportError
+
+log = logging.getLogger(__name__)
 
 
 @shared_task
@@ -15,6 +20,13 @@ def refresh_models(machine_id: int) -> None:
         catalog.refresh_models(Machine.objects.get(pk=machine_id))
     except TransportError:
         pass  # kept on the machine row (models_refresh_error) for the pages to show
+    except Exception as exc:
+        # Whatever broke, the page waiting for this refresh must hear that it ended.
+        log.exception("model refresh failed on machine %s", machine_id)
+        Machine.objects.filter(pk=machine_id).update(
+            models_refresh_error=f"Reading the model files failed ({type(exc).__name__}): {exc}"[:2000],
+            models_refreshed_at=timezone.now(),
+        )
 
 
 @shared_task

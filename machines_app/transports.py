@@ -119,7 +119,10 @@ class LocalTransport(Transport):
     """The machine the backend runs on."""
 
     def expand_path(self, path: str) -> str:
-        return str(Path(os.path.expanduser(path)).resolve())
+        try:
+            return str(Path(os.path.expanduser(path)).resolve())
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise TransportError(f"{path!r} is not a usable path: {exc}") from None
 
     def list_gguf(self, models_dir: str) -> list[tuple[str, int]]:
         root = Path(self.expand_path(models_dir))
@@ -197,7 +200,10 @@ class LocalTransport(Transport):
             return s.getsockname()[1]
 
     def is_dir(self, path: str) -> bool:
-        return Path(self.expand_path(path)).is_dir()
+        try:
+            return Path(self.expand_path(path)).is_dir()
+        except (OSError, ValueError):  # a name too long, a NUL, no permission: not a directory we can use
+            return False
 
 
 def transport_for(machine) -> Transport:

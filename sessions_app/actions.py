@@ -45,8 +45,28 @@ def _locked(session_id: int) -> AgentSession:
     return AgentSession.objects.select_for_update().get(pk=session_id)
 
 
+def storable(value):
+    """``value`` with every string made storable as JSON text in any database: NUL
+    becomes U+FFFD and lone surrogates are replaced (PostgreSQL's jsonb refuses both, and
+    a shell command's output or a model's reply can contain them)."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            value = value.replace("\x00", "\ufffd")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            value = value.encode("utf-8", "replace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
 def _append(session: AgentSession, kind: str, payload: dict) -> TranscriptEvent:
     """Append to a session already locked by the caller's transaction."""
+    payload = storable(payload)
     session.last_seq += 1
     event = TranscriptEvent.objects.create(session_id=session.pk, seq=session.last_seq, kind=kind, payload=payload)
     AgentSession.objects.filter(pk=session.pk).update(last_seq=session.last_seq, last_activity_at=timezone.now())
@@ -266,6 +286,21 @@ def finish_turn(session_id: int, reason: str) -> None:
             if locked.status in (Status.RUNNING, Status.AWAITING_INPUT):
                 AgentSession.objects.filter(pk=session_id).update(status=Status.IDLE)
                 _append(locked, "status", {"status": Status.IDLE})
+
+
+def resume_queue(session_id: int) -> None:
+    """Take the next queued message when no turn runs (after a restart: messages queued
+    while the server was stopped wait for it, SPEC §10)."""
+    with transaction.atomic():
+        locked = _locked(session_id)
+        if locked.turn_active or locked.status in (Status.EXITED, Status.LOADING):
+            return
+        pending = transcript.pending_queue(load_events(session_id))
+        if pending:
+            item = pending[0]
+            _append(locked, "message_taken", {"text": item["text"], "queued_id": item["id"], "author": item["author"]})
+            AgentSession.objects.filter(pk=session_id).update(turn_active=True, interrupt_requested=False)
+            _enqueue_turn(session_id)
 
 
 def do_interrupt(session: AgentSession, user) -> None:

@@ -3,32 +3,30 @@ from django.contrib import admin
 from .models import AgentSession, McpServer, TranscriptEvent
 
 
-class TranscriptEventInline(admin.TabularInline):
-    model = TranscriptEvent
-    fields = ("seq", "kind", "payload", "created_at")
-    readonly_fields = fields
-    extra = 0
-    can_delete = False
-    ordering = ("seq",)
-    show_change_link = False
-
-    def has_add_permission(self, request, obj=None):
-        return False  # the transcript is append-only, written by the product
-
-
 @admin.register(AgentSession)
 class AgentSessionAdmin(admin.ModelAdmin):
     list_display = ("__str__", "owner", "machine", "model_key", "status", "last_activity_at")
     list_filter = ("status", "machine")
     search_fields = ("title", "model_key", "owner__username")
-    readonly_fields = ("last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at")
-    inlines = [TranscriptEventInline]
+    readonly_fields = (
+        "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at", "transcript",
+    )
+
+    @admin.display(description="Transcript")
+    def transcript(self, obj):
+        # One row per streamed fragment would make this page huge: link to the events.
+        from django.urls import reverse
+        from django.utils.html import format_html
+
+        url = reverse("admin:sessions_app_transcriptevent_changelist") + f"?session__id__exact={obj.pk}"
+        return format_html('<a href="{}">{} events</a>', url, obj.last_seq)
 
 
 @admin.register(TranscriptEvent)
 class TranscriptEventAdmin(admin.ModelAdmin):
     list_display = ("session", "seq", "kind", "created_at")
-    list_filter = ("kind",)
+    list_filter = ("kind", "session")
+    ordering = ("session", "seq")
     readonly_fields = ("session", "seq", "kind", "payload", "created_at")
 
     def has_add_permission(self, request):

@@ -15,13 +15,14 @@ can script the server side of a stream while everything else stays real.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
+import httpx
 from django.conf import settings
 from django.db import connection
 from django.db.models import Q
@@ -57,9 +58,11 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
+CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 
-ClientFactory = Callable[[str], CompletionClient]
+#: ``factory(base_url, http=httpx.Client)`` → a completion client using that HTTP client.
+ClientFactory = Callable[..., CompletionClient]
 
 
 def lease_ttl() -> timedelta:
@@ -226,11 +229,32 @@ class Step:
         assembler = ToolCallAssembler()
         usage: Usage | None = None
         finish_reason = None
-        interrupted = False
-        stream = self.client_factory(base_url).stream(messages, tools=catalogue.definitions(), sampling=sampling)
-        last_poll = time.monotonic()
+        # The stream is read here; a watcher thread looks for an interrupt and closes the
+        # connection, so an interrupt works even while llama-server sends nothing (a long
+        # prompt being processed).
+        http = httpx.Client()
+        stop_watching = threading.Event()
+        interrupted = threading.Event()
+
+        def watch_interrupt() -> None:
+            try:
+                while not stop_watching.wait(INTERRUPT_POLL_EVERY):
+                    if self.interrupted():
+                        interrupted.set()
+                        http.close()
+                        return
+            finally:
+                connection.close()
+
+        watcher = threading.Thread(target=watch_interrupt, name=f"interrupt-{self.session_id}", daemon=True)
+        watcher.start()
+        stream = self.client_factory(base_url, http=http).stream(
+            messages, tools=catalogue.definitions(), sampling=sampling
+        )
         try:
             for delta in stream:
+                if interrupted.is_set():
+                    break
                 if isinstance(delta, TextDelta):
                     actions.record_event(self.session_id, "assistant_text", {"text": delta.text})
                 elif isinstance(delta, ReasoningDelta):
@@ -241,21 +265,23 @@ class Step:
                     usage = delta
                 elif isinstance(delta, Finish):
                     finish_reason = delta.reason or finish_reason
-                if time.monotonic() - last_poll >= INTERRUPT_POLL_EVERY:
-                    last_poll = time.monotonic()
-                    if self.interrupted():
-                        interrupted = True
-                        break
         except CompletionError as exc:
-            actions.record_error(self.session_id, str(exc))
-            return "error"
+            if not interrupted.is_set():
+                actions.record_error(self.session_id, str(exc))
+                return "error"
+        except (httpx.HTTPError, RuntimeError):
+            if not interrupted.is_set():
+                raise
         finally:
+            stop_watching.set()
             stream.close()  # closes the HTTP response: llama-server stops generating
+            http.close()
+            watcher.join(2)
         if usage is not None or finish_reason is not None:
             payload = usage.as_payload() if usage is not None else {}
             payload.update({"seed": seed, "finish_reason": finish_reason})
             actions.record_event(self.session_id, "usage", payload)
-        if interrupted:
+        if interrupted.is_set():
             return "interrupted"
         calls = assembler.calls()
         if not calls:
@@ -266,7 +292,9 @@ class Step:
         # call_1 in every reply) is replaced by a fresh one.
         used = {e.payload.get("id") for e in events if e.kind == "tool_start"}
         for call in calls:
-            call_id = call.id if call.id not in used else f"call_{secrets.token_hex(12)}"
+            # Ids go into URLs and DOM ids: anything but a plain token is replaced too.
+            fresh = call.id not in used and CALL_ID.fullmatch(call.id or "")
+            call_id = call.id if fresh else f"call_{secrets.token_hex(12)}"
             used.add(call_id)
             entry = catalogue.get(call.name)
             actions.record_event(
@@ -276,6 +304,7 @@ class Step:
                     "id": call_id,
                     "tool": call.name,
                     "arguments": call.arguments,
+                    "raw_arguments": call.raw_arguments,
                     "input": call.parsed_arguments(),
                     "origin": entry.origin if entry else None,
                     "server": entry.server if entry else None,
@@ -362,7 +391,9 @@ def run_turn_step(
             Step(session_id, owner, client_factory, run_tool or tools.run_tool).run(resumed_after_loss=bool(previous))
     except Exception as exc:  # the turn must end, whatever broke
         log.exception("turn step failed for session %s", session_id)
-        actions.record_error(session_id, f"The turn failed: {exc}")
+        actions.record_error(
+            session_id, f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details."
+        )
         actions.finish_turn(session_id, "error")
     finally:
         release_lease(session_id, owner)

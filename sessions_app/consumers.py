@@ -18,7 +18,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from . import broadcast
 from .actions import can_access
 from .models import AgentSession, TranscriptEvent
-from .presenters import BLOCK_KINDS, QUEUE_KINDS, SILENT_KINDS, TOOL_KINDS, LiveRenderer
+from .presenters import BLOCK_KINDS, NOTE_KINDS, QUEUE_KINDS, SILENT_KINDS, TOOL_KINDS, LiveRenderer
 
 FORBIDDEN = 4403
 
@@ -28,6 +28,9 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
         self.group = broadcast.group_name(self.session_id)
         if not await self._allowed():
+            # Accept, then close with our own code: the page sees 4403 and stops
+            # reconnecting (a refused handshake looks like a network error to a browser).
+            await self.accept()
             await self.close(code=FORBIDDEN)
             return
         query = parse_qs(self.scope.get("query_string", b"").decode())
@@ -90,7 +93,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         """Learn the block the page may hold open at ``last_sent`` (no operations sent)."""
         if self.last_sent == 0:
             return
-        quiet = set(BLOCK_KINDS) | SILENT_KINDS | QUEUE_KINDS
+        quiet = set(BLOCK_KINDS) | SILENT_KINDS | QUEUE_KINDS | NOTE_KINDS
         before = TranscriptEvent.objects.filter(session_id=self.session_id, seq__lte=self.last_sent)
         closing = before.exclude(kind__in=quiet).order_by("-seq").values_list("seq", flat=True).first() or 0
         self.renderer.prime(before.filter(seq__gt=closing).order_by("seq"))

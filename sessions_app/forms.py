@@ -46,12 +46,19 @@ class NewSessionForm(forms.Form):
         self.fields["model_key"].choices = [
             (m.key, m.display_name if m.is_complete else f"{m.display_name} — {m.problem}") for m in self.model_choices
         ]
+        if not self.is_bound and "model_key" not in self.initial:
+            # Preselect a model that can chat: one without a chat template answers badly.
+            usable = [m for m in self.model_choices if m.is_complete]
+            preferred = next((m for m in usable if m.has_chat_template), usable[0] if usable else None)
+            if preferred is not None:
+                self.initial["model_key"] = preferred.key
 
     def _chosen_machine(self) -> Machine | None:
         queryset = self.fields["machine"].queryset
         value = self.data.get("machine") if self.is_bound else self.initial.get("machine")
-        if value:
-            return queryset.filter(pk=getattr(value, "pk", value)).first()
+        value = getattr(value, "pk", value)
+        if value and str(value).isdigit():
+            return queryset.filter(pk=value).first()
         return queryset.first()
 
     def clean_model_key(self) -> str:
@@ -71,6 +78,9 @@ class NewSessionForm(forms.Form):
             except catalog.ModelUnavailable as exc:
                 self.add_error("model_key", str(exc))
         if machine and data.get("working_dir"):
+            if "\x00" in data["working_dir"]:
+                self.add_error("working_dir", "A path cannot contain a NUL character.")
+                return data
             try:
                 transport = transport_for(machine)
                 if not transport.is_dir(data["working_dir"]):
@@ -82,7 +92,12 @@ class NewSessionForm(forms.Form):
         return data
 
     def server_params(self) -> dict:
-        return {k: self.cleaned_data[k] for k in self.SERVER_FIELDS if self.cleaned_data.get(k) not in (None, "")}
+        """The server flags chosen; ``speculative`` only when turned off ("auto" is the default)."""
+        return {
+            k: self.cleaned_data[k]
+            for k in self.SERVER_FIELDS
+            if self.cleaned_data.get(k) not in (None, "") and not (k == "speculative" and self.cleaned_data[k] == "auto")
+        }
 
     def sampling(self) -> dict:
         return {k: self.cleaned_data[k] for k in self.SAMPLING_FIELDS if self.cleaned_data.get(k) is not None}

@@ -115,7 +115,8 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
         except TransportError:
             pass
-        stopped_on_purpose = ServerRecord.objects.filter(pk=record.pk, stopping=True).exists()
+        # Stopped on purpose (a stop, a restart or a model change took the record): say nothing.
+        stopped_on_purpose = not ServerRecord.objects.filter(pk=record.pk, stopping=False).exists()
         ServerRecord.objects.filter(pk=record.pk).delete()
         if not stopped_on_purpose:
             _fail(session, str(exc))
@@ -127,6 +128,8 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
 
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
         transaction.on_commit(lambda: run_turn.delay(session.pk))
+    else:
+        actions.resume_queue(session.pk)
 
 
 def record_catalogue(session_id: int, base_url: str) -> None:
@@ -154,10 +157,18 @@ def _stop_process(session_id: int) -> bool:
 
 
 def stop_server(session_id: int, *, reason: str = "stopped") -> None:
-    """Stop the session's server; status becomes ``exited``."""
+    """Stop the session's server; status becomes ``exited``. A running turn ends (its open
+    questions closed as refusals); queued messages wait for a restart (SPEC §8, §10).
+
+    The status changes first, so the turn that the stop breaks off does not hand the
+    queue to a server that is going away.
+    """
+    actions.set_status(session_id, Status.EXITED)
     _stop_process(session_id)
     actions.record_event(session_id, "server_stopped", {"reason": reason})
-    actions.set_status(session_id, Status.EXITED)
+    session = AgentSession.objects.get(pk=session_id)
+    if session.turn_active and not (session.lease_expires and session.lease_expires > timezone.now()):
+        actions.finish_turn(session_id, "stopped")
 
 
 def restart_server(session_id: int) -> None:

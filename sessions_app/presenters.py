@@ -19,9 +19,14 @@ from django.template.loader import render_to_string
 from .markdown import render_markdown
 
 #: Kinds that neither show nor close a block.
-SILENT_KINDS = frozenset({"status", "catalogue", "turn_end"})
+SILENT_KINDS = frozenset({"status", "catalogue"})
+#: Kinds that show nothing but end the reply block (an interrupted reply has no usage).
+CLOSING_KINDS = frozenset({"turn_end"})
 #: The queue's kinds: shown apart from the transcript (pending bubbles), closing nothing.
 QUEUE_KINDS = frozenset({"message_queued", "message_dropped"})
+#: Notes that may arrive while a reply still streams (an interrupt is seen a moment after
+#: the click): shown after the block, never splitting it.
+NOTE_KINDS = frozenset({"interrupted"})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({"tool_start", "tool_running", "tool_end", "question", "answered"})
 
@@ -40,6 +45,7 @@ def tool_item(events: Iterable) -> dict:
                 display_name=payload.get("display_name") or payload.get("tool", ""),
                 input=payload.get("input"),
                 arguments=payload.get("arguments", ""),
+                raw_arguments=payload.get("raw_arguments"),
                 origin=payload.get("origin"),
                 server=payload.get("server"),
                 writes=payload.get("writes"),
@@ -109,7 +115,11 @@ def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
     items: list[dict] = []
     block: Block | None = None
     calls: dict[str, list] = {}
+    held_notes: list[dict] = []
     for event in events:
+        if event.kind in NOTE_KINDS and block is not None:
+            held_notes.append(event_item(event))
+            continue
         if event.kind in TOOL_KINDS:
             call_id = event.payload.get("id", "")
             if event.kind == "tool_start":
@@ -137,11 +147,14 @@ def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
             block.open = False
             items.append(block.as_item())
             block = None
+        items.extend(held_notes)
+        held_notes = []
         item = event_item(event)
         if item is not None:
             items.append(item)
     if block is not None:
         items.append(block.as_item())
+    items.extend(held_notes)
     return [
         {**tool_item(calls[item["call_id"]]), "session_id": session_id} if item["type"] == "tool-placeholder" else item
         for item in items
@@ -197,6 +210,9 @@ class LiveRenderer:
             return ops
         if kind in SILENT_KINDS:
             return ops
+        if kind in CLOSING_KINDS:
+            self._close(ops, render)
+            return ops
         if kind == "message_queued":
             if render:
                 ops.append({"op": "append", "target": "queue", "html": render_queued(self.session_id, payload)})
@@ -215,6 +231,9 @@ class LiveRenderer:
                 else:
                     ops.append({"op": "replace", "id": item["dom_id"], "html": html})
             return ops
+        if kind in NOTE_KINDS:
+            # Appended after the open block (if any) without closing it.
+            return [{"op": "append", "target": "transcript", "html": render_item(event_item(event))}] if render else []
         block_type = BLOCK_KINDS.get(kind)
         text = payload.get("text", "")
         if block_type and self.block is not None and self.block.type == block_type:

@@ -111,6 +111,7 @@ class Stack:
              "--without-gossip", "--without-mingle", "-l", "info",
              "-s", str(self.data_dir / "celerybeat-schedule")],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its embedded beat is a child: signal the whole group
         )
         from project.celery import app
 
@@ -119,12 +120,16 @@ class Stack:
     def stop_worker(self, sig: int = 15) -> None:
         proc = self.procs.pop("worker", None)
         if proc is not None:
-            proc.send_signal(sig)
+            os.killpg(proc.pid, sig)
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, 9)
                 proc.wait()
+            try:
+                os.killpg(proc.pid, 9)  # whatever of the group is left (beat)
+            except ProcessLookupError:
+                pass
 
     def start_web(self) -> None:
         port = self.base_url.rsplit(":", 1)[1]
@@ -221,6 +226,7 @@ class WSRecorder:
         self._conn = None
         try:
             self._conn = connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, open_timeout=10)
+            self._conn.__enter__()
         except InvalidStatus as exc:
             self.refused_status = exc.response.status_code
             return

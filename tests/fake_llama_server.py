@@ -86,6 +86,9 @@ class Handler(BaseHTTPRequestHandler):
         with LOCK:
             REQUESTS.append(body)
             reply = SCRIPT.pop(0) if SCRIPT else {"text": "done."}
+            if os.environ.get("FAKE_SCRIPT"):  # a restarted stand-in goes on where this one stopped
+                with open(os.environ["FAKE_SCRIPT"], "w") as f:
+                    json.dump(SCRIPT, f)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()

@@ -66,10 +66,17 @@ def test_it_refuses_bobs_websocket_and_a_strangers(stack, alices_session, alice,
         stack.ws_url(alices_session.pk), cookie=f"sessionid={bob_client.cookies['sessionid'].value}",
         origin=stack.base_url,
     )
-    # Closed before accept: daphne refuses the handshake itself (HTTP 403), nothing is sent.
-    assert ws.refused_status == 403 and ws.messages == []
+    # Accepted, then closed with 4403 before anything is sent (the page stops retrying).
+    wait_for(lambda: ws.close_code is not None, 10, what="the socket to be closed")
+    assert ws.close_code == 4403 and ws.messages == []
     anonymous = WSRecorder(stack.ws_url(alices_session.pk), cookie="", origin=stack.base_url)
-    assert anonymous.refused_status == 403
+    wait_for(lambda: anonymous.close_code is not None, 10, what="the socket to be closed")
+    assert anonymous.close_code == 4403 and anonymous.messages == []
+    other_port = WSRecorder(
+        stack.ws_url(alices_session.pk), cookie=f"sessionid={logged_in(alice).cookies['sessionid'].value}",
+        origin="http://127.0.0.1:1",
+    )
+    assert other_port.refused_status == 403, "a page on another port of this host must not ride alice's cookie"
     foreign = WSRecorder(
         stack.ws_url(alices_session.pk), cookie=f"sessionid={logged_in(alice).cookies['sessionid'].value}",
         origin="http://evil.example",

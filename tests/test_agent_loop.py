@@ -53,7 +53,7 @@ def real_session(local_machine, alice, tmp_path):
 
 
 def step(session, model_side):
-    agent.run_turn_step(session.pk, client_factory=lambda _url: CompletionClient(model_side.url))
+    agent.run_turn_step(session.pk, client_factory=lambda _url, **kw: CompletionClient(model_side.url, **kw))
 
 
 def events_of(session, *kinds):

@@ -135,3 +135,53 @@ def test_a_tool_question_is_answered_with_a_click_and_the_output_appears_in_the_
     page.wait_for_selector(".msg.assistant .md", state="attached")
     page.wait_for_selector("#status-badge[data-status=idle]")
     page.screenshot(path=str(stack.data_dir / "browser-tool-row.png"))
+
+
+def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fake_machine, alice, tmp_path):
+    """Issue 4, done-means 8 (the model side is the stand-in, streaming slowly)."""
+    from machines_app.models import ServerRecord
+
+    slow = " ".join(f"baa{i}" for i in range(80))
+    machine = fake_machine([{"text": slow, "delay": 0.2}, {"text": "Hello from the other model."}])
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(stack.base_url + "/sessions/new/")
+    page.select_option("#id_machine", str(machine.pk))
+    page.wait_for_selector("#id_model_key option >> text=Smollm2", state="attached")
+    page.select_option("#id_model_key", machine.model_files.get(architecture="llama").key)
+    page.fill("#id_working_dir", str(tmp_path))
+    page.click("#new-session button[type=submit]")
+    page.wait_for_url("**/sessions/*/")
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    session = AgentSession.objects.get(owner=alice)
+
+    page.fill("#id_text", "Count sheep slowly.")
+    page.press("#id_text", "Enter")
+    page.wait_for_selector(".msg.assistant.streaming .raw:not(:empty)")
+    page.fill("#id_text", "Then count goats.")
+    page.press("#id_text", "Enter")
+    bubble = page.locator(".msg.user.pending", has_text="Then count goats.")
+    bubble.wait_for()
+    bubble.locator("button", has_text="Withdraw").click()
+    bubble.wait_for(state="detached")
+
+    page.click("#stop-button")
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    page.wait_for_selector(".msg.assistant:not(.streaming) .md")
+    wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="turn_end").exists(), 10, what="turn end")
+    assert TranscriptEvent.objects.get(session=session, kind="turn_end").payload["reason"] == "interrupted"
+    assert not TranscriptEvent.objects.filter(session=session, kind="message_taken", payload__text="Then count goats.")
+
+    old_pid = ServerRecord.objects.get(session=session).pid
+    page.click("details.settings summary")
+    page.select_option("#switch-model", machine.model_files.get(architecture="gemma3").key)
+    page.once("dialog", lambda dialog: dialog.accept())  # the prompt-cache warning
+    page.click(".model-switch button[type=submit]")
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).model_key.startswith("gemma"), 10, what="the switch")
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    wait_for(lambda: ServerRecord.objects.filter(session=session).exclude(pid=old_pid).exists(), 30, what="new server")
+
+    page.fill("#id_text", "Hello?")
+    page.press("#id_text", "Enter")
+    page.locator(".msg.assistant .md", has_text="Hello from the other model.").wait_for()
+    page.screenshot(path=str(stack.data_dir / "browser-lifecycle.png"))

@@ -629,8 +629,8 @@ def test_case_c12_split_parts_are_grouped_per_directory_and_prefix(tmp_path: Pat
     write_split_set(tmp_path / "one", "Z", name="Zed")
     models = discover_dir(tmp_path)
     assert [(m.display_name, m.key, m.missing_parts) for m in models] == [
-        ("Same (X-00001-of-00003.gguf)", "one/X-00001-of-00003.gguf", ()),
-        ("Same (X-00001-of-00003.gguf)", "two/X-00001-of-00003.gguf", ()),
+        ("Same (one/X-00001-of-00003.gguf)", "one/X-00001-of-00003.gguf", ()),
+        ("Same (two/X-00001-of-00003.gguf)", "two/X-00001-of-00003.gguf", ()),
         ("Zed", "one/Z-00001-of-00003.gguf", ()),
     ]
 
@@ -791,3 +791,17 @@ def test_it_names_the_pip_package_when_a_demo_model_is_missing(
     monkeypatch.setattr(demo_models, attribute, "corral_no_such_package_xyz")
     with pytest.raises(FileNotFoundError, match=f"pip install {package}"):
         packaged_model_paths(cache_dir=tmp_path)
+
+
+def test_case_c13_same_names_in_two_folders_are_told_apart_by_path(tmp_path) -> None:
+    for folder in ("", "sub"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        writer = GGUFWriter(str(tmp_path / folder / "a.gguf"), "llama")
+        writer.add_name("Same")
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    files = [("a.gguf", (tmp_path / "a.gguf").stat().st_size), ("sub/a.gguf", (tmp_path / "sub/a.gguf").stat().st_size)]
+    infos = discover(files, lambda key, n: (tmp_path / key).read_bytes()[:n])
+    assert sorted(i.display_name for i in infos) == ["Same (a.gguf)", "Same (sub/a.gguf)"]

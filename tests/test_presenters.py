@@ -1,0 +1,60 @@
+"""What the page shows of a transcript (SPEC §12): first paint and live operations agree."""
+
+from __future__ import annotations
+
+from sessions_app.presenters import LiveRenderer, build_items
+from sessions_app.transcript import Event
+
+
+def events(*specs):
+    return [Event(seq=i + 1, kind=kind, payload=payload) for i, (kind, payload) in enumerate(specs)]
+
+
+STREAM_WITH_INTERRUPT = events(
+    ("message_taken", {"text": "count", "author": "alice"}),
+    ("assistant_text", {"text": "one "}),
+    ("interrupted", {"by": "alice"}),
+    ("assistant_text", {"text": "two"}),
+    ("turn_end", {"reason": "interrupted"}),
+)
+
+
+def test_it_keeps_a_reply_whole_when_the_interrupt_arrives_mid_stream():
+    items = build_items(STREAM_WITH_INTERRUPT)
+    assert [i["type"] for i in items] == ["user", "assistant", "note"]
+    assert items[1]["text"] == "one two" and items[1]["open"] is False
+
+
+def test_it_streams_into_one_block_live_and_closes_it_into_markdown():
+    renderer = LiveRenderer(1)
+    ops = [op for e in STREAM_WITH_INTERRUPT for op in renderer.feed(e)]
+    # user bubble, the block, the note (after the block, not splitting it), more text,
+    # then turn_end closes the block into Markdown.
+    assert [op["op"] for op in ops] == ["append", "append", "append", "text", "replace"]
+    assert ops[1]["html"].count('id="a-2"') == 1 and ops[3] == {"op": "text", "id": "a-2", "text": "two"}
+    assert ops[4]["id"] == "a-2" and "one two" in ops[4]["html"] and "streaming" not in ops[4]["html"]
+
+
+def test_it_escapes_what_people_and_models_write():
+    hostile = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
+    items = build_items(events(
+        ("message_taken", {"text": hostile, "author": "<b>mallory</b>"}),
+        ("assistant_text", {"text": hostile}),
+        ("error", {"message": hostile}),
+        ("tool_start", {"id": "c1", "tool": "read_file", "arguments": hostile, "display_name": hostile}),
+        ("tool_end", {"id": "c1", "output": hostile}),
+    ), session_id=1)
+    from sessions_app.presenters import render_item
+
+    html = "".join(render_item(item) for item in items)
+    assert "<script>" not in html and "<img" not in html and "<b>mallory" not in html
+    assert "&lt;script&gt;" in html
+
+
+def test_queue_events_show_apart_and_resolve():
+    renderer = LiveRenderer(7)
+    queued = renderer.feed(Event(1, "message_queued", {"id": "q1", "text": "later", "author": "bob"}))
+    assert queued[0]["target"] == "queue" and 'id="q-q1"' in queued[0]["html"] and "/sessions/7/queue/q1/drop/" in queued[0]["html"]
+    assert renderer.feed(Event(2, "message_dropped", {"id": "q1"})) == [{"op": "remove", "id": "q-q1"}]
+    taken = renderer.feed(Event(3, "message_taken", {"text": "later", "queued_id": "q2", "author": "bob"}))
+    assert taken[0] == {"op": "remove", "id": "q-q2"} and taken[1]["target"] == "transcript"
