@@ -30,6 +30,7 @@ from django.utils import timezone
 
 from . import actions, lifecycle, tools, transcript
 from .completions import (
+    AbortableHTTP,
     CompletionClient,
     CompletionError,
     Finish,
@@ -232,7 +233,7 @@ class Step:
         # The stream is read here; a watcher thread looks for an interrupt and closes the
         # connection, so an interrupt works even while llama-server sends nothing (a long
         # prompt being processed).
-        http = httpx.Client()
+        http = AbortableHTTP()
         stop_watching = threading.Event()
         interrupted = threading.Event()
 
@@ -241,14 +242,14 @@ class Step:
                 while not stop_watching.wait(INTERRUPT_POLL_EVERY):
                     if self.interrupted():
                         interrupted.set()
-                        http.close()
+                        http.abort()
                         return
             finally:
                 connection.close()
 
         watcher = threading.Thread(target=watch_interrupt, name=f"interrupt-{self.session_id}", daemon=True)
         watcher.start()
-        stream = self.client_factory(base_url, http=http).stream(
+        stream = self.client_factory(base_url, http=http.client).stream(
             messages, tools=catalogue.definitions(), sampling=sampling
         )
         try:

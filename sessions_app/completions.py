@@ -19,12 +19,15 @@ import json
 import math
 import re
 import secrets
+import socket
 import string
+import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import httpcore
 import httpx
 
 __all__ = [
@@ -704,3 +707,46 @@ class ToolCallAssembler:
             raw = received if received != arguments else None
             result.append(ToolCall(id=call.id, name=call.name, arguments=arguments, raw_arguments=raw))
         return result
+
+
+class _RecordingBackend(httpcore.SyncBackend):
+    """httpcore's own socket backend, keeping the sockets it opens so they can be shut down."""
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        stream = super().connect_tcp(*args, **kwargs)
+        with self._lock:
+            self.sockets.append(stream.get_extra_info("socket"))
+        return stream
+
+
+class AbortableHTTP:
+    """An ``httpx.Client`` whose connections another thread can break off at once.
+
+    Closing a socket does not wake a thread blocked reading it; shutting it down does.
+    llama-server sends no byte while it processes a long prompt, so an interrupt must be
+    able to end a read that may otherwise last minutes; the shutdown also tells
+    llama-server that the client is gone, so it stops working on the request.
+    """
+
+    def __init__(self) -> None:
+        self._backend = _RecordingBackend()
+        transport = httpx.HTTPTransport()
+        # httpx offers no public way to pass httpcore a network backend.
+        transport._pool._network_backend = self._backend
+        self.client = httpx.Client(transport=transport)
+
+    def abort(self) -> None:
+        with self._backend._lock:
+            sockets = list(self._backend.sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+    def close(self) -> None:
+        self.client.close()
