@@ -1,8 +1,6 @@
-from django.contrib import admin, messages
+from django.contrib import admin
 
-from . import catalog
 from .models import Machine, ModelFile, ServerRecord
-from .transports import TransportError
 
 
 @admin.register(Machine)
@@ -14,13 +12,12 @@ class MachineAdmin(admin.ModelAdmin):
 
     @admin.action(description="Refresh models (read GGUF heads)")
     def refresh_models(self, request, queryset):
+        from .tasks import refresh_models
+
         for machine in queryset:
-            try:
-                found = catalog.refresh_models(machine)
-            except TransportError as exc:
-                self.message_user(request, f"{machine.name}: {exc}", messages.ERROR)
-            else:
-                self.message_user(request, f"{machine.name}: {len(found)} model(s) found.")
+            refresh_models.delay(machine.pk)
+        names = ", ".join(m.name for m in queryset)
+        self.message_user(request, f"Reading model files on {names}; reload this page in a moment.")
 
 
 @admin.register(ModelFile)

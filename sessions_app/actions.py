@@ -261,6 +261,22 @@ def _close_questions(locked: AgentSession, events, reason: str) -> None:
         )
 
 
+def _take_next(locked: AgentSession, events) -> bool:
+    """Start a turn with the oldest queued message, in the caller's transaction; False
+    when the queue is empty. The lease is handed back here too, so the step enqueued for
+    the message can claim it even before the finishing step has let go."""
+    pending = transcript.pending_queue(events)
+    if not pending:
+        return False
+    item = pending[0]
+    _append(locked, "message_taken", {"text": item["text"], "queued_id": item["id"], "author": item["author"]})
+    AgentSession.objects.filter(pk=locked.pk).update(
+        turn_active=True, interrupt_requested=False, lease_owner="", lease_expires=None
+    )
+    _enqueue_turn(locked.pk)
+    return True
+
+
 def finish_turn(session_id: int, reason: str) -> None:
     """End the running turn and, in the same transaction, take the next queued message
     (SPEC §6.8, §10): a message is never stranded with nothing running. Open questions
@@ -271,17 +287,7 @@ def finish_turn(session_id: int, reason: str) -> None:
         _close_questions(locked, events, reason)
         if transcript.open_turn(events):
             _append(locked, "turn_end", {"reason": reason})
-        pending = transcript.pending_queue(events)
-        if pending and locked.status not in (Status.EXITED,):
-            item = pending[0]
-            _append(locked, "message_taken", {"text": item["text"], "queued_id": item["id"], "author": item["author"]})
-            # The step that finished hands the lease back here, in the same transaction,
-            # so the step enqueued for the next message can claim it.
-            AgentSession.objects.filter(pk=session_id).update(
-                turn_active=True, interrupt_requested=False, lease_owner="", lease_expires=None
-            )
-            _enqueue_turn(session_id)
-        else:
+        if locked.status == Status.EXITED or not _take_next(locked, events):
             AgentSession.objects.filter(pk=session_id).update(turn_active=False, interrupt_requested=False)
             if locked.status in (Status.RUNNING, Status.AWAITING_INPUT):
                 AgentSession.objects.filter(pk=session_id).update(status=Status.IDLE)
@@ -295,12 +301,7 @@ def resume_queue(session_id: int) -> None:
         locked = _locked(session_id)
         if locked.turn_active or locked.status in (Status.EXITED, Status.LOADING):
             return
-        pending = transcript.pending_queue(load_events(session_id))
-        if pending:
-            item = pending[0]
-            _append(locked, "message_taken", {"text": item["text"], "queued_id": item["id"], "author": item["author"]})
-            AgentSession.objects.filter(pk=session_id).update(turn_active=True, interrupt_requested=False)
-            _enqueue_turn(session_id)
+        _take_next(locked, load_events(session_id))
 
 
 def do_interrupt(session: AgentSession, user) -> None:

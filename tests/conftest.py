@@ -284,3 +284,13 @@ def fake_machine(db, tmp_path, real_models_dir):
         return machine
 
     return make
+
+
+@pytest.fixture
+def model_side():
+    """A scripted chat-completions endpoint standing in for the model side of a stream."""
+    from .scripted_server import ScriptedServer
+
+    scripted = ScriptedServer()
+    yield scripted
+    scripted.close()

@@ -14,7 +14,7 @@ from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import model_key
-from .scripted_server import ScriptedServer, chunk, sse
+from .scripted_server import chunk, sse
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
 
@@ -30,13 +30,6 @@ def tool_call_reply(*calls: tuple[str, str]) -> list[bytes]:
 
 def text_reply(text: str) -> list[bytes]:
     return [sse(chunk({"content": text})), sse(chunk({}, finish_reason="stop")), b"data: [DONE]\n\n"]
-
-
-@pytest.fixture
-def model_side():
-    scripted = ScriptedServer()
-    yield scripted
-    scripted.close()
 
 
 @pytest.fixture
@@ -231,3 +224,17 @@ def test_an_unreachable_mcp_server_is_reported_and_the_session_still_starts(loca
     errors = [e.payload["message"] for e in events_of(session, "error")]
     assert any("MCP server 'gone'" in message for message in errors), errors
     assert "read_file" in {entry["name"] for entry in events_of(session, "catalogue")[-1].payload["tools"]}
+
+
+def test_the_page_lists_each_tool_with_where_it_runs_and_whether_it_writes(real_session, alice):
+    from django.test import Client
+
+    client = Client()
+    client.force_login(alice)
+    page = client.get(f"/sessions/{real_session.pk}/").content.decode()
+    listing = page[page.index('id="tool-list"'):]
+    row = listing[listing.index("<code>exec_shell_command</code>"):]
+    row = row[: row.index("</tr>")]
+    assert "(the model's machine)" in row and "writes" in row
+    row = listing[listing.index("<code>read_file</code>"):]
+    assert "read-only" in row[: row.index("</tr>")]

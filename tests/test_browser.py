@@ -65,7 +65,7 @@ def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page
     option = page.locator("#id_model_key option", has_text="SmolLM2")
     page.select_option("#id_model_key", value=option.first.get_attribute("value"))
     page.fill("#id_working_dir", str(tmp_path))
-    page.fill("#id_max_tokens", "60")
+    page.fill("#id_max_tokens", "120")
     page.fill("#id_contextSize", "2048")
     page.click("#new-session button[type=submit]")
     page.wait_for_url("**/sessions/*/")
@@ -77,8 +77,14 @@ def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page
     page.press("#id_text", "Enter")
 
     # While the turn runs, text appears in the streaming block before the turn ends.
-    page.wait_for_selector(".msg.assistant.streaming .raw:not(:empty)", timeout=60_000)
-    seen_while_streaming = page.inner_text(".msg.assistant.streaming .raw")
+    seen_while_streaming = page.wait_for_function(
+        """() => {
+            const el = document.querySelector('.msg.assistant.streaming .raw');
+            return el && el.textContent.trim() ? el.textContent : null;
+        }""",
+        timeout=60_000,
+        polling=20,
+    ).json_value()
     assert seen_while_streaming.strip()
     wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="turn_end").exists(), 120, what="turn end")
     page.wait_for_selector(".msg.assistant:not(.streaming) .md")

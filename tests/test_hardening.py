@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from django.db import connection
 from django.test import Client
 from gguf import GGUFWriter
 
@@ -17,7 +18,7 @@ from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import model_key, wait_for
-from .scripted_server import ScriptedServer, chunk, sse
+from .scripted_server import chunk, sse
 from .test_agent_loop import text_reply, tool_call_reply
 
 
@@ -27,13 +28,6 @@ def payloads(session, kind):
 
 def fresh(session):
     return AgentSession.objects.get(pk=session.pk)
-
-
-@pytest.fixture
-def model_side():
-    scripted = ScriptedServer()
-    yield scripted
-    scripted.close()
 
 
 @pytest.fixture
@@ -138,7 +132,13 @@ def test_a_call_id_that_is_not_a_plain_token_is_replaced_and_the_page_renders(sc
 def test_interrupt_works_while_the_stream_stalls(scripted_session, alice, model_side):
     model_side.will_answer(20.0, sse(chunk({"content": "late"})), b"data: [DONE]\n\n")  # a long prompt: nothing for 20 s
     actions.do_send_message(scripted_session, alice, "a very long prompt")
-    step = threading.Thread(target=agent.run_turn_step, args=(scripted_session.pk,))
+    def run_step() -> None:
+        try:
+            agent.run_turn_step(scripted_session.pk)
+        finally:
+            connection.close()  # this thread's own connection
+
+    step = threading.Thread(target=run_step)
     step.start()
     wait_for(lambda: fresh(scripted_session).status == "running", 10, what="the step to start")
     time.sleep(0.5)
