@@ -98,6 +98,10 @@ class Transport(ABC):
     def is_dir(self, path: str) -> bool:
         """Whether ``path`` is an existing directory on that machine."""
 
+    @abstractmethod
+    def is_file(self, path: str) -> bool:
+        """Whether ``path`` is an existing file on that machine."""
+
     def stop(self, proc: ProcessId, grace: float = 5.0) -> None:
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL (case C21: a llama-server
         that served tool calls was seen to hang in "cleaning up before exit…")."""
@@ -198,6 +202,12 @@ class LocalTransport(Transport):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+
+    def is_file(self, path: str) -> bool:
+        try:
+            return Path(path).is_file()
+        except (OSError, ValueError):
+            return False
 
     def is_dir(self, path: str) -> bool:
         try:

@@ -81,6 +81,12 @@ def start_server(session_id: int) -> None:
             params=session.server_params,
             has_mtp=model.has_mtp,
         )
+        if not transport.is_file(model.path):
+            # Listed once, gone since: say so in the machine's terms, before anything starts.
+            raise catalog.ModelUnavailable(
+                f"Machine '{session.machine.name}' has no file {model.path} any more; the model file has to be "
+                "on that machine (refresh the model list after copying it there)."
+            )
         log_path = log_path_for(session)
         actions.set_status(session.pk, Status.LOADING)
         proc = transport.spawn(build_argv(spec), log_path, cwd=None)
@@ -185,19 +191,30 @@ def watch_servers() -> None:
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can."""
     for record in ServerRecord.objects.filter(ready_at__isnull=False, stopping=False).select_related("machine"):
-        transport = transport_for(record.machine)
-        try:
-            alive = transport.process_alive(_proc(record))
-        except TransportError:
-            actions.set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
-            continue
-        if alive:
-            actions.set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
-            continue
-        # Delete first, conditionally, so two watchers never both report the death.
-        if ServerRecord.objects.filter(pk=record.pk, stopping=False).delete()[0] == 0:
-            continue
-        tail = transport.log_tail(record.log_path)
-        message = "llama-server exited." + (f" It last said:\n{tail}" if tail else "")
-        session = AgentSession.objects.get(pk=record.session_id)
-        _fail(session, message)
+        check_server(record)
+
+
+def check_session_server(session_id: int) -> None:
+    """Check one session's server now (a turn whose stream broke off asks this, so a dead
+    server shows ``exited`` at once rather than ``idle`` until the next watch)."""
+    record = ServerRecord.objects.filter(session_id=session_id, stopping=False).select_related("machine").first()
+    if record is not None:
+        check_server(record)
+
+
+def check_server(record: ServerRecord) -> None:
+    transport = transport_for(record.machine)
+    try:
+        alive = transport.process_alive(_proc(record))
+    except TransportError:
+        actions.set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
+        return
+    if alive:
+        actions.set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
+        return
+    # Delete first, conditionally, so two watchers never both report the death.
+    if ServerRecord.objects.filter(pk=record.pk, stopping=False).delete()[0] == 0:
+        return
+    tail = transport.log_tail(record.log_path)
+    message = "llama-server exited." + (f" It last said:\n{tail}" if tail else "")
+    _fail(AgentSession.objects.get(pk=record.session_id), message)

@@ -231,6 +231,10 @@ class LiveRenderer:
                 else:
                     ops.append({"op": "replace", "id": item["dom_id"], "html": html})
             return ops
+        if kind == "settings" and payload.get("model") and render:
+            ops.append({"op": "replace", "id": "model-name",
+                        "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],
+                                                                                   "key": payload.get("model_key", "")})})
         if kind in NOTE_KINDS:
             # Appended after the open block (if any) without closing it.
             return [{"op": "append", "target": "transcript", "html": render_item(event_item(event))}] if render else []

@@ -186,6 +186,7 @@ def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fa
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).model_key.startswith("gemma"), 10, what="the switch")
     page.wait_for_selector("#status-badge[data-status=idle]")
     wait_for(lambda: ServerRecord.objects.filter(session=session).exclude(pid=old_pid).exists(), 30, what="new server")
+    page.locator("#model-name", has_text="Gemma 3 270m").wait_for()  # the header follows the switch live
 
     page.fill("#id_text", "Hello?")
     page.press("#id_text", "Enter")

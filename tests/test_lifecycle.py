@@ -206,3 +206,16 @@ def test_clear_makes_the_next_request_start_after_the_marker(stack, local_machin
     assert transcript.build_messages(actions.load_events(session.pk))[0] == {"role": "user", "content": "hi"}
     with pytest.raises(actions.SessionError, match="not supported for llama.cpp sessions"):
         actions.do_send_message(fresh(session), alice, "/compact")
+
+
+def test_a_server_killed_mid_reply_goes_straight_to_exited(stack, local_machine, alice, tmp_path):
+    session = idle_session(local_machine, alice, tmp_path, max_tokens=1500)
+    record = ServerRecord.objects.get(session=session)
+    actions.do_send_message(session, alice, "Write a very long essay about shearing.")
+    wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 60, what="streaming")
+    os.kill(record.pid, 9)
+    turns_ended(session, 1, timeout=20)
+    wait_for(lambda: fresh(session).status == "exited", 5, what="exited")
+    statuses = [p["status"] for p in payloads(session, "status")]
+    assert statuses[-2:] == ["running", "exited"], statuses  # never shown idle on a dead server
+    assert "".join(p["text"] for p in payloads(session, "assistant_text"))  # the partial reply stays

@@ -204,3 +204,23 @@ def test_case_c21_stop_leaves_no_real_server_behind(stack, alice, local_machine,
     lifecycle.stop_server(session.pk)
     assert not LocalTransport().process_alive(ProcessId(record.pid, record.start_time))
     assert not Path(f"/proc/{record.pid}").exists() or "Z" in Path(f"/proc/{record.pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_model_file_removed_after_discovery_is_refused_in_the_machines_terms(stack, alice, llama_server_bin,
+                                                                              real_models_dir, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    source = next(p for p in real_models_dir.iterdir() if "SmolLM2" in p.name)
+    (models / source.name).symlink_to(source.resolve())
+    machine = Machine.objects.create(name="shrinking", models_dir=str(models), llama_server_path=llama_server_bin)
+    catalog.refresh_models(machine)
+    (models / source.name).unlink()
+    session = actions.do_create_session(
+        alice, machine=machine, model_key=source.name, working_dir=str(tmp_path), server_params={}, sampling={},
+        permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "exited", 30, what="exited")
+    error = TranscriptEvent.objects.filter(session=session, kind="error").last().payload["message"]
+    assert "Machine 'shrinking' has no file" in error and "has to be on that machine" in error
+    assert not ServerRecord.objects.filter(session=session).exists()
