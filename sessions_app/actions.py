@@ -119,7 +119,12 @@ def do_create_session(
             title=title,
             status=Status.LOADING,
         )
-        record_event(session.pk, "settings", {"model_key": model_key, "permission_mode": permission_mode})
+        record_event(
+            session.pk,
+            "settings",
+            {"model_key": model_key, "permission_mode": permission_mode, "sampling": sampling,
+             "server_params": server_params},
+        )
         transaction.on_commit(lambda: start_server.delay(session.pk))
     return session
 

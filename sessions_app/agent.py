@@ -306,7 +306,8 @@ class Step:
             pending.flush()  # what was seen stays (SPEC §6: an interrupted reply is kept)
             if not interrupted.is_set():
                 actions.record_error(self.session_id, str(exc))
-                lifecycle.check_session_server(self.session_id)  # a dead server: exited now
+                if exc.status is None:  # no HTTP answer at all: is the server still there?
+                    lifecycle.check_session_server(self.session_id)
                 return "error"
         except (httpx.HTTPError, RuntimeError):
             if not interrupted.is_set():

@@ -88,6 +88,13 @@ class Block:
         return item
 
 
+def _setting(value) -> str:
+    """A settings value as a person reads it: ``{"top_k": 40}`` → ``top_k=40``."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "defaults"
+    return str(value)
+
+
 def event_item(event) -> dict | None:
     """The display item of one non-block event, or None when it shows nothing by itself."""
     kind, payload, seq = event.kind, event.payload, event.seq
@@ -105,7 +112,7 @@ def event_item(event) -> dict | None:
     if kind == "server_stopped":
         return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped."}
     if kind == "settings":
-        parts = [f"{key} → {value}" for key, value in payload.items() if key != "by"]
+        parts = [f"{key} → {_setting(value)}" for key, value in payload.items() if key != "by"]
         return {"type": "note", "dom_id": dom_id, "text": "Settings: " + ", ".join(parts)}
     return None
 

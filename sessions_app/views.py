@@ -65,7 +65,9 @@ def refresh_models(request: HttpRequest, machine_id: int) -> HttpResponse:
     if machine is None:
         return HttpResponse(status=404)
     refresh_task.delay(machine.pk)
-    return render(request, "sessions_app/_refreshing.html", {"machine": machine, "since": machine.models_refreshed_at.isoformat() if machine.models_refreshed_at else ""})
+    since = machine.models_refreshed_at.isoformat() if machine.models_refreshed_at else ""
+    context = {"machine": machine, "since": since, "selected": request.POST.get("model_key", "")}
+    return render(request, "sessions_app/_refreshing.html", context)
 
 
 @require_GET
@@ -75,10 +77,11 @@ def refresh_status(request: HttpRequest, machine_id: int) -> HttpResponse:
         return HttpResponse(status=404)
     since = request.GET.get("since", "")
     done = machine.models_refreshed_at is not None and machine.models_refreshed_at.isoformat() != since
+    selected = request.GET.get("selected", "")
     if not done:
-        return render(request, "sessions_app/_refreshing.html", {"machine": machine, "since": since})
+        return render(request, "sessions_app/_refreshing.html", {"machine": machine, "since": since, "selected": selected})
     models = list(catalog.models_for(machine))
-    return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine})
+    return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine, "selected": selected})
 
 
 def _session_context(session: AgentSession) -> dict:

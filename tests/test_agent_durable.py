@@ -9,6 +9,7 @@ the product, the worker, Redis, the database and the websockets are real.
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 from django.test import Client
@@ -118,13 +119,10 @@ def test_a_worker_killed_while_a_command_runs_never_runs_it_again(stack, fake_ma
                             {"text": "ok"}])
     session = start_session(machine, alice, tmp_path, mode="bypassPermissions")
     actions.do_send_message(session, alice, "run it")
-    wait_for(lambda: kinds(session, "tool_running"), 20, what="the command to start")
+    wait_for(lambda: kinds(session, "tool_running") and counter.exists(), 20, what="the command to start")
     stack.stop_worker(sig=signal.SIGKILL)
     stack.start_worker()
     wait_for(lambda: kinds(session, "turn_end"), 40, what="the turn to end after recovery")
     assert kinds(session, "tool_end")[0]["output"] == agent.WORKER_LOST_RESULT
-    wait_for(lambda: counter.exists(), 10, what="the first run's mark")
-    import time
-
     time.sleep(7)
     assert counter.read_text().count("run") == 1

@@ -60,11 +60,14 @@ def test_it_lists_models_by_their_gguf_name_everywhere(local_machine, alice, dja
 def test_refresh_models_runs_as_a_celery_task_and_the_picker_reloads(stack, alice, real_models_dir, llama_server_bin):
     machine = Machine.objects.create(name="fresh", models_dir=str(real_models_dir), llama_server_path=llama_server_bin)
     client = logged_in(alice)
-    response = client.post(f"/machines/{machine.pk}/refresh/")
+    response = client.post(f"/machines/{machine.pk}/refresh/", {"model_key": "gemma-3-270m-q4_k_m.gguf"})
     assert "Reading model files" in response.content.decode()
+    assert "selected=gemma-3-270m-q4_k_m.gguf" in response.content.decode()  # the choice survives the refresh
     wait_for(lambda: ModelFile.objects.filter(machine=machine).count() == 2, 30, what="the worker's discovery")
-    status = client.get(f"/machines/{machine.pk}/refresh/status/?since=").content.decode()
-    assert "Gemma 3 270m" in status and "<select" in status
+    status = client.get(f"/machines/{machine.pk}/refresh/status/?since=&selected=gemma-3-270m-q4_k_m.gguf")
+    html = status.content.decode()
+    assert "Gemma 3 270m" in html and "<select" in html
+    assert 'value="gemma-3-270m-q4_k_m.gguf" selected' in html
 
 
 @pytest.mark.django_db
