@@ -166,8 +166,9 @@ class LeaseKeeper:
 
 
 class Fragments:
-    """Streamed text on its way into the transcript, written at most every
-    ``FRAGMENT_FLUSH_EVERY`` seconds.
+    """Streamed text on its way into the transcript, stored in batches: the fragments
+    that arrive within ``FRAGMENT_FLUSH_EVERY`` seconds of the last write go into one event
+    (written when the next fragment comes after the window, or when the reply ends).
 
     One database write per token would hold the reader back (SPEC §13: a browser must
     see ≥ 0.97× the tokens/s of a direct client): fragments that arrive within one

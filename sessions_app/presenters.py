@@ -187,7 +187,8 @@ class LiveRenderer:
     know an open block) without producing operations. Operations (JSON-able dicts):
     ``{"op": "append", "target": id, "html": …}``, ``{"op": "text", "id": id, "text": …}``,
     ``{"op": "replace", "id": id, "html": …}``, ``{"op": "remove", "id": id}``,
-    ``{"op": "status", "status": …, "html": …}``.
+    ``{"op": "status", "status": …, "html": …}``, ``{"op": "value", "id": id, "value": …}``
+    (a control that follows a setting changed elsewhere).
     """
 
     def __init__(self, session_id: int, call_events=None) -> None:
@@ -238,6 +239,8 @@ class LiveRenderer:
                 else:
                     ops.append({"op": "replace", "id": item["dom_id"], "html": html})
             return ops
+        if kind == "settings" and payload.get("permission_mode") and render:
+            ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
         if kind == "settings" and payload.get("model") and render:
             ops.append({"op": "replace", "id": "model-name",
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],

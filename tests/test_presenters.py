@@ -58,3 +58,8 @@ def test_queue_events_show_apart_and_resolve():
     assert renderer.feed(Event(2, "message_dropped", {"id": "q1"})) == [{"op": "remove", "id": "q-q1"}]
     taken = renderer.feed(Event(3, "message_taken", {"text": "later", "queued_id": "q2", "author": "bob"}))
     assert taken[0] == {"op": "remove", "id": "q-q2"} and taken[1]["target"] == "transcript"
+
+
+def test_a_mode_change_made_elsewhere_moves_every_pages_switch():
+    ops = LiveRenderer(1).feed(Event(1, "settings", {"permission_mode": "bypassPermissions", "by": "bob"}))
+    assert {"op": "value", "id": "permission-mode", "value": "bypassPermissions"} in ops

@@ -31,6 +31,9 @@
       const el = document.getElementById(op.id);
       const raw = el && el.querySelector(".raw");
       if (raw) raw.appendChild(document.createTextNode(op.text));  // text, never markup
+    } else if (op.op === "value") {
+      const el = document.getElementById(op.id);
+      if (el && el.value !== op.value) el.value = op.value;
     } else if (op.op === "status") {
       const badge = document.getElementById("status-badge");
       if (badge) { badge.outerHTML = op.html.replace("<span ", '<span id="status-badge" '); }
