@@ -200,6 +200,11 @@ def _wait_for_other_connections_to_close() -> None:
             if cursor.fetchone()[0] == 0:
                 return
             time.sleep(0.1)
+        cursor.execute(
+            "SELECT pid, application_name, client_port, state, left(query, 80) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        print("still connected to the test database:", cursor.fetchall(), file=sys.stderr)
 
 
 @pytest.fixture
