@@ -38,7 +38,9 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             self.last_sent = max(0, int(query.get("after", ["0"])[0]))
         except ValueError:
             self.last_sent = 0
-        self.renderer = LiveRenderer(self.session_id, call_events=self._call_events)
+        self.renderer = LiveRenderer(
+            self.session_id, call_events=self._call_events, machine_name=await self._machine_name()
+        )
         await self.accept()
         await self.channel_layer.group_add(self.group, self.channel_name)
         await database_sync_to_async(self._prime)()
@@ -85,6 +87,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
                 session_id=self.session_id, kind__in=TOOL_KINDS, payload__id=call_id, seq__lt=before_seq
             ).order_by("seq")
         )
+
+    @database_sync_to_async
+    def _machine_name(self) -> str:
+        return AgentSession.objects.filter(pk=self.session_id).values_list("machine__name", flat=True).first() or ""
 
     def _events_after(self, after: int) -> list[TranscriptEvent]:
         return list(TranscriptEvent.objects.filter(session_id=self.session_id, seq__gt=after).order_by("seq"))

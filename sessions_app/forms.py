@@ -27,7 +27,7 @@ class NewSessionForm(forms.Form):
     gpuLayers = forms.IntegerField(label="GPU layers", required=False, min_value=0, max_value=1000)
     threads = forms.IntegerField(required=False, min_value=1, max_value=1024)
     speculative = forms.ChoiceField(
-        choices=[("auto", "Use the MTP head when the model has one"), ("off", "Off")], initial="auto"
+        choices=[("auto", "Auto (MTP head if present)"), ("off", "Off")], initial="auto"
     )
     # Sampling parameters (ride on every request, SPEC §5)
     temperature = forms.FloatField(required=False, min_value=0.0, max_value=5.0)

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from machines_app import catalog
 from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, wait_until_ready
-from machines_app.models import ServerRecord
+from machines_app.models import ModelFile, ServerRecord
 from machines_app.transports import ProcessId, TransportError, transport_for
 
 from . import actions, tools
@@ -128,6 +128,10 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             _fail(session, str(exc))
         return
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
+    model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
+    actions.record_event(
+        session.pk, "server_ready", {"model_key": record.model_key, "model": model.display_name if model else record.model_key}
+    )
     record_catalogue(session.pk, transport.base_url(record.port))
     actions.set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
     from .tasks import run_turn

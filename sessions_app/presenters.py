@@ -111,6 +111,8 @@ def event_item(event) -> dict | None:
         return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {payload.get('by', 'someone')}."}
     if kind == "server_stopped":
         return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped."}
+    if kind == "server_ready":
+        return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
     if kind == "settings":
         parts = [f"{key} → {_setting(value)}" for key, value in payload.items() if key != "by"]
         return {"type": "note", "dom_id": dom_id, "text": "Settings: " + ", ".join(parts)}
@@ -191,8 +193,9 @@ class LiveRenderer:
     (a control that follows a setting changed elsewhere).
     """
 
-    def __init__(self, session_id: int, call_events=None) -> None:
+    def __init__(self, session_id: int, call_events=None, machine_name: str = "") -> None:
         self.session_id = session_id
+        self.machine_name = machine_name
         self.block: Block | None = None
         # call id → that call's events so far (read from the database by the consumer).
         self.call_events = call_events
@@ -215,6 +218,12 @@ class LiveRenderer:
         if kind == "status":
             if render:
                 ops.append({"op": "status", "status": payload.get("status"), "html": render_status(payload["status"])})
+            return ops
+        if kind == "catalogue":
+            if render:
+                html = render_to_string("sessions_app/_tool_list.html",
+                                        {"tools": payload.get("tools", []), "machine_name": self.machine_name})
+                ops.append({"op": "replace", "id": "tool-list", "html": html})
             return ops
         if kind in SILENT_KINDS:
             return ops

@@ -115,6 +115,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         **_session_context(session),
         "settings_form": SessionSettingsForm.for_session(session),
         "tools": _catalogue(events),
+        "machine_name": session.machine.name,
         "session": session,
         "session_id": session.pk,
         "items": build_items(events, session.pk),

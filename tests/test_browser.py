@@ -128,6 +128,7 @@ def test_a_tool_question_is_answered_with_a_click_and_the_output_appears_in_the_
     log_in(page, stack, "alice", "alice-password-1")
     page.goto(f"{stack.base_url}/sessions/{session.pk}/")
     page.wait_for_selector("#status-badge[data-status=idle]")
+    page.locator("#tool-list summary", has_text="Tools the model may call (2)").wait_for()  # live, no reload
     page.wait_for_selector("#conn-state[data-state=live]")
     page.fill("#id_text", "Count the flock.")
     page.press("#id_text", "Enter")

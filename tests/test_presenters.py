@@ -63,3 +63,14 @@ def test_queue_events_show_apart_and_resolve():
 def test_a_mode_change_made_elsewhere_moves_every_pages_switch():
     ops = LiveRenderer(1).feed(Event(1, "settings", {"permission_mode": "bypassPermissions", "by": "bob"}))
     assert {"op": "value", "id": "permission-mode", "value": "bypassPermissions"} in ops
+
+
+def test_the_tool_list_and_a_ready_note_arrive_live():
+    renderer = LiveRenderer(1, machine_name="gpu-box")
+    tools = [{"name": "read_file", "display_name": "Read file", "origin": "machine", "writes": False},
+             {"name": "calc__add", "display_name": "add", "origin": "mcp", "server": "calc", "writes": True}]
+    ops = renderer.feed(Event(1, "catalogue", {"tools": tools}))
+    assert ops[0]["op"] == "replace" and ops[0]["id"] == "tool-list"
+    assert "on gpu-box (the model's machine)" in ops[0]["html"] and "MCP server calc" in ops[0]["html"]
+    ready = renderer.feed(Event(2, "server_ready", {"model_key": "g.gguf", "model": "Gemma 3 270m"}))
+    assert "llama-server is ready with Gemma 3 270m." in ready[0]["html"]
