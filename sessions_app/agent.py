@@ -116,10 +116,7 @@ def request_sampling(sampling: dict) -> tuple[dict, int]:
 
 def catalogue_of(events) -> tools.Catalogue:
     """The tool catalogue recorded when the server became ready (the last one wins)."""
-    for event in reversed(events):
-        if event.kind == "catalogue":
-            return tools.Catalogue.from_payload(event.payload.get("tools", []))
-    return tools.Catalogue(entries=())
+    return tools.Catalogue.from_payload(transcript.last_catalogue(events))
 
 
 def rounds_in_turn(events) -> int:

@@ -36,6 +36,7 @@ __all__ = [
     "EventLike",
     "allowed_tools",
     "build_messages",
+    "last_catalogue",
     "last_model_key",
     "open_questions",
     "open_turn",
@@ -464,3 +465,13 @@ def open_questions(events: Iterable[EventLike]) -> list[dict[str, Any]]:
         elif event.kind == _ANSWERED:
             answered.add(_text(payload.get("id")))
     return [item for call_id, item in asked.items() if call_id not in answered]
+
+
+def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
+    """The tool entries of the latest ``catalogue`` event (recorded when a server became
+    ready, SPEC §9); ``[]`` when none was recorded."""
+    latest: list[dict[str, Any]] = []
+    for event in _ordered(events):
+        if event.kind == "catalogue":
+            latest = list(_payload(event).get("tools", []))
+    return latest

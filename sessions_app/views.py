@@ -99,14 +99,6 @@ def _session_context(session: AgentSession) -> dict:
     }
 
 
-def _catalogue(events) -> list[dict]:
-    """The session's tools as the page lists them: name, where it runs, whether it writes."""
-    for event in reversed(events):
-        if event.kind == "catalogue":
-            return event.payload.get("tools", [])
-    return []
-
-
 @require_GET
 def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
@@ -114,7 +106,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     context = {
         **_session_context(session),
         "settings_form": SessionSettingsForm.for_session(session),
-        "tools": _catalogue(events),
+        "tools": transcript.last_catalogue(events),
         "machine_name": session.machine.name,
         "session": session,
         "session_id": session.pk,
