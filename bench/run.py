@@ -60,13 +60,14 @@ def wait_for(predicate, timeout, what):
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def direct_tokens_per_second(base_url: str) -> float:
+def direct_tokens_per_second(base_url: str, api_key: str) -> float:
     """A client reading llama-server's stream itself: predicted tokens over first→last token."""
     body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": MAX_TOKENS,
             "seed": SEED, "temperature": 0, "stream_options": {"include_usage": True}}
     first = last = None
     tokens = 0
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as response:
+    headers = {"Authorization": f"Bearer {api_key}"}  # the server answers only its key's holder
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=600) as response:
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -111,7 +112,8 @@ def main() -> None:
             sampling={"temperature": 0, "seed": SEED, "max_tokens": MAX_TOKENS}, permission_mode="manual",
         )
         wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 180, "the model to load")
-        base_url = f"http://127.0.0.1:{ServerRecord.objects.get(session=session).port}"
+        record = ServerRecord.objects.get(session=session)
+        base_url = f"http://127.0.0.1:{record.port}"
         client = Client()
         client.force_login(user)
         cookie = f"sessionid={client.cookies['sessionid'].value}"
@@ -120,7 +122,7 @@ def main() -> None:
 
         ratios, own = [], []
         for run in range(RUNS):
-            direct = direct_tokens_per_second(base_url)
+            direct = direct_tokens_per_second(base_url, record.api_key)
             after = AgentSession.objects.get(pk=session.pk).last_seq
             times: list[float] = []
             done = threading.Event()

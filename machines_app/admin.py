@@ -41,7 +41,8 @@ class ModelFileAdmin(admin.ModelAdmin):
 @admin.register(ServerRecord)
 class ServerRecordAdmin(admin.ModelAdmin):
     list_display = ("session", "machine", "model_key", "pid", "port", "started_at", "ready_at", "stopping")
-    readonly_fields = [f.name for f in ServerRecord._meta.fields]
+    readonly_fields = [f.name for f in ServerRecord._meta.fields if f.name != "api_key"]
+    exclude = ("api_key",)  # the server's key never reaches a page
 
     def has_add_permission(self, request):
         return False

@@ -6,9 +6,10 @@ database and the transcript.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -21,6 +22,35 @@ SERVER_FLAGS = {"contextSize": "-c", "gpuLayers": "-ngl", "threads": "-t"}
 HEALTH_INTERVAL = 0.25  # SPEC §5: poll /health about four times a second
 
 
+def new_api_key() -> str:
+    """A fresh random key for one llama-server (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    """The header that opens a llama-server started with ``--api-key-file``.
+
+    llama-server answers 401 to every request without it except ``/health`` and the model
+    list; Corral sends it on every request it makes (completions, ``/tools``, ``/props``,
+    ``/slots``), so the permission gate is the only way a tool runs (docs/security.md).
+    """
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How this backend reaches one session's llama-server: ``url`` is the server root
+    (``http://127.0.0.1:<port>``, no ``/v1``) and ``api_key`` its own key. The key is left
+    out of ``repr`` so a log line or a traceback never shows it."""
+
+    url: str
+    api_key: str = field(default="", repr=False)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return auth_headers(self.api_key)
+
+
 class ServerStartError(Exception):
     """llama-server did not become ready. ``str()`` is the user-facing sentence, ending
     with the server's last log lines ("It last said: …")."""
@@ -28,25 +58,31 @@ class ServerStartError(Exception):
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """What to start: the binary, the model's absolute path there, and the session's
-    server parameters (``contextSize``, ``gpuLayers``, ``threads``, ``speculative``)."""
+    """What to start: the binary, the model's absolute path there, the session's server
+    parameters (``contextSize``, ``gpuLayers``, ``threads``, ``speculative``) and the path
+    of the 0600 file on that machine holding the server's own API key."""
 
     binary: str
     model_path: str
     port: int
     params: dict
     has_mtp: bool = False
+    api_key_file: str = ""
 
 
 def build_argv(spec: ServerSpec) -> list[str]:
     """The llama-server command line for one session (SPEC §5).
 
-    Loopback only, always; ``--tools all`` (the permission gate, not a flag, decides whether
+    Loopback only, always, and answering only the holder of its key: ``--api-key-file``
+    (never ``--api-key``: a command line is readable by every user through ``ps``);
+    ``--tools all`` (the permission gate, not a flag, decides whether
     a call runs); one slot (``-np 1``: extra slots split the context and slow speculative
     decoding); ``--spec-type draft-mtp`` only for a file with an MTP head and speculation not
     turned off (asking for it without a head makes llama-server exit).
     """
     argv = [spec.binary, "-m", spec.model_path, "--host", "127.0.0.1", "--port", str(spec.port)]
+    if spec.api_key_file:
+        argv += ["--api-key-file", spec.api_key_file]
     argv += ["--tools", "all", "-np", "1"]
     for param, flag in SERVER_FLAGS.items():
         value = spec.params.get(param)
@@ -70,7 +106,7 @@ def wait_until_ready(
     log_path: str,
     *,
     timeout: float = 300.0,
-    on_loading: Callable[[], None] | None = None,
+    api_key: str = "",
     should_stop: Callable[[], bool] | None = None,
 ) -> None:
     """Poll ``GET /health`` ~4×/s until it answers 200, checking the process each time.
@@ -82,7 +118,7 @@ def wait_until_ready(
     Raises ServerStartError with the log tail; TransportError when the machine is lost.
     """
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as http:
+    with httpx.Client(timeout=2.0, headers=auth_headers(api_key)) as http:
         while True:
             if not transport.process_alive(proc):
                 # The log may still be flushing the last lines.
@@ -96,8 +132,6 @@ def wait_until_ready(
                 response = http.get(f"{base_url}/health")
                 if response.status_code == 200:
                     return
-                if on_loading is not None:
-                    on_loading()
             except httpx.HTTPError:
                 pass  # not listening yet
             if time.monotonic() > deadline:
@@ -111,10 +145,13 @@ def wait_until_ready(
 
 __all__ = [
     "SERVER_FLAGS",
+    "Endpoint",
     "ServerSpec",
     "ServerStartError",
     "TransportError",
+    "auth_headers",
     "build_argv",
     "failure_message",
+    "new_api_key",
     "wait_until_ready",
 ]

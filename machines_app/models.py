@@ -97,6 +97,9 @@ class ServerRecord(models.Model):
     pid = models.PositiveIntegerField()
     start_time = models.CharField(max_length=40)
     port = models.PositiveIntegerField()
+    # The server's own API key (docs/security.md): sent by Corral on every request, kept for
+    # adoption after a restart, never shown in a page, the admin or a log.
+    api_key = models.CharField(max_length=100, blank=True, editable=False)
     log_path = models.CharField(max_length=1000)
     started_at = models.DateTimeField(auto_now_add=True)
     ready_at = models.DateTimeField(null=True, blank=True)

@@ -72,6 +72,18 @@ class Transport(ABC):
         """Start ``argv`` detached, stdout+stderr appended to ``log_path`` (mode 0600)."""
 
     @abstractmethod
+    def write_private(self, path: str, text: str) -> None:
+        """Write ``text`` to ``path`` readable by its owner only (mode 0600 from the
+        first byte: the file is created with that mode, never chmod-ed after writing).
+
+        Raises TransportError when it cannot be written.
+        """
+
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Delete the file at ``path``; nothing when it is already gone."""
+
+    @abstractmethod
     def process_alive(self, proc: ProcessId) -> bool:
         """True while that very process (pid and start time) runs; False once it is gone.
 
@@ -158,6 +170,23 @@ class LocalTransport(Transport):
             os.close(fd)
         start_time = self._stat(proc.pid)
         return ProcessId(proc.pid, start_time[1] if start_time else "")
+
+    def write_private(self, path: str, text: str) -> None:
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # O_EXCL after an unlink: a file someone else prepared at that path is never reused.
+            Path(path).unlink(missing_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            raise TransportError(f"could not write {path}: {exc.strerror or exc}") from exc
+
+    def remove(self, path: str) -> None:
+        try:
+            Path(path).unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _stat(self, pid: int) -> tuple[str, str] | None:
         try:

@@ -29,6 +29,8 @@ from django.db import connection
 from django.db.models import Q
 from django.utils import timezone
 
+from machines_app.llama_server import Endpoint
+
 from . import actions, lifecycle, tools, transcript
 from .completions import (
     AbortableHTTP,
@@ -64,7 +66,8 @@ INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within abou
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 
-#: ``factory(base_url, http=httpx.Client)`` → a completion client using that HTTP client.
+#: ``factory(base_url, http=httpx.Client, api_key=str)`` → a completion client using that
+#: HTTP client and sending the server's key.
 ClientFactory = Callable[..., CompletionClient]
 
 
@@ -226,8 +229,8 @@ class Step:
             actions.record_error(self.session_id, WORKER_LOST_REPLY)
             actions.finish_turn(self.session_id, "interrupted")
             return
-        base_url = lifecycle.server_base_url(session) if session.status not in (Status.EXITED,) else None
-        if base_url is None or session.status == Status.UNKNOWN:
+        server = lifecycle.server_endpoint(session) if session.status not in (Status.EXITED,) else None
+        if server is None or session.status == Status.UNKNOWN:
             actions.record_error(
                 self.session_id, "llama-server is not running for this session; restart it and send again."
             )
@@ -236,21 +239,21 @@ class Step:
         while True:
             events = actions.load_events(self.session_id)
             if transcript.pending_calls(events):
-                if not self.run_calls(session, events, base_url):
+                if not self.run_calls(session, events, server):
                     return  # waiting for a person, or interrupted
                 continue
             if rounds_in_turn(events) >= MAX_ROUNDS:
                 actions.record_error(self.session_id, ROUND_LIMIT_MESSAGE)
                 actions.finish_turn(self.session_id, "limit")
                 return
-            outcome = self.complete(session, events, base_url)
+            outcome = self.complete(session, events, server)
             if outcome != "tool_calls":
                 actions.finish_turn(self.session_id, outcome)
                 return
 
     # --- one completion -----------------------------------------------------------------
 
-    def complete(self, session: AgentSession, events, base_url: str) -> str:
+    def complete(self, session: AgentSession, events, server: Endpoint) -> str:
         """Stream one completion into the transcript. Returns "tool_calls" when the
         reply asked for tools (their tool_start events are recorded), else the reason
         the turn ends: "done", "error" or "interrupted"."""
@@ -281,7 +284,7 @@ class Step:
 
         watcher = threading.Thread(target=watch_interrupt, name=f"interrupt-{self.session_id}", daemon=True)
         watcher.start()
-        stream = self.client_factory(base_url, http=http.client).stream(
+        stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
             messages, tools=catalogue.definitions(), sampling=sampling
         )
         pending = Fragments(self.session_id)
@@ -355,7 +358,7 @@ class Step:
 
     # --- the calls and the gate (SPEC §8) ---------------------------------------------------
 
-    def run_calls(self, session: AgentSession, events, base_url: str) -> bool:
+    def run_calls(self, session: AgentSession, events, server: Endpoint) -> bool:
         """Run the pending calls in order. False when the step must end here: a question
         was asked (status awaiting_input) or the turn was interrupted."""
         catalogue = catalogue_of(events)
@@ -387,16 +390,17 @@ class Step:
                 if call_id not in asked:
                     actions.ask_question(self.session_id, call_id, name)
                 return False
-            self.execute(session, entry, call, base_url)
+            self.execute(session, entry, call, server)
         return True
 
-    def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, base_url: str) -> None:
+    def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> None:
         actions.set_status(self.session_id, Status.RUNNING)
         actions.record_event(self.session_id, "tool_running", {"id": call["id"]})
         result = self.run_tool(
             entry,
             call.get("input") or {},
-            base_url=base_url,
+            base_url=server.url,
+            api_key=server.api_key,
             cwd=session.working_dir,
             mcp_servers=mcp_configs(),
         )

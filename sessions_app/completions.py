@@ -30,6 +30,8 @@ from typing import Any
 import httpcore
 import httpx
 
+from machines_app.llama_server import auth_headers
+
 __all__ = [
     "CompletionClient",
     "CompletionError",
@@ -421,13 +423,22 @@ class CompletionClient:
     :meth:`stream` opens its own client and closes it when the stream ends, so nothing
     needs closing. ``timeout`` is the wall-clock cap on one completion, in seconds
     (SPEC §6: 30 minutes); it is also the read timeout, since llama-server sends nothing,
-    not even headers, while it processes a long prompt.
+    not even headers, while it processes a long prompt. ``api_key`` is the server's own
+    key, sent as ``Authorization: Bearer …`` (docs/security.md).
     """
 
-    def __init__(self, base_url: str, *, http: httpx.Client | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        http: httpx.Client | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        api_key: str = "",
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._http = http
+        self._headers = auth_headers(api_key)
 
     def request_body(
         self,
@@ -489,7 +500,7 @@ class CompletionClient:
         timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout))
         started = False
         try:
-            with http.stream("POST", url, json=body, timeout=timeout) as response:
+            with http.stream("POST", url, json=body, headers=self._headers, timeout=timeout) as response:
                 started = True
                 if not response.is_success:
                     raise CompletionError.from_body(response.status_code, _read_text(response))

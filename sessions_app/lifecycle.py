@@ -14,7 +14,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from machines_app import catalog
-from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, wait_until_ready
+from machines_app.llama_server import (
+    Endpoint,
+    ServerSpec,
+    ServerStartError,
+    build_argv,
+    new_api_key,
+    wait_until_ready,
+)
 from machines_app.models import ModelFile, ServerRecord
 from machines_app.transports import ProcessId, TransportError, transport_for
 
@@ -30,16 +37,26 @@ def log_path_for(session: AgentSession) -> str:
     return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.log")
 
 
+def key_path_for(session: AgentSession) -> str:
+    """Where the server's API key waits for llama-server to read it at start (mode 0600;
+    removed once the server is ready or has failed)."""
+    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.key")
+
+
 def _proc(record: ServerRecord) -> ProcessId:
     return ProcessId(record.pid, record.start_time)
 
 
-def server_base_url(session: AgentSession) -> str | None:
-    """How this backend reaches the session's server, or None when it has none."""
+def _endpoint(transport, record: ServerRecord) -> Endpoint:
+    return Endpoint(transport.base_url(record.port), record.api_key)
+
+
+def server_endpoint(session: AgentSession) -> Endpoint | None:
+    """How this backend reaches the session's server (URL and key), or None when it has none."""
     record = ServerRecord.objects.filter(session=session).select_related("machine").first()
     if record is None:
         return None
-    return transport_for(record.machine).base_url(record.port)
+    return _endpoint(transport_for(record.machine), record)
 
 
 def _fail(session: AgentSession, message: str) -> None:
@@ -80,6 +97,7 @@ def start_server(session_id: int) -> None:
             port=transport.free_port(),
             params=session.server_params,
             has_mtp=model.has_mtp,
+            api_key_file=key_path_for(session),
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.
@@ -89,8 +107,11 @@ def start_server(session_id: int) -> None:
             )
         log_path = log_path_for(session)
         actions.set_status(session.pk, Status.LOADING)
+        api_key = new_api_key()
+        transport.write_private(spec.api_key_file, api_key + "\n")
         proc = transport.spawn(build_argv(spec), log_path, cwd=None)
     except (catalog.ModelUnavailable, TransportError) as exc:
+        transport.remove(key_path_for(session))
         _fail(session, str(exc))
         return
     record = ServerRecord.objects.create(
@@ -101,6 +122,7 @@ def start_server(session_id: int) -> None:
         pid=proc.pid,
         start_time=proc.start_time,
         port=spec.port,
+        api_key=api_key,
         log_path=log_path,
     )
     _wait(session, transport, record)
@@ -114,9 +136,11 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             transport.base_url(record.port),
             record.log_path,
             timeout=settings.CORRAL_READY_TIMEOUT,
+            api_key=record.api_key,
             should_stop=lambda: ServerRecord.objects.filter(pk=record.pk, stopping=False).count() == 0,
         )
     except (ServerStartError, TransportError) as exc:
+        transport.remove(key_path_for(session))
         try:
             transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
         except TransportError:
@@ -127,12 +151,14 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
         if not stopped_on_purpose:
             _fail(session, str(exc))
         return
+    # llama-server read its key at start; the file need not outlive that.
+    transport.remove(key_path_for(session))
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
     actions.record_event(
         session.pk, "server_ready", {"model_key": record.model_key, "model": model.display_name if model else record.model_key}
     )
-    record_catalogue(session.pk, transport.base_url(record.port))
+    record_catalogue(session.pk, _endpoint(transport, record))
     actions.set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
     from .tasks import run_turn
 
@@ -142,13 +168,13 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
         actions.resume_queue(session.pk)
 
 
-def record_catalogue(session_id: int, base_url: str) -> None:
+def record_catalogue(session_id: int, server: Endpoint) -> None:
     """Read the tool catalogue — llama-server's ``GET /tools`` plus every enabled MCP
     server, reached from the backend — and record it (SPEC §9). An MCP server that does
     not answer is left out and the transcript says so; the session still starts."""
     from .agent import mcp_configs
 
-    catalogue, warnings = tools.load_catalogue(base_url, list(mcp_configs().values()))
+    catalogue, warnings = tools.load_catalogue(server.url, list(mcp_configs().values()), api_key=server.api_key)
     for warning in warnings:
         actions.record_error(session_id, warning)
     actions.record_event(session_id, "catalogue", {"tools": catalogue.as_payload()})

@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
+from machines_app.llama_server import auth_headers
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
@@ -296,15 +298,13 @@ def builtin_entries(tools_json: Iterable[Mapping[str, Any]]) -> list[ToolEntry]:
     return entries
 
 
-def fetch_builtin(base_url: str, *, http: httpx.Client | None = None) -> list[ToolEntry]:
-    """llama-server's built-in tools via ``GET {base_url}/tools``; ``[]`` on 404 (a server
-    started without ``--tools``, or a build without them). Accepts a list or
-    ``{"tools": [...]}``. Raises ``httpx.HTTPError`` when the list cannot be read."""
+def fetch_builtin(base_url: str, *, http: httpx.Client | None = None, api_key: str = "") -> list[ToolEntry]:
+    """llama-server's built-in tools via ``GET {base_url}/tools`` (with the server's key);
+    ``[]`` on 404 (a server started without ``--tools``, or a build without them). Accepts
+    a list or ``{"tools": [...]}``. Raises ``httpx.HTTPError`` when the list cannot be read
+    (a 401 for a wrong key included)."""
     url = f"{base_url.rstrip('/')}/tools"
-    if http is None:
-        response = httpx.get(url, timeout=BUILTIN_LIST_TIMEOUT)
-    else:
-        response = http.get(url, timeout=BUILTIN_LIST_TIMEOUT)
+    response = (http or httpx).get(url, headers=auth_headers(api_key), timeout=BUILTIN_LIST_TIMEOUT)
     if response.status_code == 404:
         return []
     response.raise_for_status()
@@ -343,13 +343,15 @@ def _error_message(error: Any) -> str:
     return json.dumps(error, ensure_ascii=False)
 
 
-def _run_builtin(entry: ToolEntry, arguments: dict[str, Any], base_url: str, cwd: str, timeout: float) -> ToolResult:
+def _run_builtin(
+    entry: ToolEntry, arguments: dict[str, Any], base_url: str, api_key: str, cwd: str, timeout: float
+) -> ToolResult:
     try:
         response = httpx.post(
             f"{base_url.rstrip('/')}/tools",
             json={"tool": entry.remote_name, "params": arguments},
             # Bytes, so a working directory outside ASCII reaches the server as UTF-8.
-            headers={"x-tool-cwd": cwd.encode("utf-8")},
+            headers={"x-tool-cwd": cwd.encode("utf-8"), **auth_headers(api_key)},
             timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT)),
         )
     except httpx.TimeoutException:
@@ -559,8 +561,11 @@ def _unreachable(entry: ToolEntry, reason: str) -> ToolResult:
 # --------------------------------------------------------------------------- public
 
 
-def load_catalogue(base_url: str, mcp_servers: list[McpServerConfig]) -> tuple[Catalogue, list[str]]:
-    """The session's catalogue: llama-server's built-ins, then every MCP server's tools.
+def load_catalogue(
+    base_url: str, mcp_servers: list[McpServerConfig], *, api_key: str = ""
+) -> tuple[Catalogue, list[str]]:
+    """The session's catalogue: llama-server's built-ins (read with the server's
+    ``api_key``), then every MCP server's tools.
 
     Never raises. Returns ``(catalogue, warnings)``; each warning is a sentence for the
     transcript (SPEC §9), e.g. ``"MCP server 'exa' did not answer (connection refused); its
@@ -571,7 +576,7 @@ def load_catalogue(base_url: str, mcp_servers: list[McpServerConfig]) -> tuple[C
     warnings: list[str] = []
     entries: list[ToolEntry] = []
     try:
-        entries.extend(fetch_builtin(base_url))
+        entries.extend(fetch_builtin(base_url, api_key=api_key))
     except (httpx.HTTPError, ValueError) as exc:
         reason = (
             f"no answer within {_seconds(BUILTIN_LIST_TIMEOUT)}" if isinstance(exc, httpx.TimeoutException) else None
@@ -613,11 +618,12 @@ def run_tool(
     cwd: str,
     mcp_servers: Mapping[str, McpServerConfig],
     timeout: float = 600.0,
+    api_key: str = "",
 ) -> ToolResult:
     """Run one call of ``entry`` with ``arguments`` (a JSON object; anything else runs as ``{}``).
 
     Built-in: ``POST {base_url}/tools`` ``{"tool": remote_name, "params": arguments}`` with
-    ``x-tool-cwd: cwd`` (a relative path in the arguments is read from ``cwd``). The answer's
+    the server's ``api_key`` and ``x-tool-cwd: cwd`` (a relative path in the arguments is read from ``cwd``). The answer's
     ``plain_text_response`` → ``ok=True``; an ``error`` (or, on an HTTP error, ``message``) →
     that text with ``ok=False``; any other JSON → its text.
 
@@ -633,4 +639,4 @@ def run_tool(
     args = dict(arguments) if isinstance(arguments, Mapping) else {}
     if entry.origin == ORIGIN_MCP:
         return _run_mcp(entry, args, mcp_servers, timeout)
-    return _run_builtin(entry, args, base_url, cwd, timeout)
+    return _run_builtin(entry, args, base_url, api_key, cwd, timeout)

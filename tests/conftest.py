@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -289,6 +290,29 @@ def fake_machine(db, tmp_path, real_models_dir):
         return machine
 
     return make
+
+
+CHROMIUM = os.environ.get("CORRAL_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+
+
+@pytest.fixture
+def page(monkeypatch):
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API keeps an event loop running in this thread; the test's own ORM
+    # calls are still plain synchronous code (Django documents this switch for it).
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+    assert os.path.exists(CHROMIUM), f"Debian's chromium is needed at {CHROMIUM} (./corral test installs it)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"],
+        )
+        context = browser.new_context()
+        yield context.new_page()
+        browser.close()
 
 
 @pytest.fixture

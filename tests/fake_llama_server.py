@@ -12,6 +12,10 @@ one per chat request — ``{"text": "...", "delay": 0.05}`` streams the text wor
 list is used up it answers "done.". Its /tools offers read_file and exec_shell_command,
 run for real in the x-tool-cwd directory.
 
+Like llama-server started with ``--api-key-file``, it answers 401 to every request but
+``/health`` that does not carry ``Authorization: Bearer <that key>``, so every test that
+uses it also proves Corral sends the server's key.
+
 Behaviour from the environment of the wrapper script the tests write:
 FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1, FAKE_SCRIPT.
 """
@@ -32,6 +36,7 @@ LOADING = float(os.environ.get("FAKE_LOADING_SECONDS", "0"))
 SCRIPT = json.load(open(os.environ["FAKE_SCRIPT"])) if os.environ.get("FAKE_SCRIPT") else []
 LOCK = threading.Lock()
 REQUESTS: list[dict] = []
+API_KEY = ""
 
 TOOLS = [
     {"display_name": "Read file", "tool": "read_file", "type": "server", "permissions": {"write": False},
@@ -65,7 +70,15 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self) -> bool:
+        if API_KEY and self.path != "/health" and self.headers.get("Authorization") != f"Bearer {API_KEY}":
+            self._json(401, {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}})
+            return True
+        return False
+
     def do_GET(self):
+        if self._refused():
+            return
         if self.path == "/health":
             if time.monotonic() - START < LOADING:
                 self._json(503, {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}})
@@ -79,6 +92,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {})
 
     def do_POST(self):
+        if self._refused():
+            return
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
         if self.path == "/tools":
             self._json(200, run_tool(body["tool"], body.get("params", {}), self.headers.get("x-tool-cwd", ".")))
@@ -118,6 +133,10 @@ class Handler(BaseHTTPRequestHandler):
 def main(argv: list[str]) -> None:
     port = int(argv[argv.index("--port") + 1])
     host = argv[argv.index("--host") + 1]
+    if "--api-key-file" in argv:
+        global API_KEY
+        with open(argv[argv.index("--api-key-file") + 1]) as f:
+            API_KEY = f.read().strip()
     if os.environ.get("FAKE_IGNORE_TERM") == "1":
         def on_term(*_):
             print("cleaning up before exit...", flush=True)

@@ -6,9 +6,7 @@ in, reload and find it still there.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import threading
 
 import pytest
@@ -20,32 +18,10 @@ from .conftest import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
-CHROMIUM = os.environ.get("CORRAL_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-
 
 def words(text: str) -> list[str]:
     """The words of a text, Markdown punctuation and list numbers aside."""
     return re.findall(r"[A-Za-z']+", text)
-
-
-@pytest.fixture
-def page(monkeypatch):
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API keeps an event loop running in this thread; the test's own ORM
-    # calls are still plain synchronous code (Django documents this switch for it).
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-
-    assert os.path.exists(CHROMIUM), f"Debian's chromium is needed at {CHROMIUM} (./corral test installs it)"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"],
-        )
-        context = browser.new_context()
-        yield context.new_page()
-        browser.close()
 
 
 def log_in(page, stack, username: str, password: str) -> None:

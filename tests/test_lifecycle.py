@@ -186,7 +186,8 @@ def test_a_live_server_is_adopted_after_the_worker_and_daphne_restart(stack, loc
     assert client.post(f"/sessions/{session.pk}/send/", {"text": "still there?"}).status_code == 200
     turns_ended(session, 1)
     assert "".join(p["text"] for p in payloads(session, "assistant_text"))
-    assert ServerRecord.objects.get(session=session).pid == record.pid
+    adopted = ServerRecord.objects.get(session=session)
+    assert (adopted.pid, adopted.api_key) == (record.pid, record.api_key)  # the same server keeps its key
     assert llama_servers_on(record.port) == [record.pid]  # no second server
     assert fresh(session).status == "idle"
 
