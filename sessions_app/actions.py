@@ -15,7 +15,7 @@ from django.db import transaction
 from django.http import Http404
 from django.utils import timezone
 
-from . import broadcast, transcript
+from . import broadcast, dispatch, transcript
 from .models import AgentSession, TranscriptEvent
 
 Status = AgentSession.Status
@@ -105,8 +105,6 @@ def do_create_session(
     permission_mode: str, title: str = "",
 ) -> AgentSession:
     """Create a session and start its llama-server in the background (SPEC §5)."""
-    from .tasks import start_server
-
     with transaction.atomic():
         session = AgentSession.objects.create(
             owner=owner,
@@ -125,15 +123,13 @@ def do_create_session(
             {"model_key": model_key, "permission_mode": permission_mode, "sampling": sampling,
              "server_params": server_params},
         )
-        transaction.on_commit(lambda: start_server.delay(session.pk))
+        dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
     return session
 
 
 def do_restart(session: AgentSession, user) -> None:
     """Start the session's server again: after it exited (SPEC §4: exited but
     restartable), or to apply changed server parameters. Refused mid-turn."""
-    from .tasks import restart_server
-
     with transaction.atomic():
         locked = _locked(session.pk)
         if locked.turn_active:
@@ -142,7 +138,7 @@ def do_restart(session: AgentSession, user) -> None:
             raise SessionError("The server is already starting.")
         AgentSession.objects.filter(pk=locked.pk).update(status=Status.LOADING)
         _append(locked, "status", {"status": Status.LOADING})
-        transaction.on_commit(lambda: restart_server.delay(session.pk))
+        dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
 
 
 def do_change_model(session: AgentSession, user, model_key: str) -> None:
@@ -150,8 +146,6 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
     otherwise stop the server and start one with the new model. The conversation goes on
     (it lives in the transcript); the prompt cache is lost."""
     from machines_app import catalog
-
-    from .tasks import restart_server
 
     try:
         model = catalog.model_for_session(session.machine, model_key)
@@ -166,7 +160,7 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
         AgentSession.objects.filter(pk=locked.pk).update(model_key=model_key, status=Status.LOADING)
         _append(locked, "status", {"status": Status.LOADING})
         _append(locked, "settings", {"model_key": model_key, "model": model.display_name, "by": user.get_username()})
-        transaction.on_commit(lambda: restart_server.delay(session.pk))
+        dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
 
 
 def do_update_settings(session: AgentSession, user, *, title: str, sampling: dict, server_params: dict) -> bool:
@@ -202,22 +196,18 @@ def do_delete(session: AgentSession, user) -> None:
 
 def do_stop(session: AgentSession, user) -> None:
     """Stop the session's server; an open turn ends (the queue waits for a restart)."""
-    from .tasks import stop_server
-
     if session.turn_active:
         with transaction.atomic():
             locked = _locked(session.pk)
             AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
-    stop_server.delay(session.pk)
+    dispatch.enqueue(dispatch.STOP_SERVER, session.pk)
 
 
 # --- the turn flag and the queue change together (SPEC §10) ---------------------------
 
 
 def _enqueue_turn(session_id: int) -> None:
-    from .tasks import run_turn
-
-    transaction.on_commit(lambda: run_turn.delay(session_id))
+    dispatch.enqueue_on_commit(dispatch.RUN_TURN, session_id)
 
 
 def do_send_message(session: AgentSession, user, text: str) -> None:

@@ -61,6 +61,7 @@ WORKER_LOST_REPLY = (
     "The worker running this turn stopped while the model was replying; the reply above is partial. "
     "Send another message to carry on."
 )
+EMPTY_REPLY = "The model returned an empty reply."
 FRAGMENT_FLUSH_EVERY = 0.05  # seconds: how long streamed text may wait to be stored and pushed
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
@@ -224,8 +225,9 @@ class Step:
         if not transcript.open_turn(events) or session.interrupt_requested:
             actions.finish_turn(self.session_id, "interrupted" if session.interrupt_requested else "done")
             return
-        if resumed_after_loss and not transcript.pending_calls(events):
-            # A worker died mid-reply: never answer twice from half a stream.
+        if (resumed_after_loss or transcript.reply_cut_off(events)) and not transcript.pending_calls(events):
+            # A step died mid-reply (its worker killed, or Redis or the database failing
+            # under it): never answer the same message twice from half a stream.
             actions.record_error(self.session_id, WORKER_LOST_REPLY)
             actions.finish_turn(self.session_id, "interrupted")
             return
@@ -288,15 +290,19 @@ class Step:
             messages, tools=catalogue.definitions(), sampling=sampling
         )
         pending = Fragments(self.session_id)
+        produced = False  # any text, reasoning or call: a reply with none is said to be empty
         try:
             for delta in stream:
                 if interrupted.is_set():
                     break
                 if isinstance(delta, TextDelta):
+                    produced = True
                     pending.add("assistant_text", delta.text)
                 elif isinstance(delta, ReasoningDelta):
+                    produced = True
                     pending.add("reasoning", delta.text)
                 elif isinstance(delta, ToolCallFragment):
+                    produced = True
                     assembler.feed(delta.fragments)
                 elif isinstance(delta, Usage):
                     usage = delta
@@ -325,6 +331,8 @@ class Step:
             actions.record_event(self.session_id, "usage", payload)
         if interrupted.is_set():
             return "interrupted"
+        if not produced:
+            actions.record_event(self.session_id, "notice", {"message": EMPTY_REPLY})
         calls = assembler.calls()
         if not calls:
             return "done"

@@ -37,6 +37,7 @@ __all__ = [
     "CompletionError",
     "Delta",
     "Finish",
+    "InlineReasoning",
     "ReasoningDelta",
     "TextDelta",
     "ToolCall",
@@ -59,6 +60,18 @@ MAX_BODY_QUOTE = 1000
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 
 _DONE = "[DONE]"
+
+#: The sentence for a stream that ended (EOF, or a last empty chunk) without a
+#: ``finish_reason`` and without ``data: [DONE]``: the server stopped mid-reply (it crashed,
+#: was killed, or a proxy cut the response), so the text so far is only part of a reply.
+INCOMPLETE_REPLY = (
+    "llama-server stopped mid-reply: the stream ended without saying the reply was finished, "
+    "so the reply above is cut off. Send another message to carry on."
+)
+
+#: Inline reasoning tags some models write into ``content`` when the server does not split
+#: them out itself (``--reasoning-format none``, or a template the server does not know).
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _EOL = re.compile(rb"\r\n|\r|\n")
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -75,10 +88,13 @@ class TextDelta:
 
 @dataclass(frozen=True)
 class ReasoningDelta:
-    """A piece of the model's reasoning (``choices[0].delta.reasoning_content``); never empty.
+    """A piece of the model's reasoning; never empty.
 
-    llama-server splits thinking out of ``content`` for reasoning models (``--reasoning-format``);
-    SPEC §6.4 keeps it as ``reasoning`` events.
+    Read from every form servers send it in: ``delta.reasoning_content`` (llama-server's
+    ``--reasoning-format deepseek``, the default), ``delta.reasoning`` (other
+    OpenAI-compatible servers), and ``<think>…</think>`` at the start of ``content``
+    (:class:`InlineReasoning`). Kept as ``reasoning`` events, shown collapsed, never sent
+    back to the model as reply text (docs/transcript.md).
     """
 
     text: str
@@ -375,6 +391,8 @@ def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
 def _message_deltas(delta: Mapping[str, Any]) -> list[Delta]:
     deltas: list[Delta] = []
     reasoning = delta.get("reasoning_content")
+    if not isinstance(reasoning, str) or not reasoning:
+        reasoning = delta.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
         deltas.append(ReasoningDelta(reasoning))
     content = delta.get("content")
@@ -410,6 +428,74 @@ def _dump(data: Mapping[str, Any]) -> str:
         return json.dumps(data, ensure_ascii=False)
     except (TypeError, ValueError):
         return str(data)
+
+
+class InlineReasoning:
+    """Splits ``<think>…</think>`` at the start of a reply's text out as reasoning.
+
+    Feed it every :class:`TextDelta` of one reply, in order, then call :meth:`flush` at the
+    end. Reasoning is recognised only when the reply *begins* with ``<think>`` (leading
+    whitespace aside): the same tags later in an answer are text the model meant to show.
+    Tags split across chunks (``"<thi"`` + ``"nk>"``) are held back until they can be told
+    apart from text, so nothing is shown twice or lost; whitespace right after
+    ``</think>`` is dropped. A reply that ends inside ``<think>`` is all reasoning.
+    """
+
+    def __init__(self) -> None:
+        self.state = "start"  # "start" → "thinking" → "answer", or "start" → "answer"
+        self.held = ""
+
+    def feed(self, text: str) -> list[Delta]:
+        self.held += text
+        out: list[Delta] = []
+        while True:
+            if self.state == "start":
+                stripped = self.held.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.held = stripped[len(THINK_OPEN) :]
+                    self.state = "thinking"
+                    continue
+                if THINK_OPEN.startswith(stripped):
+                    return out  # nothing yet, or maybe the first part of the tag
+                self.state = "answer"
+                continue
+            if self.state == "thinking":
+                end = self.held.find(THINK_CLOSE)
+                if end < 0:
+                    keep = _partial_suffix(self.held, THINK_CLOSE)
+                    thought, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+                    if thought:
+                        out.append(ReasoningDelta(thought))
+                    return out
+                if end:
+                    out.append(ReasoningDelta(self.held[:end]))
+                self.held = self.held[end + len(THINK_CLOSE) :]
+                self.state = "after"
+                continue
+            if self.state == "after":
+                self.held = self.held.lstrip()
+                if not self.held:
+                    return out
+                self.state = "answer"
+                continue
+            if self.held:
+                out.append(TextDelta(self.held))
+            self.held = ""
+            return out
+
+    def flush(self) -> list[Delta]:
+        held, self.held = self.held, ""
+        if not held or (self.state in ("start", "after") and not held.strip()):
+            return []
+        return [ReasoningDelta(held) if self.state == "thinking" else TextDelta(held)]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a beginning of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
 
 
 # --------------------------------------------------------------------------- client
@@ -509,10 +595,25 @@ class CompletionClient:
                     yield from self._whole_body(response, content_type)
                     return
                 chunks = self._until(deadline, response.iter_bytes())
+                inline = InlineReasoning()
+                finished = False
                 for data in iter_sse_data(_iter_lines(chunks)):
                     if data.strip() == _DONE:
-                        return
-                    yield from parse_chunk(_decode_chunk(data))
+                        finished = True
+                        break
+                    for delta in parse_chunk(_decode_chunk(data)):
+                        if isinstance(delta, TextDelta):
+                            yield from inline.feed(delta.text)
+                            continue
+                        if isinstance(delta, Finish):
+                            finished = True
+                        yield from inline.flush()  # held text comes before what follows it
+                        yield delta
+                yield from inline.flush()
+                if not finished:
+                    # A clean end of stream is not a finished reply: only a finish_reason or
+                    # [DONE] says the server meant to stop here.
+                    raise CompletionError(INCOMPLETE_REPLY)
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.ConnectTimeout):
                 raise self._unreachable(exc) from exc

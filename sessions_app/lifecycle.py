@@ -10,7 +10,6 @@ import logging
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from machines_app import catalog
@@ -25,7 +24,7 @@ from machines_app.llama_server import (
 from machines_app.models import ModelFile, ServerRecord
 from machines_app.transports import ProcessId, TransportError, transport_for
 
-from . import actions, tools
+from . import actions, dispatch, tools
 from .models import AgentSession
 
 Status = AgentSession.Status
@@ -160,10 +159,8 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
     )
     record_catalogue(session.pk, _endpoint(transport, record))
     actions.set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
-    from .tasks import run_turn
-
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
-        transaction.on_commit(lambda: run_turn.delay(session.pk))
+        dispatch.enqueue_on_commit(dispatch.RUN_TURN, session.pk)
     else:
         actions.resume_queue(session.pk)
 

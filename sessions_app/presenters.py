@@ -95,6 +95,27 @@ def _setting(value) -> str:
     return str(value)
 
 
+def usage_line(usage: dict) -> str:
+    """A ``usage`` payload as one line: ``"context 812 tokens · cached 790 · reply 41 tokens ·
+    38.2 tok/s · seed 7 · finish: length"``; parts the server did not report are left out,
+    and so are their separators."""
+    parts = []
+    if usage.get("prompt_tokens") is not None:
+        parts.append(f"context {usage['prompt_tokens']} tokens")
+    if usage.get("cached_tokens") is not None:
+        parts.append(f"cached {usage['cached_tokens']}")
+    if usage.get("completion_tokens") is not None:
+        parts.append(f"reply {usage['completion_tokens']} tokens")
+    speed = usage.get("predicted_per_second")
+    if isinstance(speed, int | float) and speed:
+        parts.append(f"{speed:.1f} tok/s")
+    if usage.get("seed") is not None:
+        parts.append(f"seed {usage['seed']}")
+    if usage.get("finish_reason") and usage["finish_reason"] != "stop":
+        parts.append(f"finish: {usage['finish_reason']}")
+    return " · ".join(parts)
+
+
 def event_item(event) -> dict | None:
     """The display item of one non-block event, or None when it shows nothing by itself."""
     kind, payload, seq = event.kind, event.payload, event.seq
@@ -103,8 +124,10 @@ def event_item(event) -> dict | None:
         return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": payload.get("author", "")}
     if kind == "error":
         return {"type": "error", "dom_id": dom_id, "message": payload.get("message", "")}
+    if kind == "notice":
+        return {"type": "note", "dom_id": dom_id, "text": payload.get("message", "")}
     if kind == "usage":
-        return {"type": "usage", "dom_id": dom_id, "usage": payload}
+        return {"type": "usage", "dom_id": dom_id, "usage": payload, "line": usage_line(payload)}
     if kind == "cleared":
         return {"type": "cleared", "dom_id": dom_id, "by": payload.get("by", "")}
     if kind == "interrupted":

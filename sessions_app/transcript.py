@@ -43,7 +43,11 @@ __all__ = [
     "pending_calls",
     "pending_queue",
     "permission_mode",
+    "reply_cut_off",
 ]
+
+#: What joins a user message that got no reply to the next one (see ``_Fold.user``).
+USER_JOIN = "\n\n"
 
 #: The ``tool`` message content for a call that never got a ``tool_end`` (SPEC §7: a
 #: call with no result gets a fixed sentence saying it did not finish, never an
@@ -246,9 +250,21 @@ class _Fold:
         self.close_text()
 
     def user(self, payload: Mapping[str, Any]) -> None:
-        """A ``message_taken``: close the assistant side, then add the user message."""
+        """A ``message_taken``: close the assistant side, then add the user message.
+
+        When the turn before left no assistant message (it failed, was interrupted before
+        the first token, or the reply was empty or reasoning only), the new text joins the
+        unanswered user message, separated by a blank line: many chat templates refuse two
+        user messages in a row ("Conversation roles must alternate"), and a session would
+        otherwise fail on every turn until cleared.
+        """
         self.close_all()
-        self.messages.append({"role": "user", "content": _text(payload.get("text"))})
+        text = _text(payload.get("text"))
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last["role"] == "user":
+            last["content"] = f"{last['content']}{USER_JOIN}{text}" if last["content"] else text
+            return
+        self.messages.append({"role": "user", "content": text})
 
     def assistant_text(self, payload: Mapping[str, Any]) -> None:
         """A text delta: after a tool batch it opens a new assistant message."""
@@ -294,7 +310,9 @@ def build_messages(
     - Pure function of ``events`` (read in ``seq`` order); nothing else is consulted.
     - Only events after the **last** ``cleared`` event count (SPEC §10).
     - If ``system_prompt`` is not None it is the first message, ``{"role": "system"}``.
-    - ``message_taken`` → ``{"role": "user", "content": text}``.
+    - ``message_taken`` → ``{"role": "user", "content": text}``; but never two user
+      messages in a row: a message that follows a turn which left no assistant message
+      is joined to the unanswered one with :data:`USER_JOIN` (a blank line).
     - Consecutive ``assistant_text`` deltas form one
       ``{"role": "assistant", "content"}`` message, closed by the next user message or
       by a tool call. Text that arrives after a tool batch (i.e. after its results)
@@ -321,7 +339,8 @@ def build_messages(
     changed by later events, and every dict is built with a fixed key order, so for
     a prefix ``events[:k]`` ending at a turn boundary, ``build_messages(events[:k])``
     equals the first messages of ``build_messages(events)`` and serialises
-    byte-identically.
+    byte-identically — except a trailing user message that no reply followed, which the
+    next message joins (the server has nothing cached after it worth keeping).
     This is what lets ``llama-server`` reuse its cached prompt prefix.
     """
     fold = _Fold()
@@ -428,6 +447,26 @@ def open_turn(events: Iterable[EventLike]) -> bool:
     ``message_taken`` and no ``turn_end`` at all).
     """
     return _current_turn(_ordered(events)) is not None
+
+
+_MODEL_OUTPUT = frozenset({_ASSISTANT_TEXT, "reasoning"})
+_TURN_STEPS = _MODEL_OUTPUT | {_MESSAGE_TAKEN, _TOOL_START, _TOOL_END, _ANSWERED, "error", "usage"}
+
+
+def reply_cut_off(events: Iterable[EventLike]) -> bool:
+    """True when the open turn's last step is streamed output that no completion closed.
+
+    A completion that ends normally is followed by its ``usage``, its calls or the end of
+    the turn; one that fails by an ``error``. Streamed ``assistant_text`` / ``reasoning``
+    as the last step of an open turn therefore means the step streaming it died (a worker
+    killed, a database or Redis outage): running the completion again would answer the
+    same message twice, so the turn ends with "partial, send again" instead.
+    """
+    turn = _current_turn(_ordered(events))
+    if turn is None:
+        return False
+    steps = [event.kind for event in turn if event.kind in _TURN_STEPS]
+    return bool(steps) and steps[-1] in _MODEL_OUTPUT
 
 
 def pending_calls(events: Iterable[EventLike]) -> list[dict[str, Any]]:

@@ -245,9 +245,46 @@ FOLD_CASES: list[tuple[str, list[tuple[str, dict[str, Any]]], list[dict[str, Any
         [u("a"), asst("I was abou")],
     ),
     (
-        "assistant message with no text and no calls is omitted",
+        "assistant message with no text and no calls is omitted; the next message joins the unanswered one",
         [user("a"), say(""), other("error", message="x"), turn_end("error"), user("b")],
-        [u("a"), u("b")],
+        [u("a\n\nb")],
+    ),
+    # Issue 9: never two user messages in a row, whatever left the turn without a reply.
+    (
+        "a failed turn (HTTP 400) then a message: joined",
+        [user("hi"), other("error", message="context overflow"), turn_end("error"), user("second")],
+        [u("hi\n\nsecond")],
+    ),
+    (
+        "interrupted before the first token, then a message: joined",
+        [user("hi"), other("interrupted", by="ann"), turn_end("interrupted"), user("again")],
+        [u("hi\n\nagain")],
+    ),
+    (
+        "an empty reply, then a message: joined",
+        [user("hi"), other("notice", message="The model returned an empty reply."), other("usage", seed=1),
+         turn_end(), user("hello?")],
+        [u("hi\n\nhello?")],
+    ),
+    (
+        "a reasoning-only reply, then a message: joined (reasoning is never reply text)",
+        [user("hi"), other("reasoning", text="hmm"), turn_end(), user("well?")],
+        [u("hi\n\nwell?")],
+    ),
+    (
+        "three unanswered in a row, then a reply: one user message, then the reply",
+        [user("a"), turn_end("error"), user("b"), turn_end("error"), user("c"), say("ok"), turn_end()],
+        [u("a\n\nb\n\nc"), asst("ok")],
+    ),
+    (
+        "after a cleared marker an unanswered message before it is not joined",
+        [user("a"), turn_end("error"), other("cleared"), user("b")],
+        [u("b")],
+    ),
+    (
+        "a tool result then a message (interrupted before the answer): no join",
+        [user("a"), start("c1", "read_file"), end("c1", "x"), turn_end("interrupted"), user("b")],
+        [u("a"), asst("", call("c1", "read_file")), tool_msg("c1", "x"), u("b")],
     ),
     (
         "queue events are not conversation; taken message is",
@@ -768,3 +805,26 @@ def test_it_accepts_generators() -> None:
     assert build_messages(e for e in script(*steps)) == [u("a"), asst("b")]
     assert allowed_tools(e for e in script(*steps)) == frozenset({"ls"})
     assert open_turn(e for e in script(*steps)) is True
+
+
+# --- issue 9: a step that died mid-reply is never answered twice
+
+@pytest.mark.parametrize(
+    ("steps", "cut_off"),
+    [
+        pytest.param([user("a"), say("hal")], True, id="text streamed, nothing closed it"),
+        pytest.param([user("a"), other("reasoning", text="hm")], True, id="reasoning streamed, nothing closed it"),
+        pytest.param([user("a"), say("x"), other("usage", seed=1)], False, id="usage closed the completion"),
+        pytest.param([user("a"), say("x"), other("error", message="e")], False, id="an error closed it"),
+        pytest.param([user("a"), say("x"), start("c1", "read_file")], False, id="the reply asked for a call"),
+        pytest.param([user("a"), say("x"), start("c1", "t"), end("c1", "o"), say("y")], True, id="second round cut"),
+        pytest.param([user("a"), say("x"), other("status", status="running")], True, id="status is not a step"),
+        pytest.param([user("a")], False, id="nothing streamed yet: safe to ask again"),
+        pytest.param([user("a"), say("x"), turn_end()], False, id="no open turn"),
+        pytest.param([], False, id="empty"),
+    ],
+)
+def test_it_tells_a_reply_cut_off_by_a_dead_step(steps, cut_off) -> None:
+    from sessions_app.transcript import reply_cut_off
+
+    assert reply_cut_off(script(*steps)) is cut_off
