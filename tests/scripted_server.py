@@ -47,6 +47,7 @@ class ScriptedServer:
         self.scripts: list[Script] = []
         self.requests: list[dict[str, Any]] = []
         self.paths: list[str] = []
+        self.authorizations: list[str | None] = []  # the Authorization header of each POST
         self.client_gone = threading.Event()
         self.finished = threading.Event()
         outer = self
@@ -56,6 +57,7 @@ class ScriptedServer:
                 length = int(self.headers.get("Content-Length", "0"))
                 outer.requests.append(json.loads(self.rfile.read(length)))
                 outer.paths.append(self.path)
+                outer.authorizations.append(self.headers.get("Authorization"))
                 script = outer.scripts.pop(0) if outer.scripts else Script(status=404)
                 time.sleep(script.delay_headers)
                 try:

