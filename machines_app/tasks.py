@@ -1,4 +1,4 @@
-"""Thin Celery tasks for machines: model discovery and the server watch (SPEC §3, §5)."""
+"""Thin Celery tasks for machines: model discovery (SPEC §3)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,3 @@ def refresh_models(machine_id: int) -> None:
             models_refresh_error=f"Reading the model files failed ({type(exc).__name__}): {exc}"[:2000],
             models_refreshed_at=timezone.now(),
         )
-
-
-@shared_task
-def watch_servers() -> None:
-    from sessions_app import lifecycle
-
-    lifecycle.watch_servers()

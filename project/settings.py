@@ -142,7 +142,7 @@ CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 2 * 60 * 60}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BEAT_SCHEDULE = {
-    "watch-servers": {"task": "machines_app.tasks.watch_servers", "schedule": 2.0},
+    "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0},
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 10.0},
 }
 

@@ -15,6 +15,9 @@ from django.db import transaction
 from django.http import Http404
 from django.utils import timezone
 
+from machines_app import catalog
+from machines_app.models import ServerRecord
+
 from . import broadcast, dispatch, transcript
 from .models import AgentSession, TranscriptEvent
 
@@ -145,8 +148,6 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
     """Move the session to another model on its machine (SPEC §10): refused mid-turn;
     otherwise stop the server and start one with the new model. The conversation goes on
     (it lives in the transcript); the prompt cache is lost."""
-    from machines_app import catalog
-
     try:
         model = catalog.model_for_session(session.machine, model_key)
     except catalog.ModelUnavailable as exc:
@@ -183,15 +184,15 @@ def do_update_settings(session: AgentSession, user, *, title: str, sampling: dic
 
 
 def do_delete(session: AgentSession, user) -> None:
-    """Delete a session and its transcript, stopping its server first (no process is
-    left behind)."""
-    from . import lifecycle
-
+    """Delete a session and its transcript; its server is stopped by a task (SIGTERM,
+    grace, SIGKILL take seconds a web request should not wait), which is handed the
+    process itself (machine, pid, start time) since the record goes with the session."""
     with transaction.atomic():
         locked = _locked(session.pk)
-        AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
-    lifecycle._stop_process(session.pk)
-    AgentSession.objects.filter(pk=session.pk).delete()
+        record = ServerRecord.objects.filter(session_id=locked.pk).first()
+        AgentSession.objects.filter(pk=locked.pk).delete()
+        if record is not None:
+            dispatch.enqueue_on_commit(dispatch.STOP_PROCESS, record.machine_id, record.pid, record.start_time)
 
 
 def do_stop(session: AgentSession, user) -> None:

@@ -43,7 +43,7 @@ from .completions import (
     ToolCallFragment,
     Usage,
 )
-from .models import AgentSession
+from .models import AgentSession, McpServer
 
 Status = AgentSession.Status
 log = logging.getLogger(__name__)
@@ -215,7 +215,8 @@ class Step:
         self.run_tool = run_tool
 
     def interrupted(self) -> bool:
-        return AgentSession.objects.filter(pk=self.session_id, interrupt_requested=True).exists()
+        """An interrupt was asked for, or the session was deleted under the step."""
+        return not AgentSession.objects.filter(pk=self.session_id, interrupt_requested=False).exists()
 
     def run(self, resumed_after_loss: bool) -> None:
         session = AgentSession.objects.select_related("machine").get(pk=self.session_id)
@@ -410,15 +411,9 @@ class Step:
             base_url=server.url,
             api_key=server.api_key,
             cwd=session.working_dir,
-            mcp_servers=mcp_configs(),
+            mcp_servers=McpServer.objects.configs(),
         )
         actions.record_event(self.session_id, "tool_end", {"id": call["id"], "output": result.output, "ok": result.ok})
-
-
-def mcp_configs() -> dict[str, tools.McpServerConfig]:
-    from .models import McpServer
-
-    return {s.name: s.config() for s in McpServer.objects.filter(enabled=True)}
 
 
 def run_turn_step(
@@ -441,6 +436,9 @@ def run_turn_step(
         with LeaseKeeper(session_id, owner):
             Step(session_id, owner, client_factory, run_tool or tools.run_tool).run(resumed_after_loss=bool(previous))
     except Exception as exc:  # the turn must end, whatever broke
+        if not AgentSession.objects.filter(pk=session_id).exists():
+            log.info("session %s was deleted while its turn ran", session_id)
+            return
         log.exception("turn step failed for session %s", session_id)
         actions.record_error(
             session_id, f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details."

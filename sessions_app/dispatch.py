@@ -20,6 +20,7 @@ RUN_TURN = "sessions_app.tasks.run_turn"
 START_SERVER = "sessions_app.tasks.start_server"
 STOP_SERVER = "sessions_app.tasks.stop_server"
 RESTART_SERVER = "sessions_app.tasks.restart_server"
+STOP_PROCESS = "sessions_app.tasks.stop_process"
 
 
 def enqueue(task: str, *args: object) -> bool:

@@ -21,11 +21,11 @@ from machines_app.llama_server import (
     new_api_key,
     wait_until_ready,
 )
-from machines_app.models import ModelFile, ServerRecord
+from machines_app.models import Machine, ModelFile, ServerRecord
 from machines_app.transports import ProcessId, TransportError, transport_for
 
 from . import actions, dispatch, tools
-from .models import AgentSession
+from .models import AgentSession, McpServer
 
 Status = AgentSession.Status
 log = logging.getLogger(__name__)
@@ -169,9 +169,8 @@ def record_catalogue(session_id: int, server: Endpoint) -> None:
     """Read the tool catalogue — llama-server's ``GET /tools`` plus every enabled MCP
     server, reached from the backend — and record it (SPEC §9). An MCP server that does
     not answer is left out and the transcript says so; the session still starts."""
-    from .agent import mcp_configs
-
-    catalogue, warnings = tools.load_catalogue(server.url, list(mcp_configs().values()), api_key=server.api_key)
+    mcp_servers = list(McpServer.objects.configs().values())
+    catalogue, warnings = tools.load_catalogue(server.url, mcp_servers, api_key=server.api_key)
     for warning in warnings:
         actions.record_error(session_id, warning)
     actions.record_event(session_id, "catalogue", {"tools": catalogue.as_payload()})
@@ -187,6 +186,13 @@ def _stop_process(session_id: int) -> bool:
     transport_for(record.machine).stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
     record.delete()
     return True
+
+
+def stop_orphan(machine_id: int, pid: int, start_time: str) -> None:
+    """Stop a server whose session was deleted (its record went with it)."""
+    machine = Machine.objects.filter(pk=machine_id).first()
+    if machine is not None:
+        transport_for(machine).stop(ProcessId(pid, start_time), grace=settings.CORRAL_STOP_GRACE)
 
 
 def stop_server(session_id: int, *, reason: str = "stopped") -> None:

@@ -6,6 +6,8 @@ from django.conf import settings
 from django.db import models
 from django.urls import reverse
 
+from .tools import McpServerConfig
+
 
 class AgentSession(models.Model):
     """A chat with one model served by one llama-server on one machine.
@@ -86,6 +88,12 @@ class TranscriptEvent(models.Model):
         return f"#{self.seq} {self.kind}"
 
 
+class McpServerQuerySet(models.QuerySet):
+    def configs(self) -> dict[str, McpServerConfig]:
+        """The enabled servers' connection settings by name (what the tool runner needs)."""
+        return {server.name: server.config() for server in self.filter(enabled=True)}
+
+
 class McpServer(models.Model):
     """An MCP server whose tools every session may call, reached from the backend (SPEC §9)."""
 
@@ -97,6 +105,8 @@ class McpServer(models.Model):
     api_key = models.CharField(max_length=500, blank=True, help_text="Sent as 'Authorization: Bearer <key>'.")
     enabled = models.BooleanField(default=True)
 
+    objects = McpServerQuerySet.as_manager()
+
     class Meta:
         ordering = ["name"]
         verbose_name = "MCP server"
@@ -104,9 +114,7 @@ class McpServer(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def config(self):
-        from .tools import McpServerConfig
-
+    def config(self) -> McpServerConfig:
         headers = {str(k): str(v) for k, v in (self.headers or {}).items()}
         if self.api_key:
             headers.setdefault("Authorization", f"Bearer {self.api_key}")

@@ -27,6 +27,17 @@ def restart_server(session_id: int) -> None:
 
 
 @shared_task
+def stop_process(machine_id: int, pid: int, start_time: str) -> None:
+    """Stop a server whose session is gone (deleted): SIGTERM, grace, SIGKILL."""
+    lifecycle.stop_orphan(machine_id, pid, start_time)
+
+
+@shared_task
+def watch_servers() -> None:
+    lifecycle.watch_servers()
+
+
+@shared_task
 def run_turn(session_id: int) -> None:
     agent.run_turn_step(session_id)
 

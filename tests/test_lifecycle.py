@@ -220,3 +220,19 @@ def test_a_server_killed_mid_reply_goes_straight_to_exited(stack, local_machine,
     statuses = [p["status"] for p in payloads(session, "status")]
     assert statuses[-2:] == ["running", "exited"], statuses  # never shown idle on a dead server
     assert "".join(p["text"] for p in payloads(session, "assistant_text"))  # the partial reply stays
+
+
+def test_deleting_a_session_hands_the_stop_to_a_task_and_leaves_no_process(stack, fake_machine, alice, tmp_path):
+    """The stand-in ignores SIGTERM, so stopping takes the whole grace period and SIGKILL:
+    the page's request must not wait for that; the worker does it."""
+    machine = fake_machine(FAKE_IGNORE_TERM="1")
+    session = idle_session(machine, alice, tmp_path)
+    record = ServerRecord.objects.get(session=session)
+    client = Client()
+    client.force_login(alice)
+    response = client.post(f"/sessions/{session.pk}/delete/")
+    assert response.status_code == 302
+    assert not AgentSession.objects.filter(pk=session.pk).exists()
+    assert not ServerRecord.objects.filter(pk=record.pk).exists()
+    wait_for(lambda: not Path(f"/proc/{record.pid}").exists() or Path(f"/proc/{record.pid}/stat").read_text().split()[2] == "Z",
+             30, what="the deleted session's server to be stopped")
