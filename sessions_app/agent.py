@@ -205,12 +205,10 @@ class Step:
     def __init__(
         self,
         session_id: int,
-        owner: str,
         client_factory: ClientFactory,
         run_tool: Callable[..., tools.ToolResult],
     ) -> None:
         self.session_id = session_id
-        self.owner = owner
         self.client_factory = client_factory
         self.run_tool = run_tool
 
@@ -434,7 +432,7 @@ def run_turn_step(
         return
     try:
         with LeaseKeeper(session_id, owner):
-            Step(session_id, owner, client_factory, run_tool or tools.run_tool).run(resumed_after_loss=bool(previous))
+            Step(session_id, client_factory, run_tool or tools.run_tool).run(resumed_after_loss=bool(previous))
     except Exception as exc:  # the turn must end, whatever broke
         if not AgentSession.objects.filter(pk=session_id).exists():
             log.info("session %s was deleted while its turn ran", session_id)

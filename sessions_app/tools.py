@@ -158,14 +158,7 @@ class ToolEntry:
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> ToolEntry:
-        """The entry :meth:`as_payload` wrote. Also reads a raw ``GET /tools`` entry (which has
-        ``"tool"`` and no ``"name"``), as older transcripts kept those. Raises ValueError
-        when ``d`` names no tool."""
-        if "name" not in d and "tool" in d:
-            entry = _builtin_entry(d)
-            if entry is None:
-                raise ValueError(f"not a tool entry: {d!r}")
-            return entry
+        """The entry :meth:`as_payload` wrote. Raises ValueError when ``d`` names no tool."""
         name = d.get("name")
         if not isinstance(name, str) or not name:
             raise ValueError(f"not a tool entry: {d!r}")
@@ -210,8 +203,8 @@ class Catalogue:
 
     @classmethod
     def from_payload(cls, items: Iterable[Mapping[str, Any]] | Mapping[str, Any] | None) -> Catalogue:
-        """The catalogue :meth:`as_payload` wrote; also accepts ``{"tools": [...]}`` and raw
-        ``GET /tools`` entries. Entries that name no tool are skipped."""
+        """The catalogue :meth:`as_payload` wrote (also as ``{"tools": [...]}``, the
+        ``catalogue`` event's payload). Entries that name no tool are skipped."""
         if isinstance(items, Mapping):
             items = items.get("tools") or []
         entries = []

@@ -5,9 +5,10 @@ need to know about a session's conversation is *folded* from it by the pure func
 this module:
 
 - :func:`build_messages` — the chat messages sent to ``/v1/chat/completions`` (SPEC §7);
-- :func:`allowed_tools` and :func:`permission_mode` — the permission gate (SPEC §8);
+- :func:`allowed_tools` — the permission gate (SPEC §8; the mode itself is the session's
+  ``permission_mode`` column, each change recorded as a ``settings`` event);
 - :func:`pending_queue`, :func:`open_turn`, :func:`pending_calls`,
-  :func:`open_questions` and :func:`last_model_key` — queue / turn state
+  :func:`open_questions` and :func:`reply_cut_off` — queue / turn state
   (SPEC §6, §8, §10).
 
 An *event* is any object with the attributes ``seq: int``, ``kind: str`` and
@@ -29,7 +30,6 @@ __all__ = [
     "ANSWER_ALLOW_ALWAYS",
     "ANSWER_ALLOW_ONCE",
     "ANSWER_REFUSE",
-    "DEFAULT_PERMISSION_MODE",
     "EMPTY_ARGUMENTS",
     "UNFINISHED_TOOL_RESULT",
     "Event",
@@ -37,12 +37,10 @@ __all__ = [
     "allowed_tools",
     "build_messages",
     "last_catalogue",
-    "last_model_key",
     "open_questions",
     "open_turn",
     "pending_calls",
     "pending_queue",
-    "permission_mode",
     "reply_cut_off",
 ]
 
@@ -58,9 +56,6 @@ UNFINISHED_TOOL_RESULT = (
 
 #: Arguments sent back for a call whose stored arguments are empty or missing (SPEC §7).
 EMPTY_ARGUMENTS = "{}"
-
-#: Permission mode of a session with no ``settings`` event naming one (SPEC §8).
-DEFAULT_PERMISSION_MODE = "manual"
 
 #: Values of ``answered.payload["answer"]`` (SPEC §8).
 ANSWER_ALLOW_ONCE = "allow_once"
@@ -79,7 +74,6 @@ _TOOL_START = "tool_start"
 _TOOL_END = "tool_end"
 _QUESTION = "question"
 _ANSWERED = "answered"
-_SETTINGS = "settings"
 _CLEARED = "cleared"
 _TURN_END = "turn_end"
 
@@ -383,37 +377,6 @@ def allowed_tools(events: Iterable[EventLike]) -> frozenset[str]:
         ):
             names.add(tool)
     return frozenset(names)
-
-
-def permission_mode(
-    events: Iterable[EventLike], default: str = DEFAULT_PERMISSION_MODE
-) -> str:
-    """The session's permission mode: the latest settings "permission_mode" (SPEC §8).
-
-    ``"manual"`` or ``"bypassPermissions"`` as recorded; ``default`` when no
-    ``settings`` event names a mode. Not reset by ``cleared``.
-    """
-    mode = default
-    for event in _ordered(events):
-        if event.kind == _SETTINGS:
-            value = _payload(event).get("permission_mode")
-            if isinstance(value, str) and value:
-                mode = value
-    return mode
-
-
-def last_model_key(events: Iterable[EventLike]) -> str | None:
-    """The model named by the latest ``settings`` event carrying "model_key" (SPEC §10).
-
-    None when no ``settings`` event names a model. Not reset by ``cleared``.
-    """
-    key: str | None = None
-    for event in _ordered(events):
-        if event.kind == _SETTINGS:
-            value = _payload(event).get("model_key")
-            if isinstance(value, str) and value:
-                key = value
-    return key
 
 
 def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:

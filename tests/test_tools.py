@@ -402,12 +402,6 @@ def test_it_round_trips_entries_and_catalogues_through_json():
     assert again.get("nope") is None
 
 
-def test_it_reads_a_catalogue_stored_as_raw_tools_json():
-    """Older transcripts kept ``{"tools": <GET /tools JSON>}`` in the catalogue event."""
-    catalogue = Catalogue.from_payload({"tools": CAPTURED_TOOLS_JSON})
-    assert catalogue == Catalogue(tuple(builtin_entries(CAPTURED_TOOLS_JSON)))
-
-
 def test_it_offers_no_definitions_for_an_empty_catalogue():
     assert Catalogue(()).definitions() == []
     assert Catalogue.from_payload([]).entries == ()

@@ -17,12 +17,10 @@ from sessions_app.transcript import (
     Event,
     allowed_tools,
     build_messages,
-    last_model_key,
     open_questions,
     open_turn,
     pending_calls,
     pending_queue,
-    permission_mode,
 )
 
 
@@ -592,64 +590,6 @@ def test_it_folds_allowed_tools(
     steps: list[tuple[str, dict[str, Any]]], expected: frozenset[str]
 ) -> None:
     assert allowed_tools(script(*steps)) == expected
-
-
-MODE_CASES = [
-    ("default", [], "manual"),
-    (
-        "latest wins",
-        [
-            other("settings", permission_mode="bypassPermissions"),
-            other("settings", permission_mode="manual"),
-        ],
-        "manual",
-    ),
-    (
-        "settings without a mode do not reset it",
-        [
-            other("settings", permission_mode="bypassPermissions"),
-            other("settings", model_key="m"),
-            other("cleared"),
-        ],
-        "bypassPermissions",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    ("steps", "expected"), [pytest.param(s, e, id=n) for n, s, e in MODE_CASES]
-)
-def test_it_folds_permission_mode(
-    steps: list[tuple[str, dict[str, Any]]], expected: str
-) -> None:
-    assert permission_mode(script(*steps)) == expected
-
-
-def test_it_uses_the_given_default_permission_mode() -> None:
-    assert permission_mode([], default="bypassPermissions") == "bypassPermissions"
-
-
-MODEL_CASES = [
-    ("none", [other("settings", permission_mode="manual")], None),
-    (
-        "latest",
-        [
-            other("settings", model_key="a"),
-            other("settings", permission_mode="manual"),
-            other("settings", model_key="b"),
-        ],
-        "b",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    ("steps", "expected"), [pytest.param(s, e, id=n) for n, s, e in MODEL_CASES]
-)
-def test_it_folds_last_model_key(
-    steps: list[tuple[str, dict[str, Any]]], expected: str | None
-) -> None:
-    assert last_model_key(script(*steps)) == expected
 
 
 def q(qid: str, text: str) -> tuple[str, dict[str, Any]]:
