@@ -21,17 +21,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
 
 import httpx
-from django.conf import settings
 from django.db import connection
-from django.db.models import Q
-from django.utils import timezone
 
 from machines_app.llama_server import Endpoint
 
-from . import actions, lifecycle, tools, transcript
+from . import lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -43,6 +39,7 @@ from .completions import (
     ToolCallFragment,
     Usage,
 )
+from .events import load_events, record_error, record_event, set_status
 from .models import AgentSession, McpServer
 
 Status = AgentSession.Status
@@ -70,43 +67,6 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 #: ``factory(base_url, http=httpx.Client, api_key=str)`` → a completion client using that
 #: HTTP client and sending the server's key.
 ClientFactory = Callable[..., CompletionClient]
-
-
-def lease_ttl() -> timedelta:
-    return timedelta(seconds=settings.CORRAL_LEASE_SECONDS)
-
-
-def claim_step(session_id: int, owner: str) -> str | None:
-    """Take the session's turn lease if nobody holds a live one.
-
-    Returns None when not taken; otherwise the previous holder's id ('' when the lease
-    was free, another id when its holder died without handing it back).
-    """
-    now = timezone.now()
-    row = (
-        AgentSession.objects.filter(pk=session_id, turn_active=True)
-        .filter(Q(lease_expires__isnull=True) | Q(lease_expires__lt=now))
-        .values_list("lease_owner", flat=True)
-        .first()
-    )
-    if row is None:
-        return None
-    taken = (
-        AgentSession.objects.filter(pk=session_id, turn_active=True, lease_owner=row)
-        .filter(Q(lease_expires__isnull=True) | Q(lease_expires__lt=now))
-        .update(lease_owner=owner, lease_expires=now + lease_ttl())
-    )
-    return row if taken == 1 else None
-
-
-def renew_lease(session_id: int, owner: str) -> bool:
-    return AgentSession.objects.filter(pk=session_id, lease_owner=owner).update(
-        lease_expires=timezone.now() + lease_ttl()
-    ) == 1
-
-
-def release_lease(session_id: int, owner: str) -> None:
-    AgentSession.objects.filter(pk=session_id, lease_owner=owner).update(lease_owner="", lease_expires=None)
 
 
 def request_sampling(sampling: dict) -> tuple[dict, int]:
@@ -140,32 +100,6 @@ def rounds_in_turn(events) -> int:
     return rounds
 
 
-class LeaseKeeper:
-    """Renews a step's lease every third of its lifetime from a thread of its own, so a
-    long prompt or a long tool run never lets it lapse while the step lives; when the
-    worker dies, the renewals stop and the lease lapses (case C16)."""
-
-    def __init__(self, session_id: int, owner: str) -> None:
-        self.session_id, self.owner = session_id, owner
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"lease-{session_id}", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self.stopped.wait(settings.CORRAL_LEASE_SECONDS / 3):
-                renew_lease(self.session_id, self.owner)
-        finally:
-            connection.close()
-
-    def __enter__(self) -> LeaseKeeper:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopped.set()
-        self.thread.join(5)
-
-
 class Fragments:
     """Streamed text on its way into the transcript, stored in batches: the fragments
     that arrive within ``FRAGMENT_FLUSH_EVERY`` seconds of the last write go into one event
@@ -194,7 +128,7 @@ class Fragments:
 
     def flush(self) -> None:
         if self.parts and self.kind:
-            actions.record_event(self.session_id, self.kind, {"text": "".join(self.parts)})
+            record_event(self.session_id, self.kind, {"text": "".join(self.parts)})
         self.parts = []
         self.last_flush = time.monotonic()
 
@@ -220,36 +154,36 @@ class Step:
         session = AgentSession.objects.select_related("machine").get(pk=self.session_id)
         if session.status == Status.LOADING:
             return  # SPEC §4: the message waits; start_server enqueues the step once ready
-        events = actions.load_events(self.session_id)
+        events = load_events(self.session_id)
         if not transcript.open_turn(events) or session.interrupt_requested:
-            actions.finish_turn(self.session_id, "interrupted" if session.interrupt_requested else "done")
+            turns.finish_turn(self.session_id, "interrupted" if session.interrupt_requested else "done")
             return
         if (resumed_after_loss or transcript.reply_cut_off(events)) and not transcript.pending_calls(events):
             # A step died mid-reply (its worker killed, or Redis or the database failing
             # under it): never answer the same message twice from half a stream.
-            actions.record_error(self.session_id, WORKER_LOST_REPLY)
-            actions.finish_turn(self.session_id, "interrupted")
+            record_error(self.session_id, WORKER_LOST_REPLY)
+            turns.finish_turn(self.session_id, "interrupted")
             return
         server = lifecycle.server_endpoint(session) if session.status not in (Status.EXITED,) else None
         if server is None or session.status == Status.UNKNOWN:
-            actions.record_error(
+            record_error(
                 self.session_id, "llama-server is not running for this session; restart it and send again."
             )
-            actions.finish_turn(self.session_id, "error")
+            turns.finish_turn(self.session_id, "error")
             return
         while True:
-            events = actions.load_events(self.session_id)
+            events = load_events(self.session_id)
             if transcript.pending_calls(events):
                 if not self.run_calls(session, events, server):
                     return  # waiting for a person, or interrupted
                 continue
             if rounds_in_turn(events) >= MAX_ROUNDS:
-                actions.record_error(self.session_id, ROUND_LIMIT_MESSAGE)
-                actions.finish_turn(self.session_id, "limit")
+                record_error(self.session_id, ROUND_LIMIT_MESSAGE)
+                turns.finish_turn(self.session_id, "limit")
                 return
             outcome = self.complete(session, events, server)
             if outcome != "tool_calls":
-                actions.finish_turn(self.session_id, outcome)
+                turns.finish_turn(self.session_id, outcome)
                 return
 
     # --- one completion -----------------------------------------------------------------
@@ -258,7 +192,7 @@ class Step:
         """Stream one completion into the transcript. Returns "tool_calls" when the
         reply asked for tools (their tool_start events are recorded), else the reason
         the turn ends: "done", "error" or "interrupted"."""
-        actions.set_status(self.session_id, Status.RUNNING)
+        set_status(self.session_id, Status.RUNNING)
         catalogue = catalogue_of(events)
         messages = transcript.build_messages(events)
         fresh = AgentSession.objects.get(pk=self.session_id)  # sampling changes apply now
@@ -311,7 +245,7 @@ class Step:
         except CompletionError as exc:
             pending.flush()  # what was seen stays (SPEC §6: an interrupted reply is kept)
             if not interrupted.is_set():
-                actions.record_error(self.session_id, str(exc))
+                record_error(self.session_id, str(exc))
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
                     lifecycle.check_session_server(self.session_id)
                 return "error"
@@ -327,11 +261,11 @@ class Step:
         if usage is not None or finish_reason is not None:
             payload = usage.as_payload() if usage is not None else {}
             payload.update({"seed": seed, "finish_reason": finish_reason})
-            actions.record_event(self.session_id, "usage", payload)
+            record_event(self.session_id, "usage", payload)
         if interrupted.is_set():
             return "interrupted"
         if not produced:
-            actions.record_event(self.session_id, "notice", {"message": EMPTY_REPLY})
+            record_event(self.session_id, "notice", {"message": EMPTY_REPLY})
         calls = assembler.calls()
         if not calls:
             return "done"
@@ -346,7 +280,7 @@ class Step:
             call_id = call.id if fresh else f"call_{secrets.token_hex(12)}"
             used.add(call_id)
             entry = catalogue.get(call.name)
-            actions.record_event(
+            record_event(
                 self.session_id,
                 "tool_start",
                 {
@@ -377,32 +311,32 @@ class Step:
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
             if self.interrupted():
-                actions.finish_turn(self.session_id, "interrupted")
+                turns.finish_turn(self.session_id, "interrupted")
                 return False
             if call_id in running:
                 # Started by a worker that died: a command may have run; never re-run it silently.
-                actions.record_event(self.session_id, "tool_end", {"id": call_id, "output": WORKER_LOST_RESULT, "ok": False})
+                record_event(self.session_id, "tool_end", {"id": call_id, "output": WORKER_LOST_RESULT, "ok": False})
                 continue
             entry = catalogue.get(name)
             if entry is None:
                 output = tools.UNKNOWN_TOOL_RESULT.format(name=name)
-                actions.record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
+                record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
                 continue
             answer = answers.get(call_id, {}).get("answer")
             if answer == transcript.ANSWER_REFUSE:
                 output = REFUSED_RESULT.format(tool=name)
-                actions.record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
+                record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
                 continue
             if answer is None and mode != AgentSession.PermissionMode.BYPASS and name not in allowed:
                 if call_id not in asked:
-                    actions.ask_question(self.session_id, call_id, name)
+                    turns.ask_question(self.session_id, call_id, name)
                 return False
             self.execute(session, entry, call, server)
         return True
 
     def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> None:
-        actions.set_status(self.session_id, Status.RUNNING)
-        actions.record_event(self.session_id, "tool_running", {"id": call["id"]})
+        set_status(self.session_id, Status.RUNNING)
+        record_event(self.session_id, "tool_running", {"id": call["id"]})
         result = self.run_tool(
             entry,
             call.get("input") or {},
@@ -411,7 +345,7 @@ class Step:
             cwd=session.working_dir,
             mcp_servers=McpServer.objects.configs(),
         )
-        actions.record_event(self.session_id, "tool_end", {"id": call["id"], "output": result.output, "ok": result.ok})
+        record_event(self.session_id, "tool_end", {"id": call["id"], "output": result.output, "ok": result.ok})
 
 
 def run_turn_step(
@@ -427,20 +361,20 @@ def run_turn_step(
     step). Every failure ends the turn with an error event in the user's terms.
     """
     owner = uuid.uuid4().hex
-    previous = claim_step(session_id, owner)
+    previous = turns.claim_step(session_id, owner)
     if previous is None:
         return
     try:
-        with LeaseKeeper(session_id, owner):
+        with turns.LeaseKeeper(session_id, owner):
             Step(session_id, client_factory, run_tool or tools.run_tool).run(resumed_after_loss=bool(previous))
     except Exception as exc:  # the turn must end, whatever broke
         if not AgentSession.objects.filter(pk=session_id).exists():
             log.info("session %s was deleted while its turn ran", session_id)
             return
         log.exception("turn step failed for session %s", session_id)
-        actions.record_error(
+        record_error(
             session_id, f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details."
         )
-        actions.finish_turn(session_id, "error")
+        turns.finish_turn(session_id, "error")
     finally:
-        release_lease(session_id, owner)
+        turns.release_lease(session_id, owner)

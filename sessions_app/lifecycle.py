@@ -24,7 +24,8 @@ from machines_app.llama_server import (
 from machines_app.models import Machine, ModelFile, ServerRecord
 from machines_app.transports import ProcessId, TransportError, transport_for
 
-from . import actions, dispatch, tools
+from . import dispatch, tools, turns
+from .events import record_error, record_event, set_status
 from .models import AgentSession, McpServer
 
 Status = AgentSession.Status
@@ -59,10 +60,10 @@ def server_endpoint(session: AgentSession) -> Endpoint | None:
 
 
 def _fail(session: AgentSession, message: str) -> None:
-    actions.record_error(session.pk, message)
-    actions.set_status(session.pk, Status.EXITED)
+    record_error(session.pk, message)
+    set_status(session.pk, Status.EXITED)
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
-        actions.finish_turn(session.pk, "error")
+        turns.finish_turn(session.pk, "error")
 
 
 def start_server(session_id: int) -> None:
@@ -105,7 +106,7 @@ def start_server(session_id: int) -> None:
                 "on that machine (refresh the model list after copying it there)."
             )
         log_path = log_path_for(session)
-        actions.set_status(session.pk, Status.LOADING)
+        set_status(session.pk, Status.LOADING)
         api_key = new_api_key()
         transport.write_private(spec.api_key_file, api_key + "\n")
         proc = transport.spawn(build_argv(spec), log_path, cwd=None)
@@ -154,15 +155,15 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
     transport.remove(key_path_for(session))
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
-    actions.record_event(
+    record_event(
         session.pk, "server_ready", {"model_key": record.model_key, "model": model.display_name if model else record.model_key}
     )
     record_catalogue(session.pk, _endpoint(transport, record))
-    actions.set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
+    set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
         dispatch.enqueue_on_commit(dispatch.RUN_TURN, session.pk)
     else:
-        actions.resume_queue(session.pk)
+        turns.resume_queue(session.pk)
 
 
 def record_catalogue(session_id: int, server: Endpoint) -> None:
@@ -172,8 +173,8 @@ def record_catalogue(session_id: int, server: Endpoint) -> None:
     mcp_servers = list(McpServer.objects.configs().values())
     catalogue, warnings = tools.load_catalogue(server.url, mcp_servers, api_key=server.api_key)
     for warning in warnings:
-        actions.record_error(session_id, warning)
-    actions.record_event(session_id, "catalogue", {"tools": catalogue.as_payload()})
+        record_error(session_id, warning)
+    record_event(session_id, "catalogue", {"tools": catalogue.as_payload()})
 
 
 def _stop_process(session_id: int) -> bool:
@@ -202,12 +203,10 @@ def stop_server(session_id: int, *, reason: str = "stopped") -> None:
     The status changes first, so the turn that the stop breaks off does not hand the
     queue to a server that is going away.
     """
-    actions.set_status(session_id, Status.EXITED)
+    set_status(session_id, Status.EXITED)
     _stop_process(session_id)
-    actions.record_event(session_id, "server_stopped", {"reason": reason})
-    session = AgentSession.objects.get(pk=session_id)
-    if session.turn_active and not (session.lease_expires and session.lease_expires > timezone.now()):
-        actions.finish_turn(session_id, "stopped")
+    record_event(session_id, "server_stopped", {"reason": reason})
+    turns.finish_if_unheld(session_id, "stopped")
 
 
 def restart_server(session_id: int) -> None:
@@ -215,7 +214,7 @@ def restart_server(session_id: int) -> None:
     and server parameters (SPEC §10 model change; a server-parameter change). The
     conversation survives because it was never in the server; the prompt cache does not."""
     if _stop_process(session_id):
-        actions.record_event(session_id, "server_stopped", {"reason": "restart"})
+        record_event(session_id, "server_stopped", {"reason": "restart"})
     start_server(session_id)
 
 
@@ -240,10 +239,10 @@ def check_server(record: ServerRecord) -> None:
     try:
         alive = transport.process_alive(_proc(record))
     except TransportError:
-        actions.set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
+        set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
         return
     if alive:
-        actions.set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
+        set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
         return
     # Delete first, conditionally, so two watchers never both report the death.
     if ServerRecord.objects.filter(pk=record.pk, stopping=False).delete()[0] == 0:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from celery import shared_task
-from django.utils import timezone
 
-from . import agent, lifecycle
-from .models import AgentSession
+from . import agent, lifecycle, turns
 
 
 @shared_task
@@ -44,15 +40,7 @@ def run_turn(session_id: int) -> None:
 
 @shared_task
 def recover_turns() -> None:
-    """Re-enqueue the step of every active turn whose lease is free or expired: a worker
-    that died mid-step, or a step message that was lost. A duplicate is harmless: the
-    lease lets one copy run (case C16)."""
-    stale = timezone.now() - timedelta(seconds=10)
-    for session_id in AgentSession.objects.filter(
-        turn_active=True, last_activity_at__lt=stale, status__in=["idle", "running"]
-    ).filter(lease_expires__isnull=True).values_list("pk", flat=True):
-        run_turn.delay(session_id)
-    for session_id in AgentSession.objects.filter(turn_active=True, lease_expires__lt=timezone.now()).values_list(
-        "pk", flat=True
-    ):
+    """Re-enqueue the step of every open turn whose step is not running (a worker that
+    died mid-step, or a step message that was lost); see turns.recoverable."""
+    for session_id in turns.recoverable():
         run_turn.delay(session_id)

@@ -12,6 +12,7 @@ from machines_app import catalog
 from machines_app.models import Machine
 
 from . import actions, transcript
+from .events import load_events
 from .forms import MessageForm, NewSessionForm, SessionSettingsForm
 from .models import AgentSession
 from .presenters import build_items
@@ -102,7 +103,7 @@ def _session_context(session: AgentSession) -> dict:
 @require_GET
 def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
-    events = actions.load_events(session.pk)
+    events = load_events(session.pk)
     context = {
         **_session_context(session),
         "settings_form": SessionSettingsForm.for_session(session),

@@ -6,6 +6,7 @@ import pytest
 from django.test import Client
 
 from machines_app.models import Machine
+from sessions_app.events import record_event
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, wait_for
@@ -89,9 +90,7 @@ def test_it_refuses_bobs_websocket_and_a_strangers(stack, alices_session, alice,
         origin=stack.base_url,
     )
     try:
-        from sessions_app import actions
-
-        actions.record_event(alices_session.pk, "error", {"message": "visible to alice"})
+        record_event(alices_session.pk, "error", {"message": "visible to alice"})
         wait_for(lambda: ok.messages, 10, what="alice's socket to get the event")
         assert ok.close_code is None
     finally:

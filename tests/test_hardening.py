@@ -15,6 +15,7 @@ from machines_app import catalog
 from machines_app.models import Machine, ModelFile, ServerRecord
 from sessions_app import actions, agent, lifecycle, transcript
 from sessions_app.completions import CompletionClient
+from sessions_app.events import load_events, record_event
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import model_key, wait_for
@@ -111,7 +112,7 @@ def test_a_call_id_that_is_not_a_plain_token_is_replaced_and_the_page_renders(sc
     AgentSession.objects.filter(pk=scripted_session.pk).update(permission_mode="manual")
     catalogue = [{"name": "get_info", "display_name": "Info", "writes": False, "origin": "machine", "server": None,
                   "remote_name": "get_info", "definition": {"type": "function", "function": {"name": "get_info"}}}]
-    actions.record_event(scripted_session.pk, "catalogue", {"tools": catalogue})
+    record_event(scripted_session.pk, "catalogue", {"tools": catalogue})
     model_side.will_answer(
         sse(chunk({"tool_calls": [{"index": 0, "id": "call/1 <x>", "function": {"name": "get_info", "arguments": ""}}]})),
         sse(chunk({}, finish_reason="tool_calls")), b"data: [DONE]\n\n",
@@ -169,9 +170,9 @@ def test_stop_with_an_open_question_refuses_it_and_the_queue_waits_for_a_restart
     actions.do_send_message(fresh(session), alice, "queued while asking")
     lifecycle.stop_server(session.pk)
     assert payloads(session, "answered")[0]["answer"] == "refuse"
-    assert transcript.open_questions(actions.load_events(session.pk)) == []
+    assert transcript.open_questions(load_events(session.pk)) == []
     assert fresh(session).status == "exited" and not fresh(session).turn_active
-    assert [q["text"] for q in transcript.pending_queue(actions.load_events(session.pk))] == ["queued while asking"]
+    assert [q["text"] for q in transcript.pending_queue(load_events(session.pk))] == ["queued while asking"]
     actions.do_restart(fresh(session), alice)
     wait_for(lambda: len(payloads(session, "turn_end")) == 2 and not fresh(session).turn_active, 30,
              what="the queued message to run after the restart")

@@ -14,6 +14,7 @@ from django.test import Client
 
 from machines_app.models import ServerRecord
 from sessions_app import actions, transcript
+from sessions_app.events import load_events
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, model_key, wait_for
@@ -98,7 +99,7 @@ def test_concurrent_senders_at_turn_boundaries_lose_nothing_and_never_overlap(st
     kinds = [e.kind for e in TranscriptEvent.objects.filter(session=session, kind__in=["message_taken", "turn_end"])
              .order_by("seq")]
     assert kinds == ["message_taken", "turn_end"] * len(texts)  # never two turns at once
-    assert transcript.pending_queue(actions.load_events(session.pk)) == []
+    assert transcript.pending_queue(load_events(session.pk)) == []
 
 
 def test_interrupt_stops_a_real_stream_quickly_and_keeps_the_partial_reply(stack, local_machine, alice, tmp_path):
@@ -112,11 +113,11 @@ def test_interrupt_stops_a_real_stream_quickly_and_keeps_the_partial_reply(stack
     assert payloads(session, "turn_end")[0]["reason"] == "interrupted"
     partial = "".join(p["text"] for p in payloads(session, "assistant_text"))
     assert partial
-    messages = transcript.build_messages(actions.load_events(session.pk))
+    messages = transcript.build_messages(load_events(session.pk))
     assert messages[-1] == {"role": "assistant", "content": partial}
     actions.do_send_message(fresh(session), alice, "Summarise that in one line.")
     turns_ended(session, 2)
-    assert transcript.build_messages(actions.load_events(session.pk))[1] == {"role": "assistant", "content": partial}
+    assert transcript.build_messages(load_events(session.pk))[1] == {"role": "assistant", "content": partial}
 
 
 def test_model_switch_carries_the_conversation_to_the_other_real_model(stack, local_machine, alice, tmp_path):
@@ -138,7 +139,7 @@ def test_model_switch_carries_the_conversation_to_the_other_real_model(stack, lo
 
     actions.do_send_message(fresh(session), alice, "What is my sheep called?")
     turns_ended(session, 2)
-    sent = transcript.build_messages(actions.load_events(session.pk))
+    sent = transcript.build_messages(load_events(session.pk))
     assert [m["role"] for m in sent[:3]] == ["user", "assistant", "user"]
     # The second model was given the whole conversation: more prompt tokens than the
     # first request held, though its own message is short.
@@ -204,7 +205,7 @@ def test_clear_makes_the_next_request_start_after_the_marker(stack, local_machin
     turns_ended(session, 3)
     after_clear = payloads(session, "usage")[-1]["prompt_tokens"]
     assert after_clear < with_history / 2  # what the real server processed: only the new message
-    assert transcript.build_messages(actions.load_events(session.pk))[0] == {"role": "user", "content": "hi"}
+    assert transcript.build_messages(load_events(session.pk))[0] == {"role": "user", "content": "hi"}
     with pytest.raises(actions.SessionError, match="not supported for llama.cpp sessions"):
         actions.do_send_message(fresh(session), alice, "/compact")
 

@@ -6,7 +6,8 @@ import pytest
 from django.test import Client
 
 from machines_app.models import Machine
-from sessions_app import actions, broadcast
+from sessions_app import broadcast
+from sessions_app.events import record_event
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, wait_for
@@ -41,14 +42,14 @@ def connect(stack, alice):
 
 def test_case_c17_reconnect_catches_up_from_the_last_seq_without_duplicates(session, connect):
     for text in ["a", "b", "c"]:
-        actions.record_event(session.pk, "assistant_text", {"text": text})
+        record_event(session.pk, "assistant_text", {"text": text})
     first = connect(session)
     wait_for(lambda: first.seqs == [1, 2, 3], 10, what="catch-up")
     first.close()
-    actions.record_event(session.pk, "assistant_text", {"text": "d"})
-    actions.record_event(session.pk, "error", {"message": "x"})
+    record_event(session.pk, "assistant_text", {"text": "d"})
+    record_event(session.pk, "error", {"message": "x"})
     again = connect(session, after=3)
-    actions.record_event(session.pk, "assistant_text", {"text": "e"})
+    record_event(session.pk, "assistant_text", {"text": "e"})
     wait_for(lambda: again.seqs and again.seqs[-1] == 6, 10, what="catch-up after reconnect")
     assert again.seqs == [4, 5, 6]
     # The block opened before the reconnect is continued, then closed into Markdown.
@@ -59,14 +60,14 @@ def test_case_c17_reconnect_catches_up_from_the_last_seq_without_duplicates(sess
 
 def test_case_c17_a_gap_is_filled_from_the_database_and_a_repeat_is_dropped(session, connect):
     ws = connect(session)
-    actions.record_event(session.pk, "assistant_text", {"text": "one"})
+    record_event(session.pk, "assistant_text", {"text": "one"})
     wait_for(lambda: ws.seqs == [1], 10, what="the first event")
     # An event stored but never pushed (a message the channel layer dropped) …
     AgentSession.objects.filter(pk=session.pk).update(last_seq=2)
     TranscriptEvent.objects.create(session=session, seq=2, kind="assistant_text", payload={"text": " two"})
     # … and a push repeated by a fast sender.
     broadcast.push_event(session.pk, 1, "assistant_text", {"text": "one"})
-    actions.record_event(session.pk, "assistant_text", {"text": " three"})
+    record_event(session.pk, "assistant_text", {"text": " three"})
     wait_for(lambda: ws.seqs and ws.seqs[-1] == 3, 10, what="the gap to be filled")
     assert ws.seqs == [1, 2, 3]
     texts = [op["text"] for m in ws.messages for op in m["ops"] if op["op"] == "text"]
@@ -74,9 +75,9 @@ def test_case_c17_a_gap_is_filled_from_the_database_and_a_repeat_is_dropped(sess
 
 
 def test_case_c19_fragments_carry_non_empty_ids_and_the_socket_is_not_on_a_swapped_element(session, connect, alice):
-    actions.record_event(session.pk, "message_queued", {"id": "q1", "text": "later", "author": "alice"})
-    actions.record_event(session.pk, "assistant_text", {"text": "<b>bold</b> **md**"})
-    actions.record_event(session.pk, "usage", {"prompt_tokens": 3})
+    record_event(session.pk, "message_queued", {"id": "q1", "text": "later", "author": "alice"})
+    record_event(session.pk, "assistant_text", {"text": "<b>bold</b> **md**"})
+    record_event(session.pk, "usage", {"prompt_tokens": 3})
     ws = connect(session)
     wait_for(lambda: len(ws.seqs) == 3, 10, what="events")
     for message in ws.messages:

@@ -1,0 +1,90 @@
+"""The one way an event enters a transcript, and the one way a status changes.
+
+- :func:`record_event` appends one event: it takes the session's row lock, hands out the
+  next sequence number (gap-free per session) and pushes the event to watchers after
+  commit (:mod:`sessions_app.broadcast`).
+- :func:`append` does the same inside a transaction that already holds the lock (see
+  :func:`locked`), so an action can change columns and record events atomically.
+- :func:`change_status` is "set the status, then record a ``status`` event" — written once.
+
+The event kinds and their payloads are listed in docs/transcript.md.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from . import broadcast
+from .models import AgentSession, TranscriptEvent
+
+Status = AgentSession.Status
+
+
+def locked(session_id: int) -> AgentSession:
+    """The session row, locked until the caller's transaction ends."""
+    return AgentSession.objects.select_for_update().get(pk=session_id)
+
+
+def storable(value):
+    """``value`` with every string made storable as JSON text in any database: NUL
+    becomes U+FFFD and lone surrogates are replaced (PostgreSQL's jsonb refuses both, and
+    a shell command's output or a model's reply can contain them)."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            value = value.replace("\x00", "\ufffd")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            value = value.encode("utf-8", "replace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
+def append(session: AgentSession, kind: str, payload: dict) -> TranscriptEvent:
+    """Append to a session already locked by the caller's transaction."""
+    payload = storable(payload)
+    session.last_seq += 1
+    event = TranscriptEvent.objects.create(session_id=session.pk, seq=session.last_seq, kind=kind, payload=payload)
+    AgentSession.objects.filter(pk=session.pk).update(last_seq=session.last_seq, last_activity_at=timezone.now())
+    transaction.on_commit(lambda: broadcast.push_event(session.pk, event.seq, kind, payload))
+    return event
+
+
+def record_event(session_id: int, kind: str, payload: dict | None = None) -> TranscriptEvent:
+    """Append one event to a transcript and push it to watchers after commit."""
+    with transaction.atomic():
+        return append(locked(session_id), kind, payload or {})
+
+
+def change_status(session: AgentSession, status: str) -> bool:
+    """Set the status of a session locked by the caller and record a ``status`` event;
+    False (and nothing recorded) when it already had that status."""
+    if session.status == status:
+        return False
+    AgentSession.objects.filter(pk=session.pk).update(status=status)
+    session.status = status
+    append(session, "status", {"status": status})
+    return True
+
+
+def set_status(session_id: int, status: str, *, only_from: tuple[str, ...] | None = None) -> bool:
+    """:func:`change_status` in a transaction of its own; False when unchanged or when the
+    current status is not in ``only_from``."""
+    with transaction.atomic():
+        session = locked(session_id)
+        if only_from is not None and session.status not in only_from:
+            return False
+        return change_status(session, status)
+
+
+def record_error(session_id: int, message: str) -> None:
+    record_event(session_id, "error", {"message": message})
+
+
+def load_events(session_id: int, *, after: int = 0) -> list[TranscriptEvent]:
+    return list(TranscriptEvent.objects.filter(session_id=session_id, seq__gt=after).order_by("seq"))

@@ -1,0 +1,247 @@
+"""The turn's state machine: the one place that starts, steps, ends and recovers turns.
+
+A session has at most one open turn. Its state lives in three columns of the session row
+(``turn_active``, the step lease ``lease_owner``/``lease_expires``, ``interrupt_requested``)
+and in the transcript (``message_taken`` … ``turn_end``); every change below is made under
+the session's row lock and recorded as events in the same transaction::
+
+                 take_message                       claim_step
+      no turn ───────────────▶ step queued ─────────────────────▶ step running
+     (idle)   ◀─ finish_turn ─┐    ▲  ▲                             │  lease held,
+        ▲      (takes the next │    │  │ answer                      │  renewed by LeaseKeeper
+        │       queued message │    │  └───────── awaiting input ◀──┤ ask_question
+        │       in the same    │    │             (no step runs)    │ (step ends)
+        │       transaction)   │    │ recover: open turn, lease     │
+        │                      │    └─ free or lapsed (worker died)  │
+        │                      └──────── done / error / interrupted ◀┘ finish_turn
+        │                                  / stopped / limit
+        └──── take_message while a turn is open only queues (message_queued)
+
+- A *step* is one Celery task run (:func:`sessions_app.agent.run_turn_step`). It must
+  :func:`claim_step` first; a second copy of the same step (a redelivered task, a
+  recovery) finds the lease held and leaves. The lease is renewed every third of its
+  lifetime while the step lives (:class:`LeaseKeeper`) and lapses when its worker dies.
+- No worker waits for a person: a question ends the step; the answer queues a new one.
+- :func:`interrupt` sets the flag a streaming step watches; a turn that no step holds
+  (waiting for a person, for the model to load) is finished at once.
+- :func:`recoverable` lists open turns whose step is not running, for beat to re-queue.
+
+Lower layers enqueue steps by task name (:mod:`sessions_app.dispatch`).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from . import dispatch, transcript
+from .events import append, change_status, load_events, locked
+from .models import AgentSession
+
+Status = AgentSession.Status
+
+
+def lease_ttl() -> timedelta:
+    return timedelta(seconds=settings.CORRAL_LEASE_SECONDS)
+
+
+def lease_held(session: AgentSession) -> bool:
+    """Whether a live step holds the session's lease (as read from ``session``)."""
+    return bool(session.lease_owner) and session.lease_expires is not None and session.lease_expires > timezone.now()
+
+
+def enqueue_step(session_id: int) -> None:
+    """Queue a step of the session's turn once the current transaction commits."""
+    dispatch.enqueue_on_commit(dispatch.RUN_TURN, session_id)
+
+
+# --- taking messages ------------------------------------------------------------------------
+
+
+def take_message(session: AgentSession, text: str, author: str) -> bool:
+    """Start a turn with ``text`` on a session locked by the caller, or queue it behind the
+    open turn (``message_queued``). True when a turn started."""
+    if session.turn_active:
+        append(session, "message_queued", {"id": uuid.uuid4().hex, "text": text, "author": author})
+        return False
+    _open(session, text, author, queued_id=None)
+    return True
+
+
+def _open(session: AgentSession, text: str, author: str, queued_id: str | None) -> None:
+    append(session, "message_taken", {"text": text, "queued_id": queued_id, "author": author})
+    # The lease is handed back too, so the step queued for this message can claim it even
+    # before a finishing step has let go of it.
+    AgentSession.objects.filter(pk=session.pk).update(
+        turn_active=True, interrupt_requested=False, lease_owner="", lease_expires=None
+    )
+    session.turn_active = True
+    enqueue_step(session.pk)
+
+
+def _take_next(session: AgentSession, events) -> bool:
+    """Start a turn with the oldest queued message; False when the queue is empty."""
+    pending = transcript.pending_queue(events)
+    if not pending:
+        return False
+    item = pending[0]
+    _open(session, item["text"], item["author"], queued_id=item["id"])
+    return True
+
+
+def resume_queue(session_id: int) -> None:
+    """Take the next queued message when no turn runs (after a restart: messages queued
+    while the server was stopped wait for it)."""
+    with transaction.atomic():
+        session = locked(session_id)
+        if session.turn_active or session.status in (Status.EXITED, Status.LOADING):
+            return
+        _take_next(session, load_events(session_id))
+
+
+# --- ending ---------------------------------------------------------------------------------
+
+
+def _close_questions(session: AgentSession, events, reason: str) -> None:
+    """Close every open question as a refusal: no question card stays open anywhere."""
+    for question in transcript.open_questions(events):
+        append(
+            session,
+            "answered",
+            {"id": question["id"], "tool": question.get("tool"), "answer": transcript.ANSWER_REFUSE,
+             "by": "", "reason": reason},
+        )
+
+
+def finish_turn(session_id: int, reason: str) -> None:
+    """End the open turn (``turn_end`` with ``reason``: done, error, interrupted, stopped,
+    limit) and, in the same transaction, take the next queued message — a message is never
+    stranded with nothing running. Open questions are closed as refusals."""
+    with transaction.atomic():
+        session = locked(session_id)
+        events = load_events(session_id)
+        _close_questions(session, events, reason)
+        if transcript.open_turn(events):
+            append(session, "turn_end", {"reason": reason})
+        if session.status == Status.EXITED or not _take_next(session, events):
+            AgentSession.objects.filter(pk=session_id).update(turn_active=False, interrupt_requested=False)
+            if session.status in (Status.RUNNING, Status.AWAITING_INPUT):
+                change_status(session, Status.IDLE)
+
+
+def finish_if_unheld(session_id: int, reason: str) -> bool:
+    """Finish the open turn unless a live step holds it (that step will see the flag or
+    the status and finish it itself). True when finished here."""
+    session = AgentSession.objects.get(pk=session_id)
+    if not session.turn_active or lease_held(session):
+        return False
+    finish_turn(session_id, reason)
+    return True
+
+
+def interrupt(session: AgentSession, by: str) -> bool:
+    """Ask the open turn of a session locked by the caller to stop; False when no turn is
+    open. The caller finishes the turn with :func:`finish_if_unheld` after commit."""
+    if not session.turn_active:
+        return False
+    AgentSession.objects.filter(pk=session.pk).update(interrupt_requested=True)
+    append(session, "interrupted", {"by": by})
+    return True
+
+
+# --- the gate ---------------------------------------------------------------------------------
+
+
+def ask_question(session_id: int, call_id: str, tool: str) -> None:
+    """Record a question about one call; the session awaits input and the step ends."""
+    with transaction.atomic():
+        session = locked(session_id)
+        append(session, "question", {"id": call_id, "tool": tool})
+        change_status(session, Status.AWAITING_INPUT)
+
+
+def go_on_after_answer(session: AgentSession) -> None:
+    """After an answer (recorded by the caller): the turn goes on in a new step."""
+    if session.status == Status.AWAITING_INPUT:
+        change_status(session, Status.RUNNING)
+    enqueue_step(session.pk)
+
+
+# --- the lease --------------------------------------------------------------------------------
+
+
+def claim_step(session_id: int, owner: str) -> str | None:
+    """Take the session's turn lease if nobody holds a live one.
+
+    Returns None when not taken; otherwise the previous holder's id ('' when the lease
+    was free, another id when its holder died without handing it back).
+    """
+    now = timezone.now()
+    free = Q(lease_expires__isnull=True) | Q(lease_expires__lt=now)
+    row = AgentSession.objects.filter(free, pk=session_id, turn_active=True).values_list("lease_owner", flat=True)
+    previous = row.first()
+    if previous is None:
+        return None
+    taken = (
+        AgentSession.objects.filter(free, pk=session_id, turn_active=True, lease_owner=previous)
+        .update(lease_owner=owner, lease_expires=now + lease_ttl())
+    )
+    return previous if taken == 1 else None
+
+
+def renew_lease(session_id: int, owner: str) -> bool:
+    return AgentSession.objects.filter(pk=session_id, lease_owner=owner).update(
+        lease_expires=timezone.now() + lease_ttl()
+    ) == 1
+
+
+def release_lease(session_id: int, owner: str) -> None:
+    AgentSession.objects.filter(pk=session_id, lease_owner=owner).update(lease_owner="", lease_expires=None)
+
+
+class LeaseKeeper:
+    """Renews a step's lease every third of its lifetime from a thread of its own, so a
+    long prompt or a long tool run never lets it lapse while the step lives; when the
+    worker dies, the renewals stop and the lease lapses."""
+
+    def __init__(self, session_id: int, owner: str) -> None:
+        self.session_id, self.owner = session_id, owner
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"lease-{session_id}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stopped.wait(settings.CORRAL_LEASE_SECONDS / 3):
+                renew_lease(self.session_id, self.owner)
+        finally:
+            connection.close()
+
+    def __enter__(self) -> LeaseKeeper:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join(5)
+
+
+# --- recovery ---------------------------------------------------------------------------------
+
+
+def recoverable() -> list[int]:
+    """Sessions whose open turn has no step running: the lease is free and nothing happened
+    for 10 s (a step message lost with the broker), or the lease lapsed (its worker died).
+    Re-queuing one that is in fact fine is harmless: the lease lets one copy run."""
+    now = timezone.now()
+    free = AgentSession.objects.filter(
+        turn_active=True, last_activity_at__lt=now - timedelta(seconds=10), status__in=[Status.IDLE, Status.RUNNING],
+        lease_expires__isnull=True,
+    )
+    lapsed = AgentSession.objects.filter(turn_active=True, lease_expires__lt=now)
+    return sorted(set(free.values_list("pk", flat=True)) | set(lapsed.values_list("pk", flat=True)))
