@@ -1,0 +1,191 @@
+"""Every transition of the turn's state machine (sessions_app/turns.py), in process.
+
+No worker, no server, no broker: the step queue is read from what the transitions hand to
+:mod:`sessions_app.dispatch` (the Celery seam), and after-commit work runs through Django's
+``captureOnCommitCallbacks``. The real processes prove the parts fit in test_lifecycle,
+test_agent_durable and test_e2e_real; these prove the rules, in milliseconds.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from machines_app.models import Machine
+from sessions_app import actions, dispatch, transcript, turns
+from sessions_app.events import load_events
+from sessions_app.models import AgentSession
+
+pytestmark = pytest.mark.django_db
+
+Status = AgentSession.Status
+
+
+@pytest.fixture
+def queued(monkeypatch) -> list[tuple[str, tuple]]:
+    """What the transitions hand to Celery, in order."""
+    sent: list[tuple[str, tuple]] = []
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args: sent.append((task, args)) or True)
+    return sent
+
+
+@pytest.fixture
+def alice(django_user_model):
+    return django_user_model.objects.create(username="alice")  # no password: no slow hashing here
+
+
+@pytest.fixture
+def session(alice, tmp_path) -> AgentSession:
+    machine = Machine.objects.create(name="m", models_dir=str(tmp_path))
+    return AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
+                                       status=Status.IDLE)
+
+
+def fresh(session) -> AgentSession:
+    return AgentSession.objects.get(pk=session.pk)
+
+
+def kinds(session) -> list[str]:
+    return [e.kind for e in load_events(session.pk)]
+
+
+def send(session, user, text, capture) -> None:
+    with capture(execute=True):
+        actions.do_send_message(fresh(session), user, text)
+
+
+def test_a_message_on_an_idle_session_opens_a_turn_and_queues_a_step(session, alice, queued,
+                                                                     django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        actions.do_send_message(session, alice, "hi")
+        assert queued == []  # nothing reaches the broker before the commit
+    for callback in callbacks:
+        callback()
+    assert queued == [(dispatch.RUN_TURN, (session.pk,))]
+    assert fresh(session).turn_active
+    assert kinds(session) == ["message_taken"]
+
+
+def test_a_message_during_a_turn_only_waits(session, alice, queued, django_capture_on_commit_callbacks):
+    send(session, alice, "first", django_capture_on_commit_callbacks)
+    send(session, alice, "second", django_capture_on_commit_callbacks)
+    assert kinds(session) == ["message_taken", "message_queued"]
+    assert len(queued) == 1
+    assert [q["text"] for q in transcript.pending_queue(load_events(session.pk))] == ["second"]
+
+
+def test_one_step_holds_the_lease_a_second_copy_leaves(session, alice, queued, django_capture_on_commit_callbacks,
+                                                      settings):
+    send(session, alice, "hi", django_capture_on_commit_callbacks)
+    assert turns.claim_step(session.pk, "one") == ""
+    assert turns.claim_step(session.pk, "two") is None
+    assert turns.renew_lease(session.pk, "one") and not turns.renew_lease(session.pk, "two")
+    AgentSession.objects.filter(pk=session.pk).update(lease_expires=timezone.now() - timedelta(seconds=1))
+    assert turns.claim_step(session.pk, "three") == "one"  # "one" died: its lease lapsed
+    turns.release_lease(session.pk, "three")
+    assert turns.claim_step(session.pk, "four") == ""
+
+
+def test_no_step_is_claimed_without_an_open_turn(session):
+    assert turns.claim_step(session.pk, "x") is None
+
+
+def test_a_question_ends_the_step_and_the_answer_queues_the_next(session, alice, queued,
+                                                                 django_capture_on_commit_callbacks):
+    send(session, alice, "hi", django_capture_on_commit_callbacks)
+    turns.ask_question(session.pk, "call_1", "exec_shell_command")
+    assert fresh(session).status == Status.AWAITING_INPUT
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.do_answer(fresh(session), alice, "call_1", "allow_once")
+    assert fresh(session).status == Status.RUNNING
+    assert queued[-1] == (dispatch.RUN_TURN, (session.pk,))
+    assert [e.kind for e in load_events(session.pk)][-2:] == ["answered", "status"]
+    with pytest.raises(actions.SessionError, match="already been answered"):
+        actions.do_answer(fresh(session), alice, "call_1", "refuse")
+
+
+def test_an_interrupt_of_an_unheld_turn_ends_it_and_takes_the_next_message(session, alice, queued,
+                                                                          django_capture_on_commit_callbacks):
+    send(session, alice, "first", django_capture_on_commit_callbacks)
+    send(session, alice, "second", django_capture_on_commit_callbacks)
+    turns.ask_question(session.pk, "call_1", "write_file")
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.do_interrupt(fresh(session), alice)
+    events = load_events(session.pk)
+    assert transcript.open_questions(events) == []  # closed as a refusal
+    refusal = next(e.payload for e in events if e.kind == "answered")
+    assert refusal["answer"] == transcript.ANSWER_REFUSE and refusal["reason"] == "interrupted"
+    assert [e.payload["reason"] for e in events if e.kind == "turn_end"] == ["interrupted"]
+    assert [e.payload["text"] for e in events if e.kind == "message_taken"] == ["first", "second"]
+    assert fresh(session).turn_active and queued[-1] == (dispatch.RUN_TURN, (session.pk,))
+
+
+def test_an_interrupt_of_a_held_turn_only_raises_the_flag(session, alice, queued,
+                                                          django_capture_on_commit_callbacks):
+    send(session, alice, "first", django_capture_on_commit_callbacks)
+    turns.claim_step(session.pk, "step")
+    actions.do_interrupt(fresh(session), alice)
+    assert fresh(session).interrupt_requested and fresh(session).turn_active
+    assert "turn_end" not in kinds(session)  # the step ends it when it sees the flag
+    assert not turns.finish_if_unheld(session.pk, "stopped")
+
+
+def test_nothing_to_interrupt_is_said(session, alice):
+    with pytest.raises(actions.SessionError, match="Nothing is running"):
+        actions.do_interrupt(session, alice)
+
+
+def test_finishing_with_an_empty_queue_makes_the_session_idle(session, alice, queued,
+                                                              django_capture_on_commit_callbacks):
+    send(session, alice, "hi", django_capture_on_commit_callbacks)
+    AgentSession.objects.filter(pk=session.pk).update(status=Status.RUNNING)
+    turns.finish_turn(session.pk, "done")
+    assert not fresh(session).turn_active
+    assert fresh(session).status == Status.IDLE
+    assert kinds(session)[-2:] == ["turn_end", "status"]
+    turns.finish_turn(session.pk, "done")  # a second finish records nothing more
+    assert kinds(session).count("turn_end") == 1
+
+
+def test_a_stopped_server_keeps_the_queue_until_a_restart(session, alice, queued,
+                                                          django_capture_on_commit_callbacks):
+    send(session, alice, "first", django_capture_on_commit_callbacks)
+    send(session, alice, "second", django_capture_on_commit_callbacks)
+    AgentSession.objects.filter(pk=session.pk).update(status=Status.EXITED)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert turns.finish_if_unheld(session.pk, "stopped")
+    assert not fresh(session).turn_active
+    assert [e.payload["text"] for e in load_events(session.pk) if e.kind == "message_taken"] == ["first"]
+    AgentSession.objects.filter(pk=session.pk).update(status=Status.IDLE)  # the server is back
+    with django_capture_on_commit_callbacks(execute=True):
+        turns.resume_queue(session.pk)
+    assert [e.payload["text"] for e in load_events(session.pk) if e.kind == "message_taken"] == ["first", "second"]
+    assert queued[-1] == (dispatch.RUN_TURN, (session.pk,))
+
+
+def test_a_message_to_an_exited_session_is_refused(session, alice):
+    AgentSession.objects.filter(pk=session.pk).update(status=Status.EXITED)
+    with pytest.raises(actions.SessionError, match="not running"):
+        actions.do_send_message(fresh(session), alice, "hi")
+
+
+def test_recovery_finds_turns_whose_step_is_not_running(session, alice, queued, django_capture_on_commit_callbacks):
+    send(session, alice, "hi", django_capture_on_commit_callbacks)
+    assert turns.recoverable() == []  # just queued: give the step a moment
+    AgentSession.objects.filter(pk=session.pk).update(last_activity_at=timezone.now() - timedelta(seconds=30))
+    assert turns.recoverable() == [session.pk]  # the step message was lost
+    turns.claim_step(session.pk, "alive")
+    assert turns.recoverable() == []  # a live step holds it
+    AgentSession.objects.filter(pk=session.pk).update(lease_expires=timezone.now() - timedelta(seconds=1))
+    assert turns.recoverable() == [session.pk]  # its worker died
+
+
+def test_a_status_change_is_recorded_once(session):
+    from sessions_app.events import set_status
+
+    assert set_status(session.pk, Status.RUNNING)
+    assert not set_status(session.pk, Status.RUNNING)
+    assert not set_status(session.pk, Status.UNKNOWN, only_from=(Status.IDLE,))
+    assert kinds(session) == ["status"]
