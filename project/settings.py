@@ -6,10 +6,11 @@ variable is read through the strict helpers in ``project/env.py``, so a value th
 cannot mean anything (``DEBUG=ture``, ``CORRAL_STOP_GRACE=5s``) stops the process with
 ``ImproperlyConfigured`` naming it. The README's table lists the variables;
 ``docs/deployment.md`` explains the production ones (``CORRAL_HTTPS``, the
-Content-Security-Policy).
+Content-Security-Policy, login throttling).
 """
 
 import logging
+from datetime import timedelta
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
@@ -44,6 +45,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_htmx",
     "channels",
+    "axes",
     "machines_app",
     "sessions_app",
 ]
@@ -60,6 +62,9 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a lockout noticed during authentication into
+    # the lockout page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -137,6 +142,23 @@ SECURE_CSP = {
     "object-src": [CSP.NONE],
     "frame-ancestors": [CSP.NONE],
 }
+
+# Login throttling (django-axes): this many wrong passwords for one username from one
+# address lock that pair out for AXES_COOLOFF_TIME; a right password resets the count.
+# Keyed on the pair so that one person mistyping cannot lock a whole office behind one
+# NAT address out, and a stranger cannot lock a colleague out from elsewhere.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("CORRAL_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("CORRAL_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "project.login_throttle.locked_out"
+# The client's address is REMOTE_ADDR (django-ipware is deliberately not installed): a
+# client's own X-Forwarded-For must not give it a fresh address for every guess. Behind
+# the HTTPS proxy, daphne sets REMOTE_ADDR from the proxy's header (--proxy-headers).
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

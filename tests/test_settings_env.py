@@ -146,7 +146,8 @@ def test_importing_settings_writes_nothing_and_a_missing_key_is_a_clear_error(tm
 @pytest.mark.parametrize(
     ("name", "value"),
     [("DEBUG", "ture"), ("CORRAL_HTTPS", "maybe"), ("CORRAL_STOP_GRACE", "5s"), ("CORRAL_LEASE_SECONDS", "0"),
-     ("ALLOWED_HOSTS", "corral.example,"), ("REDIS_URL", "127.0.0.1:6379"), ("LOG_LEVEL", "LOUD")],
+     ("ALLOWED_HOSTS", "corral.example,"), ("REDIS_URL", "127.0.0.1:6379"), ("LOG_LEVEL", "LOUD"),
+     ("CORRAL_LOGIN_FAILURE_LIMIT", "0")],
 )
 def test_a_bad_setting_stops_the_process_naming_the_variable(tmp_path, name, value):
     result = _settings_in(tmp_path, ["DEBUG"], SECRET_KEY="k" * 60, **{name: value})
