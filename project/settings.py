@@ -156,6 +156,7 @@ AXES_COOLOFF_TIME = timedelta(minutes=env_int("CORRAL_LOGIN_LOCKOUT_MINUTES", 15
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "project.login_throttle.locked_out"
+AXES_USERNAME_CALLABLE = "project.login_throttle.client_username"
 # The client's address is REMOTE_ADDR (django-ipware is deliberately not installed): a
 # client's own X-Forwarded-For must not give it a fresh address for every guess. Behind
 # the HTTPS proxy, daphne sets REMOTE_ADDR from the proxy's header (--proxy-headers).

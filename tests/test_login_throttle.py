@@ -97,3 +97,19 @@ def test_the_record_keeps_no_password_and_the_page_escapes_the_typed_name(alice)
     response = _lock_out(Client(), hostile)
     assert hostile not in response.text and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in response.text
     assert all("not-the-password" not in a.post_data for a in AccessAttempt.objects.all())
+
+
+def test_a_huge_username_is_counted_and_locked_like_any_other(alice):
+    huge = "a" * 10_000  # the login form sends it to authentication as it is
+    response = _lock_out(Client(), huge)
+    assert "Login locked for a while" in response.text
+    # Stored cut to the column's 255 characters: PostgreSQL would refuse the whole name.
+    assert {len(a.username) for a in AccessAttempt.objects.all()} == {255}
+
+
+@pytest.mark.parametrize("username", ["ali\x00ce", "   "])
+def test_usernames_the_form_refuses_get_its_own_answer_and_are_not_counted(alice, username):
+    for _ in range(LIMIT + 1):
+        response = _log_in(Client(), username, "not-the-password")
+        assert response.status_code == 200 and "<form" in response.text
+    assert not AccessAttempt.objects.exists()
