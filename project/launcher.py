@@ -135,6 +135,8 @@ def main(argv: list[str]) -> int:
             return test(argv[1:])
     except ImproperlyConfigured as exc:
         sys.exit(f"corral: {exc}")
+    except OSError as exc:  # e.g. CORRAL_DATA_DIR on a read-only disk or owned by someone else
+        sys.exit(f"corral: cannot prepare the data directory {data_dir.location()}: {exc.strerror or exc}")
     sys.exit(f"usage: {sys.argv[0]} run [--port N] | test [pytest args]")
 
 

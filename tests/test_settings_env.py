@@ -211,13 +211,17 @@ def test_corral_run_has_debug_only_on_a_plain_loopback_run(monkeypatch, https, d
     assert os.environ["DEBUG"] == expected_debug
 
 
-@pytest.mark.parametrize(("argv", "env"), [(["run", "--port", "eighty"], {}), (["run", "--port"], {}),
-                                             (["run"], {"PORT": "99999"}), (["run"], {"CORRAL_HTTPS": "sure"})])
-def test_the_launcher_refuses_bad_input_with_a_message_not_a_traceback(tmp_path, argv, env):
+@pytest.mark.parametrize(
+    ("argv", "env", "words"),
+    [(["run", "--port", "eighty"], {}, "PORT='eighty' is not valid"), (["run", "--port"], {}, "is not valid"),
+     (["run"], {"PORT": "99999"}, "at most 65535"), (["run"], {"CORRAL_HTTPS": "sure"}, "CORRAL_HTTPS='sure'"),
+     (["test"], {"CORRAL_DATA_DIR": "/proc/corral-data"}, "cannot prepare the data directory /proc/corral-data")],
+)
+def test_the_launcher_refuses_bad_input_with_a_message_not_a_traceback(tmp_path, argv, env, words):
     result = subprocess.run(
-        [sys.executable, "-m", "project.launcher", *argv], cwd=ROOT, env=_child_env(tmp_path, **env),
+        [sys.executable, "-m", "project.launcher", *argv], cwd=ROOT, env={**_child_env(tmp_path), **env},
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 1
-    assert result.stderr.startswith("corral: ") and "is not valid" in result.stderr
+    assert result.stderr.startswith("corral: ") and words in result.stderr
     assert "Traceback" not in result.stderr
