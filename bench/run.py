@@ -30,8 +30,9 @@ DATA = Path(tempfile.mkdtemp(prefix="corral-bench-"))
 os.environ.setdefault("CORRAL_DATA_DIR", str(DATA))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 
-from project.launcher import ensure_redis  # noqa: E402
+from project.launcher import ensure_redis, prepare_data_dir  # noqa: E402
 
+prepare_data_dir()
 ensure_redis()
 
 import django  # noqa: E402

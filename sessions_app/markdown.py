@@ -32,6 +32,7 @@ import nh3
 from markdown_it import MarkdownIt
 from markdown_it.common.utils import escapeHtml
 from markdown_it.renderer import RendererProtocol
+from markdown_it.rules_core import StateCore
 from markdown_it.token import Token
 from markdown_it.utils import EnvType, OptionsDict
 from pygments import highlight as pygments_highlight
@@ -40,6 +41,7 @@ from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
 
 __all__ = [
+    "ALIGN_CLASSES",
     "ALLOWED_ATTRIBUTES",
     "ALLOWED_TAGS",
     "ALLOWED_URL_SCHEMES",
@@ -95,16 +97,20 @@ ALLOWED_TAGS = frozenset(
 )
 
 #: Attributes allowed per tag (``rel`` on links is added by the sanitiser, not kept).
-#: ``style`` on table cells is filtered down to ``text-align`` (column alignment).
+#: Table cells carry their column alignment as a class (:data:`ALIGN_CLASSES`): the
+#: page's Content-Security-Policy blocks ``style`` attributes (docs/deployment.md).
 ALLOWED_ATTRIBUTES: dict[str, frozenset[str]] = {
     "a": frozenset({"href", "title"}),
     "span": frozenset({"class"}),
     "code": frozenset({"class"}),
     "pre": frozenset({"class"}),
     "ol": frozenset({"start"}),
-    "th": frozenset({"style"}),
-    "td": frozenset({"style"}),
+    "th": frozenset({"class"}),
+    "td": frozenset({"class"}),
 }
+
+#: GFM column alignment (``|:--|:-:|--:|``) → the class a table cell gets.
+ALIGN_CLASSES = {"left": "align-left", "center": "align-center", "right": "align-right"}
 
 _FORMATTER = HtmlFormatter(nowrap=True)
 
@@ -116,6 +122,8 @@ def _attribute_filter(tag: str, attribute: str, value: str) -> str | None:
             return value if value == HIGHLIGHT_CSS_CLASS else None
         if tag == "code":
             return value if value.startswith("language-") and " " not in value else None
+        if tag in ("th", "td"):
+            return value if value in ALIGN_CLASSES.values() else None
     return value
 
 
@@ -127,7 +135,6 @@ _CLEANER = nh3.Cleaner(
     link_rel=LINK_REL,
     url_schemes=set(ALLOWED_URL_SCHEMES),
     url_relative="deny",
-    filter_style_properties={"text-align"},
 )
 
 
@@ -189,9 +196,21 @@ def _del_close(
     return "</del>"
 
 
+def _alignment_as_class(state: StateCore) -> None:
+    """markdown-it core rule: a table cell's ``style="text-align:X"`` becomes
+    ``class="align-X"`` (see :data:`ALIGN_CLASSES`); any other style is dropped."""
+    for token in state.tokens:
+        if token.type in ("th_open", "td_open") and "style" in token.attrs:
+            style = str(token.attrs.pop("style"))
+            align = style.removeprefix("text-align:").strip()
+            if align in ALIGN_CLASSES:
+                token.attrSet("class", ALIGN_CLASSES[align])
+
+
 def _make_parser() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "highlight": _highlight})
     md.enable(["table", "strikethrough"])
+    md.core.ruler.push("alignment_as_class", _alignment_as_class)
     md.add_render_rule("image", _image_as_text)
     md.add_render_rule("s_open", _del_open)
     md.add_render_rule("s_close", _del_close)

@@ -162,9 +162,11 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory):
     import redis
 
     from machines_app.transports import LocalTransport
+    from project import data_dir
 
     redis.Redis.from_url(settings.REDIS_URL).flushdb()  # no stale tasks from earlier runs
     data = tmp_path_factory.mktemp("stack")
+    data_dir.prepare(data)  # what the launcher does for a deployment's data directory
     port = LocalTransport().free_port()
     env = {
         **os.environ,

@@ -1,0 +1,61 @@
+"""Corral's data directory: where it is, and making it ready before any process starts.
+
+Settings only *read* from here (importing them writes nothing); the launcher calls
+:func:`prepare` once before it runs ``manage.py``, daphne, Celery or pytest, so every
+process finds the folders and the same secret key.
+
+Layout under ``CORRAL_DATA_DIR`` (default ``<repo>/data``)::
+
+    secret_key        Django's SECRET_KEY when the SECRET_KEY variable is not set (0600)
+    logs/             one llama-server log per session
+    static/           STATIC_ROOT (WhiteNoise warns when it is missing)
+    corral.sqlite3    the default database
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+SECRET_KEY_FILE = "secret_key"
+
+
+def location() -> Path:
+    """``CORRAL_DATA_DIR`` made absolute, or ``<repo>/data``; does not create it."""
+    raw = os.environ.get("CORRAL_DATA_DIR", "").strip()
+    return Path(raw or BASE_DIR / "data").expanduser().resolve()
+
+
+def read_secret_key(data_dir: Path) -> str:
+    """The key kept in ``data_dir/secret_key``; ``""`` when the file is missing or empty."""
+    try:
+        return (data_dir / SECRET_KEY_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def prepare(data_dir: Path) -> None:
+    """Create the data directory, ``logs/`` and ``static/``, and a secret key once.
+
+    The key is 50 URL-safe random bytes (as ``check --deploy`` wants: long, varied, not
+    Django's ``django-insecure-`` placeholder), written to a temporary file created with
+    mode 0600 and renamed into place, so a reader never sees half a key and nobody else
+    on the machine can read it. An existing non-empty key is kept: sessions and CSRF
+    tokens signed with it stay valid. Idempotent; raises ``OSError`` when the directory
+    cannot be written.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "logs").mkdir(exist_ok=True)
+    (data_dir / "static").mkdir(exist_ok=True)
+    if read_secret_key(data_dir):
+        return
+    path = data_dir / SECRET_KEY_FILE
+    partial = data_dir / f".{SECRET_KEY_FILE}.{os.getpid()}"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # in case a leftover file of that name had other bits
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(50))
+    os.replace(partial, path)
