@@ -18,7 +18,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from . import broadcast
 from .actions import can_access
 from .models import AgentSession, TranscriptEvent
-from .presenters import BLOCK_KINDS, NOTE_KINDS, QUEUE_KINDS, SILENT_KINDS, TOOL_KINDS, LiveRenderer
+from .presenters import TOOL_KINDS, TranscriptView, prime_window
 
 FORBIDDEN = 4403
 
@@ -38,7 +38,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             self.last_sent = max(0, int(query.get("after", ["0"])[0]))
         except ValueError:
             self.last_sent = 0
-        self.renderer = LiveRenderer(
+        self.renderer = TranscriptView(
             self.session_id, call_events=self._call_events, machine_name=await self._machine_name()
         )
         await self.accept()
@@ -96,10 +96,15 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         return list(TranscriptEvent.objects.filter(session_id=self.session_id, seq__gt=after).order_by("seq"))
 
     def _prime(self) -> None:
-        """Learn the block the page may hold open at ``last_sent`` (no operations sent)."""
+        """Learn what the page may still hold open at ``last_sent`` (no operations sent)."""
         if self.last_sent == 0:
             return
-        quiet = set(BLOCK_KINDS) | SILENT_KINDS | QUEUE_KINDS | NOTE_KINDS
         before = TranscriptEvent.objects.filter(session_id=self.session_id, seq__lte=self.last_sent)
-        closing = before.exclude(kind__in=quiet).order_by("-seq").values_list("seq", flat=True).first() or 0
-        self.renderer.prime(before.filter(seq__gt=closing).order_by("seq"))
+        # Only the tail after the last event that leaves nothing open matters; read it
+        # newest first and stop there, rather than the whole transcript.
+        tail = []
+        for event in before.order_by("-seq").iterator(chunk_size=200):
+            tail.append(event)
+            if len(prime_window([event])) == 0:
+                break
+        self.renderer.prime(prime_window(tail[::-1]))

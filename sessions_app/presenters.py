@@ -143,54 +143,23 @@ def event_item(event) -> dict | None:
 
 
 def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
-    """The display items of a whole transcript, in order (first paint)."""
-    items: list[dict] = []
-    block: Block | None = None
-    calls: dict[str, list] = {}
-    held_notes: list[dict] = []
-    for event in events:
-        if event.kind in NOTE_KINDS and block is not None:
-            held_notes.append(event_item(event))
-            continue
-        if event.kind in TOOL_KINDS:
-            call_id = event.payload.get("id", "")
-            if event.kind == "tool_start":
-                calls[call_id] = []
-                if block is not None:
-                    block.open = False
-                    items.append(block.as_item())
-                    block = None
-                items.append({"type": "tool-placeholder", "call_id": call_id})
-            calls.setdefault(call_id, []).append(event)
-            continue
-        block_type = BLOCK_KINDS.get(event.kind)
-        if event.kind in SILENT_KINDS or event.kind in QUEUE_KINDS:
-            continue
-        if block_type:
-            if block is not None and block.type == block_type:
-                block.parts.append(event.payload.get("text", ""))
-                continue
-            if block is not None:
-                block.open = False
-                items.append(block.as_item())
-            block = Block(block_type, event.seq, [event.payload.get("text", "")])
-            continue
-        if block is not None:
-            block.open = False
-            items.append(block.as_item())
-            block = None
-        items.extend(held_notes)
-        held_notes = []
-        item = event_item(event)
-        if item is not None:
-            items.append(item)
-    if block is not None:
-        items.append(block.as_item())
-    items.extend(held_notes)
-    return [
-        {**tool_item(calls[item["call_id"]]), "session_id": session_id} if item["type"] == "tool-placeholder" else item
-        for item in items
-    ]
+    """The display items of a whole transcript, in page order (first paint): the
+    :class:`TranscriptView` fold over every event, without producing operations."""
+    view = TranscriptView(session_id)
+    view.prime(events)
+    return view.page_items()
+
+
+def prime_window(events: list) -> list:
+    """The events a :class:`TranscriptView` needs to pick up a page that already shows
+    ``events`` (in seq order): those after the last one that leaves nothing open (a block
+    may still be streaming, notes may follow it). The rest are already final on the page."""
+    quiet = set(BLOCK_KINDS) | SILENT_KINDS | QUEUE_KINDS | NOTE_KINDS
+    start = 0
+    for index, event in enumerate(events):
+        if event.kind not in quiet:
+            start = index + 1
+    return events[start:]
 
 
 def render_item(item: dict) -> str:
@@ -205,34 +174,65 @@ def render_status(status: str) -> str:
     return render_to_string("sessions_app/_status.html", {"status": status})
 
 
-class LiveRenderer:
-    """Turns events, fed in sequence order, into browser operations.
+class TranscriptView:
+    """The one fold from transcript events to what the browser shows.
 
-    One per websocket connection. ``prime()`` feeds events the browser already has (to
-    know an open block) without producing operations. Operations (JSON-able dicts):
+    Fed events in sequence order, it keeps the page's items (``#transcript``, in page
+    order: :meth:`page_items` is the first paint) and returns, for each event, the
+    operations that bring a page showing the events before it up to date (live
+    updates). So a reloaded page and a live one are two uses of the same rules
+    (``tests/test_one_renderer.py`` proves page(events[:k]) + live(events[k:]) ==
+    page(events) for every k).
+
+    One per websocket connection, or one per first paint. :meth:`prime` feeds events
+    the page already has, without operations. Operations (JSON-able dicts):
     ``{"op": "append", "target": id, "html": …}``, ``{"op": "text", "id": id, "text": …}``,
     ``{"op": "replace", "id": id, "html": …}``, ``{"op": "remove", "id": id}``,
     ``{"op": "status", "status": …, "html": …}``, ``{"op": "value", "id": id, "value": …}``
-    (a control that follows a setting changed elsewhere).
+    (a control that follows a setting changed elsewhere). The queue (``#queue``), the
+    status badge, the tool list and the header are drawn from the session on first
+    paint; only their live operations come from here.
+
+    ``call_events(call_id, before_seq)`` returns the earlier events of a tool call the
+    view did not see (a page primed after that call started).
     """
 
     def __init__(self, session_id: int, call_events=None, machine_name: str = "") -> None:
         self.session_id = session_id
         self.machine_name = machine_name
-        self.block: Block | None = None
-        # call id → that call's events so far (read from the database by the consumer).
         self.call_events = call_events
+        self.block: Block | None = None
+        # dom id → item, in page order; a reply block stays a Block (made an item when
+        # shown), so a long reply is not joined again at every fragment.
+        self.items: dict[str, dict | Block] = {}
+        self.calls: dict[str, list] = {}  # call id → the call's events seen so far
 
     def prime(self, events: Iterable) -> None:
         for event in events:
             self.feed(event, render=False)
 
+    def page_items(self) -> list[dict]:
+        return [item.as_item() if isinstance(item, Block) else item for item in self.items.values()]
+
+    def _show(self, item: dict | Block, ops: list[dict], render: bool, *, known: bool | None = None) -> None:
+        """Put ``item`` on the page: a new one at the end, a known one in its place.
+        ``known`` overrides what the view saw (a page primed after the item appeared)."""
+        dom_id = item.dom_id if isinstance(item, Block) else item["dom_id"]
+        if known is None:
+            known = dom_id in self.items
+        self.items[dom_id] = item
+        if render:
+            html = render_item(item.as_item() if isinstance(item, Block) else item)
+            if known:
+                ops.append({"op": "replace", "id": dom_id, "html": html})
+            else:
+                ops.append({"op": "append", "target": "transcript", "html": html})
+
     def _close(self, ops: list[dict], render: bool) -> None:
         if self.block is None:
             return
         self.block.open = False
-        if render:
-            ops.append({"op": "replace", "id": self.block.dom_id, "html": render_item(self.block.as_item())})
+        self._show(self.block, ops, render)
         self.block = None
 
     def feed(self, event, *, render: bool = True) -> list[dict]:
@@ -262,14 +262,14 @@ class LiveRenderer:
         if kind in TOOL_KINDS:
             if kind == "tool_start":
                 self._close(ops, render)
-            if render and self.call_events is not None:
-                item = tool_item([*self.call_events(payload.get("id", ""), event.seq), event])
-                item["session_id"] = self.session_id
-                html = render_item(item)
-                if kind == "tool_start":
-                    ops.append({"op": "append", "target": "transcript", "html": html})
-                else:
-                    ops.append({"op": "replace", "id": item["dom_id"], "html": html})
+            call_id = payload.get("id", "")
+            if call_id not in self.calls:
+                self.calls[call_id] = list(self.call_events(call_id, event.seq)) if self.call_events else []
+            self.calls[call_id].append(event)
+            if any(e.kind == "tool_start" for e in self.calls[call_id]):
+                # A call's row appears with its tool_start and is redrawn in place after.
+                item = {**tool_item(self.calls[call_id]), "session_id": self.session_id}
+                self._show(item, ops, render, known=kind != "tool_start")
             return ops
         if kind == "settings" and payload.get("permission_mode") and render:
             ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
@@ -278,8 +278,9 @@ class LiveRenderer:
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],
                                                                                    "key": payload.get("model_key", "")})})
         if kind in NOTE_KINDS:
-            # Appended after the open block (if any) without closing it.
-            return [{"op": "append", "target": "transcript", "html": render_item(event_item(event))}] if render else []
+            # Shown after the open block (if any) without closing it.
+            self._show(event_item(event), ops, render)
+            return ops
         block_type = BLOCK_KINDS.get(kind)
         text = payload.get("text", "")
         if block_type and self.block is not None and self.block.type == block_type:
@@ -290,12 +291,11 @@ class LiveRenderer:
         self._close(ops, render)
         if block_type:
             self.block = Block(block_type, event.seq, [text])
-            if render:
-                ops.append({"op": "append", "target": "transcript", "html": render_item(self.block.as_item())})
+            self._show(self.block, ops, render)
             return ops
         if kind == "message_taken" and payload.get("queued_id") and render:
             ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
         item = event_item(event)
-        if item is not None and render:
-            ops.append({"op": "append", "target": "transcript", "html": render_item(item)})
+        if item is not None:
+            self._show(item, ops, render)
         return ops

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sessions_app.presenters import LiveRenderer, build_items
+from sessions_app.presenters import TranscriptView, build_items
 from sessions_app.transcript import Event
 
 
@@ -26,7 +26,7 @@ def test_it_keeps_a_reply_whole_when_the_interrupt_arrives_mid_stream():
 
 
 def test_it_streams_into_one_block_live_and_closes_it_into_markdown():
-    renderer = LiveRenderer(1)
+    renderer = TranscriptView(1)
     ops = [op for e in STREAM_WITH_INTERRUPT for op in renderer.feed(e)]
     # user bubble, the block, the note (after the block, not splitting it), more text,
     # then turn_end closes the block into Markdown.
@@ -52,7 +52,7 @@ def test_it_escapes_what_people_and_models_write():
 
 
 def test_queue_events_show_apart_and_resolve():
-    renderer = LiveRenderer(7)
+    renderer = TranscriptView(7)
     queued = renderer.feed(Event(1, "message_queued", {"id": "q1", "text": "later", "author": "bob"}))
     assert queued[0]["target"] == "queue" and 'id="q-q1"' in queued[0]["html"] and "/sessions/7/queue/q1/drop/" in queued[0]["html"]
     assert renderer.feed(Event(2, "message_dropped", {"id": "q1"})) == [{"op": "remove", "id": "q-q1"}]
@@ -61,12 +61,12 @@ def test_queue_events_show_apart_and_resolve():
 
 
 def test_a_mode_change_made_elsewhere_moves_every_pages_switch():
-    ops = LiveRenderer(1).feed(Event(1, "settings", {"permission_mode": "bypassPermissions", "by": "bob"}))
+    ops = TranscriptView(1).feed(Event(1, "settings", {"permission_mode": "bypassPermissions", "by": "bob"}))
     assert {"op": "value", "id": "permission-mode", "value": "bypassPermissions"} in ops
 
 
 def test_the_tool_list_and_a_ready_note_arrive_live():
-    renderer = LiveRenderer(1, machine_name="gpu-box")
+    renderer = TranscriptView(1, machine_name="gpu-box")
     tools = [{"name": "read_file", "display_name": "Read file", "origin": "machine", "writes": False},
              {"name": "calc__add", "display_name": "add", "origin": "mcp", "server": "calc", "writes": True}]
     ops = renderer.feed(Event(1, "catalogue", {"tools": tools}))

@@ -1,0 +1,175 @@
+"""Issue 7: first paint and live updates are two uses of one fold.
+
+Zulip's ``verify_action`` idea: for every cut ``k`` of a recorded transcript, a page
+first painted from ``events[:k]`` and then brought up to date by the live operations for
+``events[k:]`` (applied the way ``static/corral/session.js`` applies them) shows the same
+DOM as a page first painted from all the events.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from bs4 import BeautifulSoup
+
+from machines_app.models import Machine, ServerRecord
+from sessions_app import actions, agent, transcript
+from sessions_app.events import load_events
+from sessions_app.models import AgentSession
+from sessions_app.presenters import TOOL_KINDS, TranscriptView, build_items, prime_window, render_item, render_queued
+from sessions_app.transcript import Event
+
+from .scripted_server import ScriptedServer, chunk, sse
+
+SESSION = 7
+
+
+def script(*specs) -> list[Event]:
+    return [Event(seq=i + 1, kind=kind, payload=payload) for i, (kind, payload) in enumerate(specs)]
+
+
+CALL = {"id": "c1", "tool": "exec_shell_command", "arguments": '{"command": "ls"}', "input": {"command": "ls"},
+        "origin": "machine", "writes": True, "display_name": "Shell"}
+
+TRANSCRIPTS = {
+    "a plain exchange": script(
+        ("settings", {"model_key": "m.gguf", "permission_mode": "manual", "sampling": {}, "server_params": {}}),
+        ("status", {"status": "idle"}),
+        ("server_ready", {"model_key": "m.gguf", "model": "SmolLM2"}),
+        ("catalogue", {"tools": []}),
+        ("message_taken", {"text": "hi", "queued_id": None, "author": "alice"}),
+        ("status", {"status": "running"}),
+        ("reasoning", {"text": "Let me"}), ("reasoning", {"text": " think."}),
+        ("assistant_text", {"text": "Hello"}), ("assistant_text", {"text": " **there**"}),
+        ("usage", {"prompt_tokens": 9, "completion_tokens": 2, "seed": 4, "finish_reason": "stop"}),
+        ("turn_end", {"reason": "done"}), ("status", {"status": "idle"}),
+    ),
+    "interrupt while streaming, queue, withdraw": script(
+        ("message_taken", {"text": "count", "queued_id": None, "author": "alice"}),
+        ("assistant_text", {"text": "one "}),
+        ("message_queued", {"id": "q1", "text": "later", "author": "bob"}),
+        ("message_queued", {"id": "q2", "text": "never", "author": "bob"}),
+        ("interrupted", {"by": "bob"}),
+        ("assistant_text", {"text": "two"}),
+        ("message_dropped", {"id": "q2", "by": "bob"}),
+        ("turn_end", {"reason": "interrupted"}),
+        ("message_taken", {"text": "later", "queued_id": "q1", "author": "bob"}),
+        ("error", {"message": "context overflow"}),
+        ("turn_end", {"reason": "error"}),
+        ("cleared", {"by": "alice"}),
+        ("message_taken", {"text": "again", "queued_id": None, "author": "alice"}),
+        ("notice", {"message": "The model returned an empty reply."}),
+        ("usage", {"seed": 3}),
+        ("turn_end", {"reason": "done"}),
+    ),
+    "a gated tool call": script(
+        ("message_taken", {"text": "list files", "queued_id": None, "author": "alice"}),
+        ("assistant_text", {"text": "Let me look."}),
+        ("tool_start", CALL),
+        ("tool_start", {**CALL, "id": "c2", "arguments": "not json", "raw_arguments": "not json", "input": {}}),
+        ("usage", {"prompt_tokens": 20, "seed": 1, "finish_reason": "tool_calls"}),
+        ("question", {"id": "c1", "tool": "exec_shell_command"}),
+        ("status", {"status": "awaiting_input"}),
+        ("answered", {"id": "c1", "tool": "exec_shell_command", "answer": "allow_once", "by": "alice"}),
+        ("tool_running", {"id": "c1"}),
+        ("tool_end", {"id": "c1", "output": "a.txt\n<b>b</b>.txt", "ok": True}),
+        ("question", {"id": "c2", "tool": "exec_shell_command"}),
+        ("settings", {"permission_mode": "bypassPermissions", "by": "alice"}),
+        ("answered", {"id": "c2", "tool": "exec_shell_command", "answer": "refuse", "by": "", "reason": "stopped"}),
+        ("tool_end", {"id": "c2", "output": "The user refused this call.", "ok": False}),
+        ("server_stopped", {"reason": "stopped"}),
+        ("turn_end", {"reason": "stopped"}),
+    ),
+}
+
+
+def page(events) -> BeautifulSoup:
+    """The session page's live parts as first paint draws them."""
+    items = "".join(render_item(item) for item in build_items(events, SESSION))
+    queue = "".join(render_queued(SESSION, q) for q in transcript.pending_queue(events))
+    return BeautifulSoup(f'<div id="transcript">{items}</div><div id="queue">{queue}</div>', "html.parser")
+
+
+def apply(soup: BeautifulSoup, op: dict) -> None:
+    """One operation, as static/corral/session.js applies it (missing targets ignored)."""
+    if op["op"] == "append":
+        target = soup.find(id=op["target"])
+        if target is not None:
+            for node in list(BeautifulSoup(op["html"], "html.parser").contents):
+                target.append(node)
+    elif op["op"] == "replace":
+        element = soup.find(id=op["id"])
+        if element is not None:
+            element.replace_with(*BeautifulSoup(op["html"], "html.parser").contents)
+    elif op["op"] == "remove":
+        element = soup.find(id=op["id"])
+        if element is not None:
+            element.decompose()
+    elif op["op"] == "text":
+        element = soup.find(id=op["id"])
+        raw = element.select_one(".raw") if element is not None else None
+        if raw is not None:
+            raw.append(op["text"])
+
+
+def dom(soup: BeautifulSoup) -> str:
+    """The DOM as text, blind to how text nodes are split and to whitespace between tags."""
+    return re.sub(r">\s+<", "><", BeautifulSoup(str(soup), "html.parser").decode()).strip()
+
+
+def live_from(events, k: int) -> BeautifulSoup:
+    soup = page(events[:k])
+
+    def call_events(call_id: str, before_seq: int):
+        return [e for e in events if e.kind in TOOL_KINDS and e.payload.get("id") == call_id and e.seq < before_seq]
+
+    view = TranscriptView(SESSION, call_events=call_events)
+    view.prime(prime_window(events[:k]))  # as the consumer does for a page that has events[:k]
+    for event in events[k:]:
+        for op in view.feed(event):
+            apply(soup, op)
+    return soup
+
+
+def assert_one_renderer(events) -> None:
+    whole = dom(page(events))
+    for k in range(len(events) + 1):
+        assert dom(live_from(events, k)) == whole, f"page(events[:{k}]) + live(events[{k}:]) differs"
+
+
+@pytest.mark.parametrize("events", TRANSCRIPTS.values(), ids=TRANSCRIPTS.keys())
+def test_page_plus_live_equals_page_at_every_cut(events):
+    assert_one_renderer(events)
+
+
+@pytest.mark.django_db
+def test_a_recorded_turn_with_a_question_renders_the_same_either_way(alice, tmp_path):
+    """A transcript the product itself recorded (the agent loop against a scripted model)."""
+    server = ScriptedServer()
+    try:
+        machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
+        session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf",
+                                              working_dir=str(tmp_path), status="idle")
+        ServerRecord.objects.create(session=session, machine=machine, model_key="m.gguf", pid=1, start_time="0",
+                                    port=int(server.url.rsplit(":", 1)[1]), log_path="/dev/null")
+        from sessions_app.events import record_event
+
+        record_event(session.pk, "catalogue", {"tools": [{"name": "read_file", "display_name": "Read file",
+                                                           "origin": "machine", "writes": False}]})
+        server.will_answer(sse(chunk({"reasoning_content": "hmm"})), sse(chunk({"content": "Reading it."})),
+                           sse(chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                                      "function": {"name": "read_file",
+                                                                   "arguments": '{"path": "x"}'}}]})),
+                           sse(chunk({}, finish_reason="tool_calls")), b"data: [DONE]\n\n")
+        actions.do_send_message(session, alice, "read x")
+        agent.run_turn_step(session.pk)
+        actions.do_answer(AgentSession.objects.get(pk=session.pk), alice, "call_a", "refuse")
+        server.will_answer(sse(chunk({"content": "Fine, I won't."})), sse(chunk({}, finish_reason="stop")),
+                           b"data: [DONE]\n\n")
+        agent.run_turn_step(session.pk)
+        events = load_events(session.pk)
+        assert {"question", "answered", "tool_end", "reasoning", "usage", "turn_end"} <= {e.kind for e in events}
+        assert_one_renderer(events)
+    finally:
+        server.close()
