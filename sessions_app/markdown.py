@@ -174,26 +174,13 @@ def _image_as_text(
     return escapeHtml(alt)
 
 
-def _del_open(
-    self: RendererProtocol,
-    tokens: Sequence[Token],
-    idx: int,
-    options: OptionsDict,
-    env: EnvType,
-) -> str:
-    """Strikethrough as ``<del>`` (markdown-it-py emits ``<s>``)."""
-    return "<del>"
+def _fixed_tag(html: str):
+    """A markdown-it render rule that always writes ``html``."""
 
+    def rule(self: RendererProtocol, tokens: Sequence[Token], idx: int, options: OptionsDict, env: EnvType) -> str:
+        return html
 
-def _del_close(
-    self: RendererProtocol,
-    tokens: Sequence[Token],
-    idx: int,
-    options: OptionsDict,
-    env: EnvType,
-) -> str:
-    """Close of :func:`_del_open`."""
-    return "</del>"
+    return rule
 
 
 def _alignment_as_class(state: StateCore) -> None:
@@ -212,8 +199,9 @@ def _make_parser() -> MarkdownIt:
     md.enable(["table", "strikethrough"])
     md.core.ruler.push("alignment_as_class", _alignment_as_class)
     md.add_render_rule("image", _image_as_text)
-    md.add_render_rule("s_open", _del_open)
-    md.add_render_rule("s_close", _del_close)
+    # Strikethrough as <del> (markdown-it-py writes <s>, which the sanitiser drops).
+    md.add_render_rule("s_open", _fixed_tag("<del>"))
+    md.add_render_rule("s_close", _fixed_tag("</del>"))
     return md
 
 

@@ -379,6 +379,20 @@ def allowed_tools(events: Iterable[EventLike]) -> frozenset[str]:
     return frozenset(names)
 
 
+def _still_open(events: Iterable[EventLike], opens: str, closed_by: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Copies of the ``opens`` payloads (the first per ``id``), in order, whose id no
+    later event of a ``closed_by`` kind names (in that kind's given payload key)."""
+    opened: dict[str, dict[str, Any]] = {}
+    closed: set[str] = set()
+    for event in _ordered(events):
+        payload = _payload(event)
+        if event.kind == opens:
+            opened.setdefault(_text(payload.get("id")), dict(payload))
+        elif event.kind in closed_by and payload.get(closed_by[event.kind]) is not None:
+            closed.add(_text(payload.get(closed_by[event.kind])))
+    return [item for key, item in opened.items() if key not in closed]
+
+
 def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     """Queued messages still waiting, oldest first (SPEC §10).
 
@@ -386,21 +400,7 @@ def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     ``queued_id`` or a ``message_dropped`` names its id. Returns copies of the queued
     payloads in queue order. ``cleared`` does not empty the queue.
     """
-    queued: dict[str, dict[str, Any]] = {}
-    resolved: set[str] = set()
-    for event in _ordered(events):
-        payload = _payload(event)
-        if event.kind == _MESSAGE_QUEUED:
-            queue_id = _text(payload.get("id"))
-            if queue_id not in queued:
-                queued[queue_id] = dict(payload)
-        elif event.kind == _MESSAGE_TAKEN:
-            taken = payload.get("queued_id")
-            if taken is not None:
-                resolved.add(_text(taken))
-        elif event.kind == _MESSAGE_DROPPED:
-            resolved.add(_text(payload.get("id")))
-    return [item for queue_id, item in queued.items() if queue_id not in resolved]
+    return _still_open(events, _MESSAGE_QUEUED, {_MESSAGE_TAKEN: "queued_id", _MESSAGE_DROPPED: "id"})
 
 
 def open_turn(events: Iterable[EventLike]) -> bool:
@@ -456,17 +456,7 @@ def open_questions(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     Copies of the ``question`` payloads, in the order asked (one per call id, the first
     asked), whose id has no ``answered`` event. Not reset by ``cleared``.
     """
-    asked: dict[str, dict[str, Any]] = {}
-    answered: set[str] = set()
-    for event in _ordered(events):
-        payload = _payload(event)
-        if event.kind == _QUESTION:
-            call_id = _text(payload.get("id"))
-            if call_id not in asked:
-                asked[call_id] = dict(payload)
-        elif event.kind == _ANSWERED:
-            answered.add(_text(payload.get("id")))
-    return [item for call_id, item in asked.items() if call_id not in answered]
+    return _still_open(events, _QUESTION, {_ANSWERED: "id"})
 
 
 def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
