@@ -18,6 +18,7 @@ from machines_app.models import ServerRecord
 from . import dispatch, transcript, turns
 from .events import append, change_status, load_events, locked, record_event
 from .models import AgentSession
+from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
 
@@ -61,7 +62,7 @@ def do_create_session(
         )
         record_event(
             session.pk,
-            "settings",
+            Kind.SETTINGS,
             {"model_key": model_key, "permission_mode": permission_mode, "sampling": sampling,
              "server_params": server_params},
         )
@@ -98,7 +99,7 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
             raise SessionError(f"The session already uses {model.display_name}.")
         AgentSession.objects.filter(pk=current.pk).update(model_key=model_key)
         change_status(current, Status.LOADING)
-        append(current, "settings", {"model_key": model_key, "model": model.display_name, "by": user.get_username()})
+        append(current, Kind.SETTINGS, {"model_key": model_key, "model": model.display_name, "by": user.get_username()})
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
 
 
@@ -117,7 +118,7 @@ def do_update_settings(session: AgentSession, user, *, title: str, sampling: dic
         if not changes:
             return False
         AgentSession.objects.filter(pk=current.pk).update(**changes)
-        append(current, "settings", {**changes, "by": user.get_username()})
+        append(current, Kind.SETTINGS, {**changes, "by": user.get_username()})
         return "server_params" in changes
 
 
@@ -172,7 +173,7 @@ def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
         pending = transcript.pending_queue(load_events(session.pk))
         if not any(item["id"] == queued_id for item in pending):
             raise SessionError("That message has already been taken or withdrawn.")
-        append(session, "message_dropped", {"id": queued_id, "by": user.get_username()})
+        append(session, Kind.MESSAGE_DROPPED, {"id": queued_id, "by": user.get_username()})
 
 
 def do_interrupt(session: AgentSession, user) -> None:
@@ -182,7 +183,7 @@ def do_interrupt(session: AgentSession, user) -> None:
     with transaction.atomic():
         if not turns.interrupt(locked(session.pk), user.get_username()):
             raise SessionError("Nothing is running.")
-    turns.finish_if_unheld(session.pk, "interrupted")
+    turns.finish_if_unheld(session.pk, TurnEnd.INTERRUPTED)
 
 
 ANSWERS = (transcript.ANSWER_ALLOW_ONCE, transcript.ANSWER_ALLOW_ALWAYS, transcript.ANSWER_REFUSE)
@@ -198,7 +199,7 @@ def do_answer(session: AgentSession, user, call_id: str, answer: str) -> None:
         question = next((q for q in transcript.open_questions(load_events(session.pk)) if q["id"] == call_id), None)
         if question is None:
             raise SessionError("That question has already been answered.")
-        append(session, "answered", {"id": call_id, "tool": question.get("tool"), "answer": answer,
+        append(session, Kind.ANSWERED, {"id": call_id, "tool": question.get("tool"), "answer": answer,
                                      "by": user.get_username()})
         turns.go_on_after_answer(session)
 
@@ -212,7 +213,7 @@ def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
         if current.permission_mode == mode:
             return
         AgentSession.objects.filter(pk=current.pk).update(permission_mode=mode)
-        append(current, "settings", {"permission_mode": mode, "by": user.get_username()})
+        append(current, Kind.SETTINGS, {"permission_mode": mode, "by": user.get_username()})
 
 
 def do_clear(session: AgentSession, user) -> None:
@@ -221,4 +222,4 @@ def do_clear(session: AgentSession, user) -> None:
         current = locked(session.pk)
         if current.turn_active:
             raise SessionError("Stop the turn first, then clear.")
-        append(current, "cleared", {"by": user.get_username()})
+        append(current, Kind.CLEARED, {"by": user.get_username()})

@@ -41,6 +41,7 @@ from .completions import (
 )
 from .events import load_events, record_error, record_event, set_status
 from .models import AgentSession, McpServer
+from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
 log = logging.getLogger(__name__)
@@ -87,15 +88,15 @@ def rounds_in_turn(events) -> int:
     """How many times the model asked for tools in the open turn (batches of tool_start)."""
     rounds, in_batch, counting = 0, False, False
     for event in events:
-        if event.kind == "turn_end":
+        if event.kind == Kind.TURN_END:
             rounds, counting = 0, False
-        elif event.kind == "message_taken" and not counting:
+        elif event.kind == Kind.MESSAGE_TAKEN and not counting:
             rounds, counting = 0, True
-        if event.kind == "tool_start":
+        if event.kind == Kind.TOOL_START:
             if not in_batch:
                 rounds += 1
             in_batch = True
-        elif event.kind in ("tool_end", "assistant_text", "message_taken", "turn_end"):
+        elif event.kind in (Kind.TOOL_END, Kind.ASSISTANT_TEXT, Kind.MESSAGE_TAKEN, Kind.TURN_END):
             in_batch = False
     return rounds
 
@@ -156,20 +157,20 @@ class Step:
             return  # SPEC §4: the message waits; start_server enqueues the step once ready
         events = load_events(self.session_id)
         if not transcript.open_turn(events) or session.interrupt_requested:
-            turns.finish_turn(self.session_id, "interrupted" if session.interrupt_requested else "done")
+            turns.finish_turn(self.session_id, TurnEnd.INTERRUPTED if session.interrupt_requested else TurnEnd.DONE)
             return
         if (resumed_after_loss or transcript.reply_cut_off(events)) and not transcript.pending_calls(events):
             # A step died mid-reply (its worker killed, or Redis or the database failing
             # under it): never answer the same message twice from half a stream.
             record_error(self.session_id, WORKER_LOST_REPLY)
-            turns.finish_turn(self.session_id, "interrupted")
+            turns.finish_turn(self.session_id, TurnEnd.INTERRUPTED)
             return
         server = lifecycle.server_endpoint(session) if session.status not in (Status.EXITED,) else None
         if server is None or session.status == Status.UNKNOWN:
             record_error(
                 self.session_id, "llama-server is not running for this session; restart it and send again."
             )
-            turns.finish_turn(self.session_id, "error")
+            turns.finish_turn(self.session_id, TurnEnd.ERROR)
             return
         while True:
             events = load_events(self.session_id)
@@ -179,19 +180,19 @@ class Step:
                 continue
             if rounds_in_turn(events) >= MAX_ROUNDS:
                 record_error(self.session_id, ROUND_LIMIT_MESSAGE)
-                turns.finish_turn(self.session_id, "limit")
+                turns.finish_turn(self.session_id, TurnEnd.LIMIT)
                 return
             outcome = self.complete(session, events, server)
-            if outcome != "tool_calls":
+            if outcome is not None:
                 turns.finish_turn(self.session_id, outcome)
                 return
 
     # --- one completion -----------------------------------------------------------------
 
-    def complete(self, session: AgentSession, events, server: Endpoint) -> str:
-        """Stream one completion into the transcript. Returns "tool_calls" when the
-        reply asked for tools (their tool_start events are recorded), else the reason
-        the turn ends: "done", "error" or "interrupted"."""
+    def complete(self, session: AgentSession, events, server: Endpoint) -> TurnEnd | None:
+        """Stream one completion into the transcript. Returns None when the reply asked
+        for tools (their tool_start events are recorded), else why the turn ends:
+        ``TurnEnd.DONE``, ``ERROR`` or ``INTERRUPTED``."""
         set_status(self.session_id, Status.RUNNING)
         catalogue = catalogue_of(events)
         messages = transcript.build_messages(events)
@@ -230,10 +231,10 @@ class Step:
                     break
                 if isinstance(delta, TextDelta):
                     produced = True
-                    pending.add("assistant_text", delta.text)
+                    pending.add(Kind.ASSISTANT_TEXT, delta.text)
                 elif isinstance(delta, ReasoningDelta):
                     produced = True
-                    pending.add("reasoning", delta.text)
+                    pending.add(Kind.REASONING, delta.text)
                 elif isinstance(delta, ToolCallFragment):
                     produced = True
                     assembler.feed(delta.fragments)
@@ -248,7 +249,7 @@ class Step:
                 record_error(self.session_id, str(exc))
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
                     lifecycle.check_session_server(self.session_id)
-                return "error"
+                return TurnEnd.ERROR
         except (httpx.HTTPError, RuntimeError):
             if not interrupted.is_set():
                 raise
@@ -261,19 +262,19 @@ class Step:
         if usage is not None or finish_reason is not None:
             payload = usage.as_payload() if usage is not None else {}
             payload.update({"seed": seed, "finish_reason": finish_reason})
-            record_event(self.session_id, "usage", payload)
+            record_event(self.session_id, Kind.USAGE, payload)
         if interrupted.is_set():
-            return "interrupted"
+            return TurnEnd.INTERRUPTED
         if not produced:
-            record_event(self.session_id, "notice", {"message": EMPTY_REPLY})
+            record_event(self.session_id, Kind.NOTICE, {"message": EMPTY_REPLY})
         calls = assembler.calls()
         if not calls:
-            return "done"
+            return TurnEnd.DONE
         # SPEC §9: every call of the reply is recorded, in order, before any runs, so the
         # fold knows they belong to one assistant message. Results are paired by call id,
         # so an id the transcript has seen before (some servers number calls call_0,
         # call_1 in every reply) is replaced by a fresh one.
-        used = {e.payload.get("id") for e in events if e.kind == "tool_start"}
+        used = {e.payload.get("id") for e in events if e.kind == Kind.TOOL_START}
         for call in calls:
             # Ids go into URLs and DOM ids: anything but a plain token is replaced too.
             fresh = call.id not in used and CALL_ID.fullmatch(call.id or "")
@@ -282,7 +283,7 @@ class Step:
             entry = catalogue.get(call.name)
             record_event(
                 self.session_id,
-                "tool_start",
+                Kind.TOOL_START,
                 {
                     "id": call_id,
                     "tool": call.name,
@@ -295,7 +296,7 @@ class Step:
                     "display_name": entry.display_name if entry else call.name,
                 },
             )
-        return "tool_calls"
+        return None
 
     # --- the calls and the gate (SPEC §8) ---------------------------------------------------
 
@@ -303,29 +304,29 @@ class Step:
         """Run the pending calls in order. False when the step must end here: a question
         was asked (status awaiting_input) or the turn was interrupted."""
         catalogue = catalogue_of(events)
-        answers = {e.payload.get("id"): e.payload for e in events if e.kind == "answered"}
-        asked = {e.payload.get("id") for e in events if e.kind == "question"}
-        running = {e.payload.get("id") for e in events if e.kind == "tool_running"}
+        answers = {e.payload.get("id"): e.payload for e in events if e.kind == Kind.ANSWERED}
+        asked = {e.payload.get("id") for e in events if e.kind == Kind.QUESTION}
+        running = {e.payload.get("id") for e in events if e.kind == Kind.TOOL_RUNNING}
         mode = AgentSession.objects.values_list("permission_mode", flat=True).get(pk=self.session_id)
         allowed = transcript.allowed_tools(events)
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
             if self.interrupted():
-                turns.finish_turn(self.session_id, "interrupted")
+                turns.finish_turn(self.session_id, TurnEnd.INTERRUPTED)
                 return False
             if call_id in running:
                 # Started by a worker that died: a command may have run; never re-run it silently.
-                record_event(self.session_id, "tool_end", {"id": call_id, "output": WORKER_LOST_RESULT, "ok": False})
+                record_event(self.session_id, Kind.TOOL_END, {"id": call_id, "output": WORKER_LOST_RESULT, "ok": False})
                 continue
             entry = catalogue.get(name)
             if entry is None:
                 output = tools.UNKNOWN_TOOL_RESULT.format(name=name)
-                record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
+                record_event(self.session_id, Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
                 continue
             answer = answers.get(call_id, {}).get("answer")
             if answer == transcript.ANSWER_REFUSE:
                 output = REFUSED_RESULT.format(tool=name)
-                record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
+                record_event(self.session_id, Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
                 continue
             if answer is None and mode != AgentSession.PermissionMode.BYPASS and name not in allowed:
                 if call_id not in asked:
@@ -336,7 +337,7 @@ class Step:
 
     def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> None:
         set_status(self.session_id, Status.RUNNING)
-        record_event(self.session_id, "tool_running", {"id": call["id"]})
+        record_event(self.session_id, Kind.TOOL_RUNNING, {"id": call["id"]})
         result = self.run_tool(
             entry,
             call.get("input") or {},
@@ -345,7 +346,7 @@ class Step:
             cwd=session.working_dir,
             mcp_servers=McpServer.objects.configs(),
         )
-        record_event(self.session_id, "tool_end", {"id": call["id"], "output": result.output, "ok": result.ok})
+        record_event(self.session_id, Kind.TOOL_END, {"id": call["id"], "output": result.output, "ok": result.ok})
 
 
 def run_turn_step(
@@ -375,6 +376,6 @@ def run_turn_step(
         record_error(
             session_id, f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details."
         )
-        turns.finish_turn(session_id, "error")
+        turns.finish_turn(session_id, TurnEnd.ERROR)
     finally:
         turns.release_lease(session_id, owner)

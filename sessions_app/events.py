@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from . import broadcast
 from .models import AgentSession, TranscriptEvent
+from .transcript import Kind, check_payload
 
 Status = AgentSession.Status
 
@@ -46,7 +47,12 @@ def storable(value):
 
 
 def append(session: AgentSession, kind: str, payload: dict) -> TranscriptEvent:
-    """Append to a session already locked by the caller's transaction."""
+    """Append to a session already locked by the caller's transaction.
+
+    Raises :class:`sessions_app.transcript.InvalidEvent` for a kind or payload outside
+    the vocabulary (docs/transcript.md), before anything is written.
+    """
+    kind = check_payload(kind, payload)
     payload = storable(payload)
     session.last_seq += 1
     event = TranscriptEvent.objects.create(session_id=session.pk, seq=session.last_seq, kind=kind, payload=payload)
@@ -68,7 +74,7 @@ def change_status(session: AgentSession, status: str) -> bool:
         return False
     AgentSession.objects.filter(pk=session.pk).update(status=status)
     session.status = status
-    append(session, "status", {"status": status})
+    append(session, Kind.STATUS, {"status": str(status)})
     return True
 
 
@@ -83,7 +89,7 @@ def set_status(session_id: int, status: str, *, only_from: tuple[str, ...] | Non
 
 
 def record_error(session_id: int, message: str) -> None:
-    record_event(session_id, "error", {"message": message})
+    record_event(session_id, Kind.ERROR, {"message": message})
 
 
 def load_events(session_id: int, *, after: int = 0) -> list[TranscriptEvent]:

@@ -27,6 +27,7 @@ from machines_app.transports import ProcessId, TransportError, transport_for
 from . import dispatch, tools, turns
 from .events import record_error, record_event, set_status
 from .models import AgentSession, McpServer
+from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
 log = logging.getLogger(__name__)
@@ -37,10 +38,11 @@ def log_path_for(session: AgentSession) -> str:
     return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.log")
 
 
-def key_path_for(session: AgentSession) -> str:
+def key_path_for(session: AgentSession, port: int) -> str:
     """Where the server's API key waits for llama-server to read it at start (mode 0600;
-    removed once the server is ready or has failed)."""
-    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.key")
+    removed once the server is ready or has failed). One file per start (the port tells
+    starts apart), so a start being cancelled never removes the next start's key."""
+    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}-{port}.key")
 
 
 def _proc(record: ServerRecord) -> ProcessId:
@@ -63,7 +65,7 @@ def _fail(session: AgentSession, message: str) -> None:
     record_error(session.pk, message)
     set_status(session.pk, Status.EXITED)
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
-        turns.finish_turn(session.pk, "error")
+        turns.finish_turn(session.pk, TurnEnd.ERROR)
 
 
 def start_server(session_id: int) -> None:
@@ -89,15 +91,18 @@ def start_server(session_id: int) -> None:
             return
         record.delete()
 
+    key_file = ""
     try:
         model = catalog.model_for_session(session.machine, session.model_key)
+        port = transport.free_port()
+        key_file = key_path_for(session, port)
         spec = ServerSpec(
             binary=session.machine.llama_server_path,
             model_path=model.path,
-            port=transport.free_port(),
+            port=port,
             params=session.server_params,
             has_mtp=model.has_mtp,
-            api_key_file=key_path_for(session),
+            api_key_file=key_file,
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.
@@ -111,7 +116,8 @@ def start_server(session_id: int) -> None:
         transport.write_private(spec.api_key_file, api_key + "\n")
         proc = transport.spawn(build_argv(spec), log_path, cwd=None)
     except (catalog.ModelUnavailable, TransportError) as exc:
-        transport.remove(key_path_for(session))
+        if key_file:
+            transport.remove(key_file)
         _fail(session, str(exc))
         return
     record = ServerRecord.objects.create(
@@ -140,7 +146,7 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             should_stop=lambda: ServerRecord.objects.filter(pk=record.pk, stopping=False).count() == 0,
         )
     except (ServerStartError, TransportError) as exc:
-        transport.remove(key_path_for(session))
+        transport.remove(key_path_for(session, record.port))
         try:
             transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
         except TransportError:
@@ -152,11 +158,11 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             _fail(session, str(exc))
         return
     # llama-server read its key at start; the file need not outlive that.
-    transport.remove(key_path_for(session))
+    transport.remove(key_path_for(session, record.port))
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
     record_event(
-        session.pk, "server_ready", {"model_key": record.model_key, "model": model.display_name if model else record.model_key}
+        session.pk, Kind.SERVER_READY, {"model_key": record.model_key, "model": model.display_name if model else record.model_key}
     )
     record_catalogue(session.pk, _endpoint(transport, record))
     set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
@@ -174,7 +180,7 @@ def record_catalogue(session_id: int, server: Endpoint) -> None:
     catalogue, warnings = tools.load_catalogue(server.url, mcp_servers, api_key=server.api_key)
     for warning in warnings:
         record_error(session_id, warning)
-    record_event(session_id, "catalogue", {"tools": catalogue.as_payload()})
+    record_event(session_id, Kind.CATALOGUE, {"tools": catalogue.as_payload()})
 
 
 def _stop_process(session_id: int) -> bool:
@@ -205,8 +211,8 @@ def stop_server(session_id: int, *, reason: str = "stopped") -> None:
     """
     set_status(session_id, Status.EXITED)
     _stop_process(session_id)
-    record_event(session_id, "server_stopped", {"reason": reason})
-    turns.finish_if_unheld(session_id, "stopped")
+    record_event(session_id, Kind.SERVER_STOPPED, {"reason": reason})
+    turns.finish_if_unheld(session_id, TurnEnd.STOPPED)
 
 
 def restart_server(session_id: int) -> None:
@@ -214,7 +220,7 @@ def restart_server(session_id: int) -> None:
     and server parameters (SPEC §10 model change; a server-parameter change). The
     conversation survives because it was never in the server; the prompt cache does not."""
     if _stop_process(session_id):
-        record_event(session_id, "server_stopped", {"reason": "restart"})
+        record_event(session_id, Kind.SERVER_STOPPED, {"reason": "restart"})
     start_server(session_id)
 
 

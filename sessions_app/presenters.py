@@ -17,18 +17,19 @@ from dataclasses import dataclass, field
 from django.template.loader import render_to_string
 
 from .markdown import render_markdown
+from .transcript import Kind
 
 #: Kinds that neither show nor close a block.
-SILENT_KINDS = frozenset({"status", "catalogue"})
+SILENT_KINDS = frozenset({Kind.STATUS, Kind.CATALOGUE})
 #: Kinds that show nothing but end the reply block (an interrupted reply has no usage).
-CLOSING_KINDS = frozenset({"turn_end"})
+CLOSING_KINDS = frozenset({Kind.TURN_END})
 #: The queue's kinds: shown apart from the transcript (pending bubbles), closing nothing.
-QUEUE_KINDS = frozenset({"message_queued", "message_dropped"})
+QUEUE_KINDS = frozenset({Kind.MESSAGE_QUEUED, Kind.MESSAGE_DROPPED})
 #: Notes that may arrive while a reply still streams (an interrupt is seen a moment after
 #: the click): shown after the block, never splitting it.
-NOTE_KINDS = frozenset({"interrupted"})
+NOTE_KINDS = frozenset({Kind.INTERRUPTED})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
-TOOL_KINDS = frozenset({"tool_start", "tool_running", "tool_end", "question", "answered"})
+TOOL_KINDS = frozenset({Kind.TOOL_START, Kind.TOOL_RUNNING, Kind.TOOL_END, Kind.QUESTION, Kind.ANSWERED})
 
 
 def tool_item(events: Iterable) -> dict:
@@ -37,7 +38,7 @@ def tool_item(events: Iterable) -> dict:
     item: dict = {"type": "tool", "question_open": False, "answer": None, "output": None, "running": False}
     for event in events:
         payload = event.payload
-        if event.kind == "tool_start":
+        if event.kind == Kind.TOOL_START:
             item.update(
                 call_id=payload.get("id", ""),
                 dom_id=f"tool-{payload.get('id', '')}",
@@ -50,19 +51,19 @@ def tool_item(events: Iterable) -> dict:
                 server=payload.get("server"),
                 writes=payload.get("writes"),
             )
-        elif event.kind == "tool_running":
+        elif event.kind == Kind.TOOL_RUNNING:
             item["running"] = True
-        elif event.kind == "question":
+        elif event.kind == Kind.QUESTION:
             item["question_open"] = True
-        elif event.kind == "answered":
+        elif event.kind == Kind.ANSWERED:
             item["question_open"] = False
             item["answer"] = payload
-        elif event.kind == "tool_end":
+        elif event.kind == Kind.TOOL_END:
             item["running"] = False
             item["output"] = payload.get("output", "")
             item["ok"] = payload.get("ok", True)
     return item
-BLOCK_KINDS = {"assistant_text": "assistant", "reasoning": "reasoning"}
+BLOCK_KINDS = {Kind.ASSISTANT_TEXT: "assistant", Kind.REASONING: "reasoning"}
 
 
 @dataclass
@@ -120,23 +121,23 @@ def event_item(event) -> dict | None:
     """The display item of one non-block event, or None when it shows nothing by itself."""
     kind, payload, seq = event.kind, event.payload, event.seq
     dom_id = f"ev-{seq}"
-    if kind == "message_taken":
+    if kind == Kind.MESSAGE_TAKEN:
         return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": payload.get("author", "")}
-    if kind == "error":
+    if kind == Kind.ERROR:
         return {"type": "error", "dom_id": dom_id, "message": payload.get("message", "")}
-    if kind == "notice":
+    if kind == Kind.NOTICE:
         return {"type": "note", "dom_id": dom_id, "text": payload.get("message", "")}
-    if kind == "usage":
+    if kind == Kind.USAGE:
         return {"type": "usage", "dom_id": dom_id, "usage": payload, "line": usage_line(payload)}
-    if kind == "cleared":
+    if kind == Kind.CLEARED:
         return {"type": "cleared", "dom_id": dom_id, "by": payload.get("by", "")}
-    if kind == "interrupted":
+    if kind == Kind.INTERRUPTED:
         return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {payload.get('by', 'someone')}."}
-    if kind == "server_stopped":
+    if kind == Kind.SERVER_STOPPED:
         return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped."}
-    if kind == "server_ready":
+    if kind == Kind.SERVER_READY:
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
-    if kind == "settings":
+    if kind == Kind.SETTINGS:
         parts = [f"{key} → {_setting(value)}" for key, value in payload.items() if key != "by"]
         return {"type": "note", "dom_id": dom_id, "text": "Settings: " + ", ".join(parts)}
     return None
@@ -238,11 +239,11 @@ class TranscriptView:
     def feed(self, event, *, render: bool = True) -> list[dict]:
         ops: list[dict] = []
         kind, payload = event.kind, event.payload
-        if kind == "status":
+        if kind == Kind.STATUS:
             if render:
-                ops.append({"op": "status", "status": payload.get("status"), "html": render_status(payload["status"])})
+                ops.append({"op": "status", Kind.STATUS: payload.get("status"), "html": render_status(payload["status"])})
             return ops
-        if kind == "catalogue":
+        if kind == Kind.CATALOGUE:
             if render:
                 html = render_to_string("sessions_app/_tool_list.html",
                                         {"tools": payload.get("tools", []), "machine_name": self.machine_name})
@@ -253,27 +254,27 @@ class TranscriptView:
         if kind in CLOSING_KINDS:
             self._close(ops, render)
             return ops
-        if kind == "message_queued":
+        if kind == Kind.MESSAGE_QUEUED:
             if render:
                 ops.append({"op": "append", "target": "queue", "html": render_queued(self.session_id, payload)})
             return ops
-        if kind == "message_dropped":
+        if kind == Kind.MESSAGE_DROPPED:
             return [{"op": "remove", "id": f"q-{payload.get('id')}"}] if render else []
         if kind in TOOL_KINDS:
-            if kind == "tool_start":
+            if kind == Kind.TOOL_START:
                 self._close(ops, render)
             call_id = payload.get("id", "")
             if call_id not in self.calls:
                 self.calls[call_id] = list(self.call_events(call_id, event.seq)) if self.call_events else []
             self.calls[call_id].append(event)
-            if any(e.kind == "tool_start" for e in self.calls[call_id]):
+            if any(e.kind == Kind.TOOL_START for e in self.calls[call_id]):
                 # A call's row appears with its tool_start and is redrawn in place after.
                 item = {**tool_item(self.calls[call_id]), "session_id": self.session_id}
-                self._show(item, ops, render, known=kind != "tool_start")
+                self._show(item, ops, render, known=kind != Kind.TOOL_START)
             return ops
-        if kind == "settings" and payload.get("permission_mode") and render:
+        if kind == Kind.SETTINGS and payload.get("permission_mode") and render:
             ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
-        if kind == "settings" and payload.get("model") and render:
+        if kind == Kind.SETTINGS and payload.get("model") and render:
             ops.append({"op": "replace", "id": "model-name",
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],
                                                                                    "key": payload.get("model_key", "")})})
@@ -293,7 +294,7 @@ class TranscriptView:
             self.block = Block(block_type, event.seq, [text])
             self._show(self.block, ops, render)
             return ops
-        if kind == "message_taken" and payload.get("queued_id") and render:
+        if kind == Kind.MESSAGE_TAKEN and payload.get("queued_id") and render:
             ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
         item = event_item(event)
         if item is not None:

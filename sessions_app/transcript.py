@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from enum import StrEnum
+from typing import Any, Protocol, Required, TypedDict, runtime_checkable
 
 __all__ = [
     "ANSWER_ALLOW_ALWAYS",
@@ -34,6 +35,10 @@ __all__ = [
     "UNFINISHED_TOOL_RESULT",
     "Event",
     "EventLike",
+    "InvalidEvent",
+    "Kind",
+    "TurnEnd",
+    "check_payload",
     "allowed_tools",
     "build_messages",
     "last_catalogue",
@@ -62,20 +67,212 @@ ANSWER_ALLOW_ONCE = "allow_once"
 ANSWER_ALLOW_ALWAYS = "allow_always"
 ANSWER_REFUSE = "refuse"
 
-# Event kinds that take part in the conversation fold (SPEC §7). Every other kind
-# (status, usage, error, reasoning, settings, question, answered, message_queued,
-# message_dropped, interrupted, ...) is invisible to build_messages, except
-# ``turn_end``, which seals the tool batch in progress (see build_messages).
-_MESSAGE_TAKEN = "message_taken"
-_MESSAGE_QUEUED = "message_queued"
-_MESSAGE_DROPPED = "message_dropped"
-_ASSISTANT_TEXT = "assistant_text"
-_TOOL_START = "tool_start"
-_TOOL_END = "tool_end"
-_QUESTION = "question"
-_ANSWERED = "answered"
-_CLEARED = "cleared"
-_TURN_END = "turn_end"
+class Kind(StrEnum):
+    """Every kind of transcript event (docs/transcript.md). A ``StrEnum``: members are the
+    strings stored in ``TranscriptEvent.kind``, so comparisons with stored kinds hold."""
+
+    SETTINGS = "settings"
+    STATUS = "status"
+    SERVER_READY = "server_ready"
+    CATALOGUE = "catalogue"
+    SERVER_STOPPED = "server_stopped"
+    MESSAGE_QUEUED = "message_queued"
+    MESSAGE_DROPPED = "message_dropped"
+    MESSAGE_TAKEN = "message_taken"
+    ASSISTANT_TEXT = "assistant_text"
+    REASONING = "reasoning"
+    TOOL_START = "tool_start"
+    QUESTION = "question"
+    ANSWERED = "answered"
+    TOOL_RUNNING = "tool_running"
+    TOOL_END = "tool_end"
+    USAGE = "usage"
+    ERROR = "error"
+    NOTICE = "notice"
+    INTERRUPTED = "interrupted"
+    CLEARED = "cleared"
+    TURN_END = "turn_end"
+
+
+class TurnEnd(StrEnum):
+    """Why a turn ended: the ``reason`` of its ``turn_end`` event."""
+
+    DONE = "done"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+    STOPPED = "stopped"
+    LIMIT = "limit"
+
+
+# One payload type per kind: what :func:`check_payload` (called by every write of an
+# event) holds a payload to. Keys not listed are refused, so a typo never reaches a
+# transcript that the folds would then silently misread.
+
+
+class SettingsPayload(TypedDict, total=False):
+    model_key: str
+    model: str
+    permission_mode: str
+    sampling: dict
+    server_params: dict
+    title: str
+    by: str
+
+
+class StatusPayload(TypedDict):
+    status: str
+
+
+class ServerReadyPayload(TypedDict):
+    model_key: str
+    model: str
+
+
+class CataloguePayload(TypedDict):
+    tools: list
+
+
+class ServerStoppedPayload(TypedDict):
+    reason: str
+
+
+class MessageQueuedPayload(TypedDict):
+    id: str
+    text: str
+    author: str
+
+
+class MessageDroppedPayload(TypedDict):
+    id: str
+    by: str
+
+
+class MessageTakenPayload(TypedDict):
+    text: str
+    queued_id: str | None
+    author: str
+
+
+class TextPayload(TypedDict):
+    text: str
+
+
+class ToolStartPayload(TypedDict):
+    id: str
+    tool: str
+    arguments: str
+    raw_arguments: str | None
+    input: dict
+    origin: str | None
+    server: str | None
+    writes: bool | None
+    display_name: str
+
+
+class QuestionPayload(TypedDict):
+    id: str
+    tool: str
+
+
+class AnsweredPayload(TypedDict, total=False):
+    id: Required[str]
+    tool: Required[str | None]
+    answer: Required[str]
+    by: str
+    reason: str
+
+
+class CallPayload(TypedDict):
+    id: str
+
+
+class ToolEndPayload(TypedDict):
+    id: str
+    output: str
+    ok: bool
+
+
+class UsagePayload(TypedDict, total=False):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prompt_n: int
+    cache_n: int
+    predicted_n: int
+    predicted_per_second: float
+    prompt_per_second: float
+    seed: int
+    finish_reason: str | None
+
+
+class MessagePayload(TypedDict):
+    message: str
+
+
+class ByPayload(TypedDict):
+    by: str
+
+
+class TurnEndPayload(TypedDict):
+    reason: str
+
+
+PAYLOADS: dict[Kind, type] = {
+    Kind.SETTINGS: SettingsPayload,
+    Kind.STATUS: StatusPayload,
+    Kind.SERVER_READY: ServerReadyPayload,
+    Kind.CATALOGUE: CataloguePayload,
+    Kind.SERVER_STOPPED: ServerStoppedPayload,
+    Kind.MESSAGE_QUEUED: MessageQueuedPayload,
+    Kind.MESSAGE_DROPPED: MessageDroppedPayload,
+    Kind.MESSAGE_TAKEN: MessageTakenPayload,
+    Kind.ASSISTANT_TEXT: TextPayload,
+    Kind.REASONING: TextPayload,
+    Kind.TOOL_START: ToolStartPayload,
+    Kind.QUESTION: QuestionPayload,
+    Kind.ANSWERED: AnsweredPayload,
+    Kind.TOOL_RUNNING: CallPayload,
+    Kind.TOOL_END: ToolEndPayload,
+    Kind.USAGE: UsagePayload,
+    Kind.ERROR: MessagePayload,
+    Kind.NOTICE: MessagePayload,
+    Kind.INTERRUPTED: ByPayload,
+    Kind.CLEARED: ByPayload,
+    Kind.TURN_END: TurnEndPayload,
+}
+
+
+class InvalidEvent(ValueError):
+    """An event that is not in the vocabulary: an unknown kind, a missing or unknown key."""
+
+
+def check_payload(kind: str, payload: Mapping[str, Any]) -> Kind:
+    """The :class:`Kind` of ``kind`` after checking ``payload`` against its payload type:
+    every required key present, no key the type does not list. Raises :class:`InvalidEvent`."""
+    try:
+        known = Kind(kind)
+    except ValueError:
+        raise InvalidEvent(f"unknown event kind {kind!r}") from None
+    shape = PAYLOADS[known]
+    missing = shape.__required_keys__ - payload.keys()
+    unknown = payload.keys() - shape.__required_keys__ - shape.__optional_keys__
+    if missing or unknown:
+        raise InvalidEvent(f"{kind} payload: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    return known
+
+
+# The kinds the conversation fold reads (SPEC §7); every other kind is invisible to
+# build_messages, except ``turn_end``, which seals the tool batch in progress.
+_MESSAGE_TAKEN = Kind.MESSAGE_TAKEN
+_MESSAGE_QUEUED = Kind.MESSAGE_QUEUED
+_MESSAGE_DROPPED = Kind.MESSAGE_DROPPED
+_ASSISTANT_TEXT = Kind.ASSISTANT_TEXT
+_TOOL_START = Kind.TOOL_START
+_TOOL_END = Kind.TOOL_END
+_QUESTION = Kind.QUESTION
+_ANSWERED = Kind.ANSWERED
+_CLEARED = Kind.CLEARED
+_TURN_END = Kind.TURN_END
 
 
 @runtime_checkable
@@ -412,8 +609,8 @@ def open_turn(events: Iterable[EventLike]) -> bool:
     return _current_turn(_ordered(events)) is not None
 
 
-_MODEL_OUTPUT = frozenset({_ASSISTANT_TEXT, "reasoning"})
-_TURN_STEPS = _MODEL_OUTPUT | {_MESSAGE_TAKEN, _TOOL_START, _TOOL_END, _ANSWERED, "error", "usage"}
+_MODEL_OUTPUT = frozenset({Kind.ASSISTANT_TEXT, Kind.REASONING})
+_TURN_STEPS = _MODEL_OUTPUT | {Kind.MESSAGE_TAKEN, Kind.TOOL_START, Kind.TOOL_END, Kind.ANSWERED, Kind.ERROR, Kind.USAGE}
 
 
 def reply_cut_off(events: Iterable[EventLike]) -> bool:
@@ -464,6 +661,6 @@ def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     ready, SPEC §9); ``[]`` when none was recorded."""
     latest: list[dict[str, Any]] = []
     for event in _ordered(events):
-        if event.kind == "catalogue":
+        if event.kind == Kind.CATALOGUE:
             latest = list(_payload(event).get("tools", []))
     return latest

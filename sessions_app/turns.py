@@ -43,6 +43,7 @@ from django.utils import timezone
 from . import dispatch, transcript
 from .events import append, change_status, load_events, locked
 from .models import AgentSession
+from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
 
@@ -68,14 +69,14 @@ def take_message(session: AgentSession, text: str, author: str) -> bool:
     """Start a turn with ``text`` on a session locked by the caller, or queue it behind the
     open turn (``message_queued``). True when a turn started."""
     if session.turn_active:
-        append(session, "message_queued", {"id": uuid.uuid4().hex, "text": text, "author": author})
+        append(session, Kind.MESSAGE_QUEUED, {"id": uuid.uuid4().hex, "text": text, "author": author})
         return False
     _open(session, text, author, queued_id=None)
     return True
 
 
 def _open(session: AgentSession, text: str, author: str, queued_id: str | None) -> None:
-    append(session, "message_taken", {"text": text, "queued_id": queued_id, "author": author})
+    append(session, Kind.MESSAGE_TAKEN, {"text": text, "queued_id": queued_id, "author": author})
     # The lease is handed back too, so the step queued for this message can claim it even
     # before a finishing step has let go of it.
     AgentSession.objects.filter(pk=session.pk).update(
@@ -113,13 +114,13 @@ def _close_questions(session: AgentSession, events, reason: str) -> None:
     for question in transcript.open_questions(events):
         append(
             session,
-            "answered",
+            Kind.ANSWERED,
             {"id": question["id"], "tool": question.get("tool"), "answer": transcript.ANSWER_REFUSE,
              "by": "", "reason": reason},
         )
 
 
-def finish_turn(session_id: int, reason: str) -> None:
+def finish_turn(session_id: int, reason: TurnEnd) -> None:
     """End the open turn (``turn_end`` with ``reason``: done, error, interrupted, stopped,
     limit) and, in the same transaction, take the next queued message — a message is never
     stranded with nothing running. Open questions are closed as refusals."""
@@ -128,14 +129,14 @@ def finish_turn(session_id: int, reason: str) -> None:
         events = load_events(session_id)
         _close_questions(session, events, reason)
         if transcript.open_turn(events):
-            append(session, "turn_end", {"reason": reason})
+            append(session, Kind.TURN_END, {"reason": reason})
         if session.status == Status.EXITED or not _take_next(session, events):
             AgentSession.objects.filter(pk=session_id).update(turn_active=False, interrupt_requested=False)
             if session.status in (Status.RUNNING, Status.AWAITING_INPUT):
                 change_status(session, Status.IDLE)
 
 
-def finish_if_unheld(session_id: int, reason: str) -> bool:
+def finish_if_unheld(session_id: int, reason: TurnEnd) -> bool:
     """Finish the open turn unless a live step holds it (that step will see the flag or
     the status and finish it itself). True when finished here."""
     session = AgentSession.objects.get(pk=session_id)
@@ -151,7 +152,7 @@ def interrupt(session: AgentSession, by: str) -> bool:
     if not session.turn_active:
         return False
     AgentSession.objects.filter(pk=session.pk).update(interrupt_requested=True)
-    append(session, "interrupted", {"by": by})
+    append(session, Kind.INTERRUPTED, {"by": by})
     return True
 
 
@@ -162,7 +163,7 @@ def ask_question(session_id: int, call_id: str, tool: str) -> None:
     """Record a question about one call; the session awaits input and the step ends."""
     with transaction.atomic():
         session = locked(session_id)
-        append(session, "question", {"id": call_id, "tool": tool})
+        append(session, Kind.QUESTION, {"id": call_id, "tool": tool})
         change_status(session, Status.AWAITING_INPUT)
 
 

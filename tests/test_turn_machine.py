@@ -8,6 +8,7 @@ test_agent_durable and test_e2e_real; these prove the rules, in milliseconds.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -17,6 +18,7 @@ from machines_app.models import Machine
 from sessions_app import actions, dispatch, transcript, turns
 from sessions_app.events import load_events
 from sessions_app.models import AgentSession
+from sessions_app.transcript import TurnEnd
 
 pytestmark = pytest.mark.django_db
 
@@ -129,7 +131,7 @@ def test_an_interrupt_of_a_held_turn_only_raises_the_flag(session, alice, queued
     actions.do_interrupt(fresh(session), alice)
     assert fresh(session).interrupt_requested and fresh(session).turn_active
     assert "turn_end" not in kinds(session)  # the step ends it when it sees the flag
-    assert not turns.finish_if_unheld(session.pk, "stopped")
+    assert not turns.finish_if_unheld(session.pk, TurnEnd.STOPPED)
 
 
 def test_nothing_to_interrupt_is_said(session, alice):
@@ -141,11 +143,11 @@ def test_finishing_with_an_empty_queue_makes_the_session_idle(session, alice, qu
                                                               django_capture_on_commit_callbacks):
     send(session, alice, "hi", django_capture_on_commit_callbacks)
     AgentSession.objects.filter(pk=session.pk).update(status=Status.RUNNING)
-    turns.finish_turn(session.pk, "done")
+    turns.finish_turn(session.pk, TurnEnd.DONE)
     assert not fresh(session).turn_active
     assert fresh(session).status == Status.IDLE
     assert kinds(session)[-2:] == ["turn_end", "status"]
-    turns.finish_turn(session.pk, "done")  # a second finish records nothing more
+    turns.finish_turn(session.pk, TurnEnd.DONE)  # a second finish records nothing more
     assert kinds(session).count("turn_end") == 1
 
 
@@ -155,7 +157,7 @@ def test_a_stopped_server_keeps_the_queue_until_a_restart(session, alice, queued
     send(session, alice, "second", django_capture_on_commit_callbacks)
     AgentSession.objects.filter(pk=session.pk).update(status=Status.EXITED)
     with django_capture_on_commit_callbacks(execute=True):
-        assert turns.finish_if_unheld(session.pk, "stopped")
+        assert turns.finish_if_unheld(session.pk, TurnEnd.STOPPED)
     assert not fresh(session).turn_active
     assert [e.payload["text"] for e in load_events(session.pk) if e.kind == "message_taken"] == ["first"]
     AgentSession.objects.filter(pk=session.pk).update(status=Status.IDLE)  # the server is back
@@ -189,3 +191,21 @@ def test_a_status_change_is_recorded_once(session):
     assert not set_status(session.pk, Status.RUNNING)
     assert not set_status(session.pk, Status.UNKNOWN, only_from=(Status.IDLE,))
     assert kinds(session) == ["status"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "problem"),
+    [
+        ("asistant_text", {"text": "x"}, "unknown event kind"),
+        ("assistant_text", {}, "missing ['text']"),
+        ("tool_end", {"id": "c", "output": "o", "ok": True, "okk": 1}, "unknown ['okk']"),
+        ("status", {"state": "idle"}, "missing ['status'], unknown ['state']"),
+    ],
+)
+def test_an_event_outside_the_vocabulary_is_refused_before_it_is_written(session, kind, payload, problem):
+    from sessions_app.events import record_event
+    from sessions_app.transcript import InvalidEvent
+
+    with pytest.raises(InvalidEvent, match=re.escape(problem)):
+        record_event(session.pk, kind, payload)
+    assert kinds(session) == []
