@@ -365,7 +365,7 @@ class Step:
         answers = {e.payload.get("id"): e.payload for e in events if e.kind == "answered"}
         asked = {e.payload.get("id") for e in events if e.kind == "question"}
         running = {e.payload.get("id") for e in events if e.kind == "tool_running"}
-        mode = AgentSession.objects.values_list("permission_mode", flat=True).get(pk=self.session_id)
+        mode = actions.gate_mode(self.session_id)  # manual again if the owner lost the right to bypass
         allowed = transcript.allowed_tools(events)
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
