@@ -112,3 +112,18 @@ def test_leaving_the_group_stops_restarts_and_model_changes_on_it(gpu, alice_she
     session.refresh_from_db()
     assert session.status == "exited" and session.model_key == model_key(gpu, "llama")
     assert not TranscriptEvent.objects.filter(session=session).exists()
+
+
+@pytest.mark.parametrize("value", ["²", "٣", "99999999999999999999", "-1", "1e3", " 1", "", "0x1"])
+def test_an_odd_machine_id_gets_a_form_error_or_the_first_machine_never_a_500(gpu, bob, tmp_path, value):
+    client = logged_in(bob)
+    page = client.get("/sessions/new/", {"machine": value})
+    assert page.status_code == 200 and "gpu-box" not in page.content.decode()
+    response = client.post("/sessions/new/", {"machine": value, "model_key": model_key(gpu, "llama"),
+                                              "working_dir": str(tmp_path), "permission_mode": "manual",
+                                              "speculative": "auto"})
+    assert response.status_code in (200, 302)
+    if response.status_code == 200:
+        assert response.context["form"].errors
+    else:
+        assert AgentSession.objects.get().machine != gpu  # " 1" is a plain id to Django too
