@@ -186,8 +186,9 @@ def test_a_new_machine_keeps_members_in_their_home_there(alice, real_models_dir,
     catalog.refresh_models(machine)
     assert machine.workspace_roots == "~"
     home = LocalTransport().real_path("~")
-    error = field_error(post_new(alice, machine, str(tmp_path)))
-    assert f"must be inside ~ ({home})" in error
+    for hostile in (str(tmp_path), "~/..", "~/../../etc", "//etc", "/", f"{home}/../etc", "~/./../etc"):
+        error = field_error(post_new(alice, machine, hostile))
+        assert f"must be inside ~ ({home})" in error, hostile
     assert post_new(alice, machine, "~").status_code == 302  # the form's initial value works out of the box
     assert AgentSession.objects.get().working_dir == home
 
