@@ -210,3 +210,21 @@ def test_the_admin_refuses_a_relative_root(local_machine, django_user_model):
     assert client.post(f"/admin/machines_app/machine/{local_machine.pk}/change/", data).status_code == 302
     local_machine.refresh_from_db()
     assert parse_roots(local_machine.workspace_roots) == ["/srv/work", "~"]
+
+
+@pytest.mark.django_db
+def test_the_admin_cannot_set_a_working_directory_around_the_check(local_machine, alice, django_user_model, tmp_path):
+    session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"),
+                                          working_dir=str(tmp_path), status="exited")
+    client = logged_in(django_user_model.objects.create_superuser("root", password="root-password-1"))
+    assert client.get("/admin/sessions_app/agentsession/add/").status_code == 403
+    url = f"/admin/sessions_app/agentsession/{session.pk}/change/"
+    page = client.get(url).content.decode()
+    assert 'name="working_dir"' not in page and 'name="permission_mode"' not in page and str(tmp_path) in page
+    forged = {"owner": alice.pk, "machine": local_machine.pk, "model_key": session.model_key, "working_dir": ".",
+              "permission_mode": "bypassPermissions", "status": "exited", "title": "renamed",
+              "server_params": "{}", "sampling": "{}", "interrupt_requested": ""}
+    assert client.post(url, forged).status_code == 302
+    session.refresh_from_db()
+    assert session.title == "renamed"  # the form was taken…
+    assert session.working_dir == str(tmp_path) and session.permission_mode == "manual"  # …but not those fields
