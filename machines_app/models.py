@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from .workspaces import validate_workspace_roots
+from .workspaces import parse_roots, validate_workspace_roots
 
 
 class Machine(models.Model):
@@ -54,6 +54,11 @@ class Machine(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def workspace_root_list(self) -> list[str]:
+        """The workspace roots as written, one per line ([] = no limit); see machines_app.workspaces."""
+        return parse_roots(self.workspace_roots)
 
 
 class ModelFile(models.Model):

@@ -84,7 +84,7 @@ def check_working_dir(user, machine, path: str) -> str:
         )
     transport = transport_for(machine)
     real = transport.real_path(path)
-    roots = parse_roots(machine.workspace_roots)
+    roots = machine.workspace_root_list
     if roots and not user.is_staff:
         real_roots = [transport.real_path(root) for root in roots]
         if not any(inside(real, root) for root in real_roots):

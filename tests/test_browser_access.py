@@ -38,9 +38,18 @@ def test_working_directories_are_checked_on_the_machine_and_kept_in_its_roots(st
     (tmp / "outside").mkdir()
     (tmp / "root" / "escape").symlink_to(tmp / "outside")
     machine = fake_machine()
+    other = fake_machine()
     Machine.objects.filter(pk=machine.pk).update(workspace_roots=f"{tmp}/root")
+    Machine.objects.filter(pk=other.pk).update(workspace_roots="/srv/elsewhere\n~")
     log_in(page, stack, "alice", "alice-password-1")
     open_form(page, stack, machine)
+    # The form says where she may work, and follows the machine picked.
+    roots = page.locator("#workspace-roots")
+    roots.filter(has_text=f"On {machine.name} you may work inside {tmp}/root.").wait_for()
+    page.select_option("#id_machine", str(other.pk))
+    roots.filter(has_text=f"On {other.name} you may work inside /srv/elsewhere, ~.").wait_for()
+    page.select_option("#id_machine", str(machine.pk))
+    roots.filter(has_text=f"On {machine.name} you may work inside {tmp}/root.").wait_for()
 
     for typed, said in [
         ("..", "'..' is not an absolute path. Give the working directory as an absolute path on"),

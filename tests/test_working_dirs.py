@@ -228,3 +228,15 @@ def test_the_admin_cannot_set_a_working_directory_around_the_check(local_machine
     session.refresh_from_db()
     assert session.title == "renamed"  # the form was taken…
     assert session.working_dir == str(tmp_path) and session.permission_mode == "manual"  # …but not those fields
+
+
+@pytest.mark.django_db
+def test_the_form_tells_a_member_where_they_may_work(local_machine, alice, charlie_staff, tree):
+    Machine.objects.filter(pk=local_machine.pk).update(workspace_roots=f"{tree}/root\n~")
+    said = f"On local you may work inside {tree}/root, ~."
+    assert said in logged_in(alice).get("/sessions/new/").content.decode()
+    picker = logged_in(alice).get(f"/sessions/models/?machine={local_machine.pk}").content.decode()
+    assert said in picker and 'id="workspace-roots" hx-swap-oob="true"' in picker  # follows a change of machine
+    assert "you may work inside" not in logged_in(charlie_staff).get("/sessions/new/").content.decode()
+    Machine.objects.filter(pk=local_machine.pk).update(workspace_roots="")
+    assert "you may work inside" not in logged_in(alice).get("/sessions/new/").content.decode()
