@@ -365,7 +365,6 @@ class Step:
         answers = {e.payload.get("id"): e.payload for e in events if e.kind == "answered"}
         asked = {e.payload.get("id") for e in events if e.kind == "question"}
         running = {e.payload.get("id") for e in events if e.kind == "tool_running"}
-        mode = actions.gate_mode(self.session_id)  # manual again if the owner lost the right to bypass
         allowed = transcript.allowed_tools(events)
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
@@ -386,7 +385,13 @@ class Step:
                 output = REFUSED_RESULT.format(tool=name)
                 actions.record_event(self.session_id, "tool_end", {"id": call_id, "output": output, "ok": False})
                 continue
-            if answer is None and mode != AgentSession.PermissionMode.BYPASS and name not in allowed:
+            # The mode is read for each call that would be asked about: a bypass whose owner lost
+            # the right to it ends here, before this call (actions.gate_mode).
+            if (
+                answer is None
+                and name not in allowed
+                and actions.gate_mode(self.session_id) != AgentSession.PermissionMode.BYPASS
+            ):
                 if call_id not in asked:
                     actions.ask_question(self.session_id, call_id, name)
                 return False

@@ -148,28 +148,60 @@ def test_a_staff_owner_who_leaves_staff_gets_the_gate_back(charlie_staff, tmp_pa
     assert actions.gate_mode(session.pk) == "manual"
 
 
-def test_the_turn_loop_asks_again_once_the_permission_is_gone(alice, model_side, tmp_path):
-    """Through the real turn step (the model side scripted): a call in a session left in
-    bypass by an owner who lost the permission is asked about, not run."""
+def scripted_bypass_session(owner, model_side, tmp_path, *calls: str) -> AgentSession:
+    """A bypass session of ``owner`` whose "server" is the scripted model side, about to
+    receive one round of ``calls`` (tool names) for the message "go"."""
     machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
-    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
+    session = AgentSession.objects.create(owner=owner, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
                                           status="idle", permission_mode="bypassPermissions")
     port = int(model_side.url.rsplit(":", 1)[1])
     ServerRecord.objects.create(session=session, machine=machine, model_key="m.gguf", pid=1, start_time="0",
                                 port=port, log_path="/dev/null")
-    catalogue = [{"name": "exec_shell_command", "display_name": "Shell", "writes": True, "origin": "machine",
-                  "server": None, "remote_name": "exec_shell_command",
-                  "definition": {"type": "function", "function": {"name": "exec_shell_command"}}}]
+    catalogue = [{"name": name, "display_name": name, "writes": True, "origin": "machine", "server": None,
+                  "remote_name": name, "definition": {"type": "function", "function": {"name": name}}}
+                 for name in ("exec_shell_command", "get_info")]
     actions.record_event(session.pk, "catalogue", {"tools": catalogue})
     model_side.will_answer(
-        sse(chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "exec_shell_command",
-                                                                            "arguments": '{"command": "ls"}'}}]})),
+        *[sse(chunk({"tool_calls": [{"index": i, "id": f"call_{i}", "function": {"name": name, "arguments": "{}"}}]}))
+          for i, name in enumerate(calls)],
         sse(chunk({}, finish_reason="tool_calls")), b"data: [DONE]\n\n",
     )
-    actions.do_send_message(session, alice, "list")
+    actions.do_send_message(session, owner, "go")
+    return session
+
+
+def kinds_of(session) -> list[str]:
+    return list(TranscriptEvent.objects.filter(session=session).order_by("seq").values_list("kind", flat=True))
+
+
+def test_the_turn_loop_asks_again_once_the_permission_is_gone(alice, model_side, tmp_path):
+    """Through the real turn step (the model side scripted): a call in a session left in
+    bypass by an owner who lost the permission is asked about, not run."""
+    session = scripted_bypass_session(alice, model_side, tmp_path, "exec_shell_command")
     agent.run_turn_step(session.pk)
-    kinds = list(TranscriptEvent.objects.filter(session=session).order_by("seq").values_list("kind", flat=True))
+    kinds = kinds_of(session)
     assert "question" in kinds and "tool_running" not in kinds
     assert kinds.index("settings") < kinds.index("question")
     assert AgentSession.objects.get(pk=session.pk).status == "awaiting_input"
     assert settings_events(session)[-1]["permission_mode"] == "manual"
+
+
+def test_the_gate_is_read_before_each_call_not_once_per_round(alice, model_side, tmp_path):
+    """The permission goes while the first of two calls runs: the second is asked about.
+    (The tool runner is replaced so the permission can go at that exact moment.)"""
+    from sessions_app.tools import ToolResult
+
+    grant_bypass(alice)
+    session = scripted_bypass_session(alice, model_side, tmp_path, "get_info", "exec_shell_command")
+    ran = []
+
+    def run_tool(entry, arguments, **kwargs):
+        ran.append(entry.name)
+        alice.user_permissions.clear()  # an admin takes it away meanwhile
+        return ToolResult(output="ok", ok=True)
+
+    agent.run_turn_step(session.pk, run_tool=run_tool)
+    assert ran == ["get_info"]
+    questions = [e.payload["tool"] for e in TranscriptEvent.objects.filter(session=session, kind="question")]
+    assert questions == ["exec_shell_command"]
+    assert AgentSession.objects.get(pk=session.pk).permission_mode == "manual"
