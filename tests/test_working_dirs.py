@@ -238,5 +238,11 @@ def test_the_form_tells_a_member_where_they_may_work(local_machine, alice, charl
     picker = logged_in(alice).get(f"/sessions/models/?machine={local_machine.pk}").content.decode()
     assert said in picker and 'id="workspace-roots" hx-swap-oob="true"' in picker  # follows a change of machine
     assert "you may work inside" not in logged_in(charlie_staff).get("/sessions/new/").content.decode()
+    Machine.objects.filter(pk=local_machine.pk).update(workspace_roots="/srv/<b>x</b>")
+    page = logged_in(alice).get("/sessions/new/").content.decode()
+    assert "you may work inside /srv/&lt;b&gt;x&lt;/b&gt;." in page and "<b>x" not in page
+    error = field_error(post_new(alice, local_machine, "/etc"))
+    assert "inside /srv/<b>x</b>;" in error  # the message is text; the page escapes it
+    assert "<b>x" not in post_new(alice, local_machine, "/etc").content.decode()
     Machine.objects.filter(pk=local_machine.pk).update(workspace_roots="")
     assert "you may work inside" not in logged_in(alice).get("/sessions/new/").content.decode()
