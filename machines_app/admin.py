@@ -6,7 +6,8 @@ from .models import Machine, ModelFile, ServerRecord
 @admin.register(Machine)
 class MachineAdmin(admin.ModelAdmin):
     list_display = ("name", "transport", "host", "models_dir", "enabled", "models_refreshed_at")
-    list_filter = ("transport", "enabled")
+    list_filter = ("transport", "enabled", "allowed_groups")
+    filter_horizontal = ("allowed_groups",)
     actions = ["refresh_models"]
     readonly_fields = ("models_refreshed_at", "models_refresh_error")
 

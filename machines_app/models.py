@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from .workspaces import parse_roots, validate_workspace_roots
+
 
 class Machine(models.Model):
     """A computer that serves models: the local one, or one reached over SSH (SPEC §2, §11)."""
@@ -26,6 +28,24 @@ class Machine(models.Model):
     models_dir = models.CharField(max_length=500, default="~/models")
     llama_server_path = models.CharField(max_length=500, default="llama-server")
     enabled = models.BooleanField(default=True)
+    # Where members may point a session's tools (docs/access.md). The default keeps a new
+    # machine's members in their home directory there, which is what the new-session form
+    # offers; an admin who clears the field opens every directory to them.
+    workspace_roots = models.TextField(
+        blank=True,
+        default="~",
+        validators=[validate_workspace_roots],
+        help_text="Directories members may use as a working directory, one per line: absolute (/srv/work) or in "
+        "the home directory on that machine (~, ~/projects). Symlinks are followed before comparing. Empty: any "
+        "directory. Staff are not limited.",
+    )
+    allowed_groups = models.ManyToManyField(
+        "auth.Group",
+        blank=True,
+        related_name="machines",
+        help_text="Only members of these groups see this machine and start sessions on it. None selected: everyone. "
+        "Staff are not limited.",
+    )
     models_refreshed_at = models.DateTimeField(null=True, blank=True)
     models_refresh_error = models.TextField(blank=True)
 
@@ -34,6 +54,11 @@ class Machine(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def workspace_root_list(self) -> list[str]:
+        """The workspace roots as written, one per line ([] = no limit); see machines_app.workspaces."""
+        return parse_roots(self.workspace_roots)
 
 
 class ModelFile(models.Model):

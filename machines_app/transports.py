@@ -57,6 +57,17 @@ class Transport(ABC):
         """``~`` and relative parts expanded on that machine; returns an absolute path."""
 
     @abstractmethod
+    def real_path(self, path: str) -> str:
+        """``path`` as that machine's ``realpath`` answers it: ``~`` expanded to the home
+        directory of the account Corral uses there, then every symlink and ``..`` resolved.
+        A part that does not exist is kept as written (``realpath -m``), so a path can be
+        compared before it is known to exist. ``path`` is absolute or starts with ``~``.
+
+        Working directories and workspace roots are compared on these (machines_app.workspaces).
+        Raises TransportError when the machine cannot be asked.
+        """
+
+    @abstractmethod
     def list_gguf(self, models_dir: str) -> list[tuple[str, int]]:
         """Every ``*.gguf`` under ``models_dir`` as (key relative to it, '/'-separated; size in bytes).
 
@@ -138,6 +149,12 @@ class LocalTransport(Transport):
         try:
             return str(Path(os.path.expanduser(path)).resolve())
         except (OSError, ValueError, RuntimeError) as exc:
+            raise TransportError(f"{path!r} is not a usable path: {exc}") from None
+
+    def real_path(self, path: str) -> str:
+        try:
+            return os.path.realpath(os.path.expanduser(path))
+        except (OSError, ValueError) as exc:
             raise TransportError(f"{path!r} is not a usable path: {exc}") from None
 
     def list_gguf(self, models_dir: str) -> list[tuple[str, int]]:

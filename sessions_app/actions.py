@@ -13,6 +13,7 @@ from django.db import transaction
 from django.http import Http404
 
 from machines_app import catalog
+from machines_app.access import machine_refusal
 from machines_app.models import ServerRecord
 
 from . import dispatch, transcript, turns
@@ -47,7 +48,16 @@ def do_create_session(
     owner, *, machine, model_key: str, working_dir: str, server_params: dict, sampling: dict,
     permission_mode: str, title: str = "",
 ) -> AgentSession:
-    """Create a session and start its llama-server in the background (SPEC §5)."""
+    """Create a session and start its llama-server in the background (SPEC §5).
+
+    ``working_dir`` is the real path :func:`machines_app.workspaces.check_working_dir`
+    answered for ``owner`` (the new-session form calls it). Raises SessionError when the
+    machine is not open to ``owner`` or the mode needs a permission they lack.
+    """
+    refusal = machine_refusal(owner, machine)
+    if refusal:
+        raise SessionError(refusal)
+    check_permission_mode(session_owner=owner, user=owner, mode=permission_mode)
     with transaction.atomic():
         session = AgentSession.objects.create(
             owner=owner,
@@ -73,6 +83,9 @@ def do_create_session(
 def do_restart(session: AgentSession, user) -> None:
     """Start the session's server again: after it exited (SPEC §4: exited but
     restartable), or to apply changed server parameters. Refused mid-turn."""
+    refusal = machine_refusal(user, session.machine)
+    if refusal:
+        raise SessionError(refusal)
     with transaction.atomic():
         current = locked(session.pk)
         if current.turn_active:
@@ -87,6 +100,9 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
     """Move the session to another model on its machine (SPEC §10): refused mid-turn;
     otherwise stop the server and start one with the new model. The conversation goes on
     (it lives in the transcript); the prompt cache is lost."""
+    refusal = machine_refusal(user, session.machine)
+    if refusal:
+        raise SessionError(refusal)
     try:
         model = catalog.model_for_session(session.machine, model_key)
     except catalog.ModelUnavailable as exc:
@@ -204,16 +220,73 @@ def do_answer(session: AgentSession, user, call_id: str, answer: str) -> None:
         turns.go_on_after_answer(session)
 
 
-def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
-    """Switch between asking and not asking; takes effect for the next call (SPEC §8)."""
+def may_bypass(user) -> bool:
+    """Whether ``user`` may turn the permission gate off: staff, or anyone an admin granted
+    ``sessions_app.bypass_permissions`` (directly or through a group). docs/access.md."""
+    return bool(
+        user.is_authenticated and user.is_active and (user.is_staff or user.has_perm("sessions_app.bypass_permissions"))
+    )
+
+
+def check_permission_mode(*, session_owner, user, mode: str) -> None:
+    """Whether ``user`` may put a session of ``session_owner`` in ``mode``.
+
+    Turning the gate on (``manual``) is always allowed. ``bypassPermissions`` needs the
+    permission twice: from the person asking, and from the owner, whose session it is
+    (the gate stays off only while the owner holds it: :func:`gate_mode`). Raises
+    SessionError saying which is missing.
+    """
     if mode not in AgentSession.PermissionMode.values:
         raise SessionError("Unknown permission mode.")
+    if mode != AgentSession.PermissionMode.BYPASS:
+        return
+    if not may_bypass(user):
+        raise SessionError(
+            "You may not turn the permission gate off (run tools without asking); an admin can grant you that "
+            "permission."
+        )
+    if not may_bypass(session_owner):
+        raise SessionError(
+            f"{session_owner.get_username()}, who owns this session, may not run tools without asking, so it keeps "
+            "asking; an admin can grant them that permission."
+        )
+
+
+def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
+    """Switch between asking and not asking; takes effect for the next call (SPEC §8).
+
+    Raises SessionError for an unknown mode or a bypass the user or owner may not have.
+    """
+    check_permission_mode(session_owner=session.owner, user=user, mode=mode)
     with transaction.atomic():
         current = locked(session.pk)
         if current.permission_mode == mode:
             return
         AgentSession.objects.filter(pk=current.pk).update(permission_mode=mode)
         append(current, Kind.SETTINGS, {"permission_mode": mode, "by": user.get_username()})
+
+
+GATE_BACK_ON_REASON = "{owner} may no longer run tools without asking, so the permission gate is back on."
+
+
+def gate_mode(session_id: int) -> str:
+    """The permission mode the gate applies to the session's next call.
+
+    A session in ``bypassPermissions`` whose owner no longer may bypass (the permission
+    was taken away, or they left staff) goes back to ``manual`` here, recorded as a
+    ``settings`` event so every page shows it; the gate then asks as usual.
+    """
+    session = AgentSession.objects.select_related("owner").get(pk=session_id)
+    if session.permission_mode != AgentSession.PermissionMode.BYPASS or may_bypass(session.owner):
+        return session.permission_mode
+    manual = AgentSession.PermissionMode.MANUAL
+    with transaction.atomic():
+        current = locked(session_id)
+        if current.permission_mode == AgentSession.PermissionMode.BYPASS:
+            AgentSession.objects.filter(pk=current.pk).update(permission_mode=manual)
+            reason = GATE_BACK_ON_REASON.format(owner=session.owner.get_username())
+            append(current, Kind.SETTINGS, {"permission_mode": manual, "by": "", "reason": reason})
+    return manual
 
 
 def do_clear(session: AgentSession, user) -> None:

@@ -8,9 +8,15 @@ class AgentSessionAdmin(admin.ModelAdmin):
     list_display = ("__str__", "owner", "machine", "model_key", "status", "last_activity_at")
     list_filter = ("status", "machine")
     search_fields = ("title", "model_key", "owner__username")
+    # Who owns a session, where it runs, where its tools act and whether the gate asks are
+    # set through the product only, where they are checked and recorded (docs/access.md).
     readonly_fields = (
+        "owner", "machine", "working_dir", "permission_mode",
         "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at", "transcript",
     )
+
+    def has_add_permission(self, request):
+        return False  # sessions start from the new-session form, which checks and starts them
 
     @admin.display(description="Transcript")
     def transcript(self, obj):

@@ -27,7 +27,7 @@ from django.db import connection
 
 from machines_app.llama_server import Endpoint
 
-from . import lifecycle, tools, transcript, turns
+from . import actions, lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -307,7 +307,6 @@ class Step:
         answers = {e.payload.get("id"): e.payload for e in events if e.kind == Kind.ANSWERED}
         asked = {e.payload.get("id") for e in events if e.kind == Kind.QUESTION}
         running = {e.payload.get("id") for e in events if e.kind == Kind.TOOL_RUNNING}
-        mode = AgentSession.objects.values_list("permission_mode", flat=True).get(pk=self.session_id)
         allowed = transcript.allowed_tools(events)
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
@@ -328,7 +327,13 @@ class Step:
                 output = REFUSED_RESULT.format(tool=name)
                 record_event(self.session_id, Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
                 continue
-            if answer is None and mode != AgentSession.PermissionMode.BYPASS and name not in allowed:
+            # The mode is read for each call that would be asked about: a bypass whose owner lost
+            # the right to it ends here, before this call (actions.gate_mode).
+            if (
+                answer is None
+                and name not in allowed
+                and actions.gate_mode(self.session_id) != AgentSession.PermissionMode.BYPASS
+            ):
                 if call_id not in asked:
                     turns.ask_question(self.session_id, call_id, name)
                 return False

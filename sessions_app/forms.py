@@ -5,18 +5,32 @@ from __future__ import annotations
 from django import forms
 
 from machines_app import catalog
+from machines_app.access import machines_for
 from machines_app.discovery import InvalidModelKey, validate_key
 from machines_app.models import Machine
-from machines_app.transports import TransportError, transport_for
+from machines_app.transports import TransportError
+from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
+from .actions import SessionError, check_permission_mode, may_bypass
 from .models import AgentSession
 
 
 class NewSessionForm(forms.Form):
-    machine = forms.ModelChoiceField(queryset=Machine.objects.filter(enabled=True), empty_label=None)
+    """Bound to the user asking: only the machines open to them (machines_app.access), the
+    working directory checked for them on that machine (machines_app.workspaces), and the
+    gate-off mode offered only to whom may choose it."""
+
+    machine = forms.ModelChoiceField(
+        queryset=Machine.objects.none(),
+        empty_label=None,
+        error_messages={"invalid_choice": "There is no such machine, or it is not open to you."},
+    )
     model_key = forms.ChoiceField(label="Model")
     working_dir = forms.CharField(
-        max_length=1000, initial="~", help_text="Where the model's tools read, write and run commands."
+        max_length=1000,
+        initial="~",
+        help_text="Where the model's tools read, write and run commands, on the chosen machine: an absolute path "
+        "or one in the home directory there (~/project).",
     )
     title = forms.CharField(max_length=200, required=False)
     permission_mode = forms.ChoiceField(
@@ -39,8 +53,15 @@ class NewSessionForm(forms.Form):
     SERVER_FIELDS = ("contextSize", "gpuLayers", "threads", "speculative")
     SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, user, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.user = user
+        self.fields["machine"].queryset = machines_for(user)
+        if not may_bypass(user):
+            # Not offered; a forged POST still reaches clean_permission_mode and is refused there.
+            self.fields["permission_mode"].widget.choices = [
+                c for c in AgentSession.PermissionMode.choices if c[0] != AgentSession.PermissionMode.BYPASS
+            ]
         self.chosen_machine = machine = self._chosen_machine()
         self.model_choices = list(catalog.models_for(machine)) if machine else []
         self.fields["model_key"].choices = [
@@ -57,8 +78,9 @@ class NewSessionForm(forms.Form):
         queryset = self.fields["machine"].queryset
         value = self.data.get("machine") if self.is_bound else self.initial.get("machine")
         value = getattr(value, "pk", value)
-        if value and str(value).isdigit():
-            return queryset.filter(pk=value).first()
+        # ASCII digits only: "²".isdigit() is True but no int, and int() would 500 the page.
+        if value and str(value).isascii() and str(value).isdigit():
+            return queryset.filter(pk=value).first() or queryset.first()
         return queryset.first()
 
     def clean_model_key(self) -> str:
@@ -69,6 +91,14 @@ class NewSessionForm(forms.Form):
             raise forms.ValidationError(str(exc)) from None
         return key
 
+    def clean_permission_mode(self) -> str:
+        mode = self.cleaned_data["permission_mode"]
+        try:
+            check_permission_mode(session_owner=self.user, user=self.user, mode=mode)
+        except SessionError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        return mode
+
     def clean(self) -> dict:
         data = super().clean()
         machine, key = data.get("machine"), data.get("model_key")
@@ -78,15 +108,10 @@ class NewSessionForm(forms.Form):
             except catalog.ModelUnavailable as exc:
                 self.add_error("model_key", str(exc))
         if machine and data.get("working_dir"):
-            if "\x00" in data["working_dir"]:
-                self.add_error("working_dir", "A path cannot contain a NUL character.")
-                return data
             try:
-                transport = transport_for(machine)
-                if not transport.is_dir(data["working_dir"]):
-                    self.add_error("working_dir", f"There is no directory {data['working_dir']} on {machine.name}.")
-                else:
-                    data["working_dir"] = transport.expand_path(data["working_dir"])
+                data["working_dir"] = check_working_dir(self.user, machine, data["working_dir"])
+            except WorkingDirRefused as exc:
+                self.add_error("working_dir", str(exc))
             except TransportError as exc:
                 self.add_error("machine", str(exc))
         return data

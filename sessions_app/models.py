@@ -54,6 +54,8 @@ class AgentSession(models.Model):
 
     class Meta:
         ordering = ["-last_activity_at"]
+        # Granted by an admin (staff hold it without a grant): sessions_app.actions.may_bypass.
+        permissions = [("bypass_permissions", "Can turn the permission gate off (run tools without asking)")]
 
     def __str__(self) -> str:
         return self.title or f"Session {self.pk}"

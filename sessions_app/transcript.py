@@ -117,6 +117,7 @@ class SettingsPayload(TypedDict, total=False):
     server_params: dict
     title: str
     by: str
+    reason: str
 
 
 class StatusPayload(TypedDict):

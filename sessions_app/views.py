@@ -9,7 +9,7 @@ from django.template.response import TemplateResponse
 from django.views.decorators.http import require_GET, require_POST
 
 from machines_app import catalog
-from machines_app.models import Machine
+from machines_app.access import machines_for
 
 from . import actions, transcript
 from .events import load_events
@@ -32,27 +32,31 @@ def session_list(request: HttpRequest) -> HttpResponse:
 
 
 def session_new(request: HttpRequest) -> HttpResponse:
-    form = NewSessionForm(request.POST or None, initial={"machine": request.GET.get("machine")})
+    form = NewSessionForm(request.POST or None, user=request.user, initial={"machine": request.GET.get("machine")})
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
-        session = actions.do_create_session(
-            request.user,
-            machine=data["machine"],
-            model_key=data["model_key"],
-            working_dir=data["working_dir"],
-            server_params=form.server_params(),
-            sampling=form.sampling(),
-            permission_mode=data["permission_mode"],
-            title=data["title"],
-        )
-        return redirect(session)
+        try:
+            session = actions.do_create_session(
+                request.user,
+                machine=data["machine"],
+                model_key=data["model_key"],
+                working_dir=data["working_dir"],
+                server_params=form.server_params(),
+                sampling=form.sampling(),
+                permission_mode=data["permission_mode"],
+                title=data["title"],
+            )
+        except actions.SessionError as exc:  # the access changed between the form's check and now
+            form.add_error(None, str(exc))
+        else:
+            return redirect(session)
     return render(request, "sessions_app/session_new.html", {"form": form})
 
 
 @require_GET
 def model_options(request: HttpRequest) -> HttpResponse:
     """The model picker for one machine (htmx fragment); the list is catalog.models_for's."""
-    machine = Machine.objects.filter(pk=request.GET.get("machine"), enabled=True).first()
+    machine = machines_for(request.user).filter(pk=request.GET.get("machine")).first()
     models = list(catalog.models_for(machine)) if machine else []
     return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine})
 
@@ -62,7 +66,7 @@ def refresh_models(request: HttpRequest, machine_id: int) -> HttpResponse:
     """Re-read a machine's model files (a Celery task); the picker reloads when it is done."""
     from machines_app.tasks import refresh_models as refresh_task
 
-    machine = Machine.objects.filter(pk=machine_id, enabled=True).first()
+    machine = machines_for(request.user).filter(pk=machine_id).first()
     if machine is None:
         return HttpResponse(status=404)
     refresh_task.delay(machine.pk)
@@ -73,7 +77,7 @@ def refresh_models(request: HttpRequest, machine_id: int) -> HttpResponse:
 
 @require_GET
 def refresh_status(request: HttpRequest, machine_id: int) -> HttpResponse:
-    machine = Machine.objects.filter(pk=machine_id, enabled=True).first()
+    machine = machines_for(request.user).filter(pk=machine_id).first()
     if machine is None:
         return HttpResponse(status=404)
     since = request.GET.get("since", "")
@@ -111,6 +115,9 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "machine_name": session.machine.name,
         "session": session,
         "session_id": session.pk,
+        # Shown to whom may choose it; kept (hidden, disabled) for the rest so the select can
+        # still show that the gate is off when someone else turns it off.
+        "offer_bypass": actions.may_bypass(request.user) and actions.may_bypass(session.owner),
         "items": build_items(events, session.pk),
         "queued": transcript.pending_queue(events),
         "last_seq": events[-1].seq if events else 0,

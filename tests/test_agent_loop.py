@@ -13,7 +13,7 @@ from sessions_app import actions, agent, lifecycle
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, TranscriptEvent
 
-from .conftest import model_key
+from .conftest import grant_bypass, model_key
 from .scripted_server import chunk, sse
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
@@ -58,6 +58,7 @@ def test_it_reads_the_catalogue_from_the_real_server_and_runs_a_call_in_the_work
     catalogue = events_of(real_session, "catalogue")[-1].payload["tools"]
     names = {entry["name"] for entry in catalogue}
     assert {"read_file", "exec_shell_command", "write_file", "edit_file", "grep_search"} <= names
+    grant_bypass(alice)
     actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
     model_side.will_answer(*tool_call_reply(("read_file", '{"path": "notes.txt"}')))
     model_side.will_answer(*text_reply("The sheep are in the north field."))
@@ -129,6 +130,7 @@ def test_it_stops_asking_after_always_allow_also_in_a_new_worker(real_session, a
 
 
 def test_it_answers_unknown_tools_and_keeps_the_turn_going(real_session, alice, model_side):
+    grant_bypass(alice)
     actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
     model_side.will_answer(*tool_call_reply(("launch_rockets", "{}")))
     model_side.will_answer(*text_reply("Sorry."))
@@ -151,6 +153,7 @@ def test_interrupt_while_a_question_is_open_closes_it_as_a_refusal(real_session,
 
 
 def test_it_stops_after_32_rounds_and_says_so(real_session, alice, model_side):
+    grant_bypass(alice)
     actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
     for _ in range(agent.MAX_ROUNDS + 1):
         model_side.will_answer(*tool_call_reply(("get_info", "")))
@@ -165,6 +168,7 @@ def test_it_stops_after_32_rounds_and_says_so(real_session, alice, model_side):
 
 
 def test_it_gives_a_fresh_id_to_a_call_id_seen_before(real_session, alice, model_side):
+    grant_bypass(alice)
     actions.do_set_permission_mode(real_session, alice, "bypassPermissions")
     model_side.will_answer(*tool_call_reply(("get_info", "{}")))
     model_side.will_answer(*tool_call_reply(("get_info", "{}")))  # same id "call_get_info_0" again
@@ -193,6 +197,7 @@ def calc_mcp(tmp_path):
 
 @pytest.mark.usefixtures("calc_mcp")
 def test_it_calls_a_tool_of_a_real_mcp_server_from_the_backend(local_machine, alice, tmp_path, model_side):
+    grant_bypass(alice)
     session = AgentSession.objects.create(
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading", permission_mode="bypassPermissions",

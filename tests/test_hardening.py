@@ -18,7 +18,7 @@ from sessions_app.completions import CompletionClient
 from sessions_app.events import load_events, record_event
 from sessions_app.models import AgentSession, TranscriptEvent
 
-from .conftest import model_key, wait_for
+from .conftest import grant_bypass, model_key, wait_for
 from .scripted_server import chunk, sse
 from .test_agent_loop import text_reply, tool_call_reply
 
@@ -33,6 +33,7 @@ def fresh(session):
 
 @pytest.fixture
 def scripted_session(alice, model_side, tmp_path, db):
+    grant_bypass(alice)
     machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
                                           status="idle", permission_mode="bypassPermissions")
@@ -60,6 +61,7 @@ def test_a_nul_or_lone_surrogate_in_a_reply_is_stored_not_fatal(scripted_session
 @pytest.mark.django_db
 @pytest.mark.usefixtures("stop_servers_after")
 def test_nul_bytes_in_a_real_commands_output_still_make_a_result(local_machine, alice, tmp_path, model_side):
+    grant_bypass(alice)
     session = AgentSession.objects.create(
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading", permission_mode="bypassPermissions",

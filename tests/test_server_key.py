@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.db import connection
 from django.test import Client
 
 from machines_app.llama_server import Endpoint, ServerSpec, build_argv
@@ -91,7 +92,16 @@ def test_a_real_server_answers_only_corral(stack, local_machine, alice, tmp_path
 def test_a_page_on_another_origin_cannot_run_a_tool(stack, page, local_machine, alice, tmp_path):
     """The attack from the issue: any page the user opens posts text/plain, no-cors, to the
     session's server. It must not run the command."""
-    session = idle_session(local_machine, alice, tmp_path)
+    created = []
+
+    def create() -> None:  # off the thread where Playwright runs its event loop
+        created.append(idle_session(local_machine, alice, tmp_path))
+        connection.close()
+
+    worker = threading.Thread(target=create)
+    worker.start()
+    worker.join()
+    session = created[0]
     record = ServerRecord.objects.get(session=session)
     marker = tmp_path / "pwned"
     command = f"touch {marker}"
