@@ -155,6 +155,9 @@ CORRAL_LOG_DIR = DATA_DIR / "logs"
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (case C16).
 CORRAL_LEASE_SECONDS = env.float("CORRAL_LEASE_SECONDS", default=60.0)
+# An open session page refreshes its "watching now" entry this often; an entry left by a
+# daphne that died expires after three missed refreshes (docs/sharing.md).
+CORRAL_PRESENCE_SECONDS = env.float("CORRAL_PRESENCE_SECONDS", default=20.0)
 
 LOGGING = {
     "version": 1,

@@ -1,22 +1,24 @@
 """Writes to sessions, each followed by its push (Zulip's ``access_*`` / ``do_*`` shape).
 
-- ``access_*`` fetches with a permission check (404 for someone else's session).
+- ``access_*`` fetches with a permission check (404 for a session the user may not see,
+  403 for one they may see but not act on: docs/sharing.md).
 - ``record_event`` is the one way an event enters a transcript: it takes the next sequence
   number under a row lock and pushes the event after commit.
 - ``do_*`` are the user's actions; they raise :class:`SessionError` with a sentence for the
-  user when the action cannot be done.
+  user when the action cannot be done, and record who did them (``"by"``, see :func:`by`).
 """
 
 from __future__ import annotations
 
 import uuid
 
+from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.http import Http404
 from django.utils import timezone
 
 from . import broadcast, transcript
-from .models import AgentSession, TranscriptEvent
+from .models import Access, AgentSession, TranscriptEvent
 
 Status = AgentSession.Status
 
@@ -25,20 +27,43 @@ class SessionError(Exception):
     """An action refused, with the reason in the user's terms."""
 
 
-def access_session(user, session_id: int) -> AgentSession:
-    """The session if ``user`` may see and use it (its owner, or staff); 404 otherwise, so
-    another member cannot even learn that it exists."""
-    qs = AgentSession.objects.select_related("machine", "owner")
-    if not user.is_staff:
-        qs = qs.filter(owner=user)
-    try:
-        return qs.get(pk=session_id)
-    except AgentSession.DoesNotExist:
-        raise Http404("No such session") from None
+class NotAllowed(PermissionDenied):
+    """The user may see the session but not do this; the message says why, in their terms."""
 
 
-def can_access(user, session: AgentSession) -> bool:
-    return bool(user.is_authenticated and user.is_active and (user.is_staff or session.owner_id == user.pk))
+#: The largest id a database stores (a signed 64-bit integer); a bigger one in a URL
+#: would make SQLite raise instead of finding nothing.
+MAX_ID = 2**63 - 1
+
+
+def find_session(session_id: int) -> AgentSession | None:
+    """The session with this id (machine and owner loaded), or None, whatever the number."""
+    if not 0 < session_id <= MAX_ID:
+        return None
+    return AgentSession.objects.select_related("machine", "owner").filter(pk=session_id).first()
+
+
+def access_session(user, session_id: int, need: Access = Access.WATCH) -> AgentSession:
+    """The session if ``user`` may do what ``need`` names (``AgentSession.access_for``
+    decides). 404 when they may not see it at all, so a member cannot even learn that a
+    private session exists; :class:`NotAllowed` (a 403) when they may see it but not do
+    this."""
+    session = find_session(session_id)
+    have = session.access_for(user) if session is not None else Access.NONE
+    if have == Access.NONE:
+        raise Http404("No such session")
+    if have < need:
+        owner = session.owner.get_username()
+        if need == Access.ACT:
+            raise NotAllowed(f"{owner} shares this session to watch only: you cannot send, answer or interrupt here.")
+        raise NotAllowed(f"Only {owner}, who owns this session, or staff can do that.")
+    return session
+
+
+def by(user) -> transcript.Actor:
+    """Who did a user action, as recorded in its event's ``"by"`` (read back with
+    :func:`transcript.actor`)."""
+    return {"id": user.pk, "username": user.get_username()}
 
 
 def _locked(session_id: int) -> AgentSession:
@@ -123,7 +148,7 @@ def do_create_session(
             session.pk,
             "settings",
             {"model_key": model_key, "permission_mode": permission_mode, "sampling": sampling,
-             "server_params": server_params},
+             "server_params": server_params, "by": by(owner)},
         )
         transaction.on_commit(lambda: start_server.delay(session.pk))
     return session
@@ -141,7 +166,7 @@ def do_restart(session: AgentSession, user) -> None:
         if locked.status == Status.LOADING:
             raise SessionError("The server is already starting.")
         AgentSession.objects.filter(pk=locked.pk).update(status=Status.LOADING)
-        _append(locked, "status", {"status": Status.LOADING})
+        _append(locked, "status", {"status": Status.LOADING, "by": by(user)})
         transaction.on_commit(lambda: restart_server.delay(session.pk))
 
 
@@ -165,7 +190,7 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
             raise SessionError(f"The session already uses {model.display_name}.")
         AgentSession.objects.filter(pk=locked.pk).update(model_key=model_key, status=Status.LOADING)
         _append(locked, "status", {"status": Status.LOADING})
-        _append(locked, "settings", {"model_key": model_key, "model": model.display_name, "by": user.get_username()})
+        _append(locked, "settings", {"model_key": model_key, "model": model.display_name, "by": by(user)})
         transaction.on_commit(lambda: restart_server.delay(session.pk))
 
 
@@ -184,7 +209,7 @@ def do_update_settings(session: AgentSession, user, *, title: str, sampling: dic
         if not changes:
             return False
         AgentSession.objects.filter(pk=locked.pk).update(**changes)
-        _append(locked, "settings", {**changes, "by": user.get_username()})
+        _append(locked, "settings", {**changes, "by": by(user)})
         return "server_params" in changes
 
 
@@ -238,21 +263,26 @@ def do_send_message(session: AgentSession, user, text: str) -> None:
         if locked.status == Status.EXITED:
             raise SessionError("This session's llama-server is not running. Restart the session to send messages.")
         if locked.turn_active:
-            _append(locked, "message_queued", {"id": uuid.uuid4().hex, "text": text, "author": user.get_username()})
+            _append(locked, "message_queued", {"id": uuid.uuid4().hex, "text": text, "by": by(user)})
             return
-        _append(locked, "message_taken", {"text": text, "queued_id": None, "author": user.get_username()})
+        _append(locked, "message_taken", {"text": text, "queued_id": None, "by": by(user)})
         AgentSession.objects.filter(pk=locked.pk).update(turn_active=True, interrupt_requested=False)
         _enqueue_turn(locked.pk)
 
 
 def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
-    """Withdraw a queued message before a turn takes it (SPEC §10)."""
+    """Withdraw a queued message before a turn takes it (SPEC §10). A member the team
+    may act for withdraws only their own messages; the owner and staff any."""
     with transaction.atomic():
         locked = _locked(session.pk)
         pending = transcript.pending_queue(load_events(locked.pk))
-        if not any(item["id"] == queued_id for item in pending):
+        item = next((item for item in pending if item.get("id") == queued_id), None)
+        if item is None:
             raise SessionError("That message has already been taken or withdrawn.")
-        _append(locked, "message_dropped", {"id": queued_id, "by": user.get_username()})
+        author = transcript.actor(item)
+        if not locked.access_for(user).may_withdraw(user.pk, author["id"] if author else None):
+            raise SessionError("Only its author or the session's owner can withdraw that message.")
+        _append(locked, "message_dropped", {"id": queued_id, "by": by(user)})
 
 
 def _close_questions(locked: AgentSession, events, reason: str) -> None:
@@ -262,7 +292,7 @@ def _close_questions(locked: AgentSession, events, reason: str) -> None:
             locked,
             "answered",
             {"id": question["id"], "tool": question.get("tool"), "answer": transcript.ANSWER_REFUSE,
-             "by": "", "reason": reason},
+             "reason": reason},
         )
 
 
@@ -274,7 +304,9 @@ def _take_next(locked: AgentSession, events) -> bool:
     if not pending:
         return False
     item = pending[0]
-    _append(locked, "message_taken", {"text": item["text"], "queued_id": item["id"], "author": item["author"]})
+    # The message is the author's, whoever's turn end took it off the queue.
+    _append(locked, "message_taken", {"text": item.get("text", ""), "queued_id": item["id"],
+                                      "by": transcript.actor(item)})
     AgentSession.objects.filter(pk=locked.pk).update(
         turn_active=True, interrupt_requested=False, lease_owner="", lease_expires=None
     )
@@ -318,7 +350,7 @@ def do_interrupt(session: AgentSession, user) -> None:
         if not locked.turn_active:
             raise SessionError("Nothing is running.")
         AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
-        _append(locked, "interrupted", {"by": user.get_username()})
+        _append(locked, "interrupted", {"by": by(user)})
         held = bool(locked.lease_owner) and locked.lease_expires is not None and locked.lease_expires > timezone.now()
     if not held:
         finish_turn(session.pk, "interrupted")
@@ -351,7 +383,7 @@ def do_answer(session: AgentSession, user, call_id: str, answer: str) -> None:
         if question is None:
             raise SessionError("That question has already been answered.")
         _append(locked, "answered", {"id": call_id, "tool": question.get("tool"), "answer": answer,
-                                     "by": user.get_username()})
+                                     "by": by(user)})
         if locked.status == Status.AWAITING_INPUT:
             AgentSession.objects.filter(pk=locked.pk).update(status=Status.RUNNING)
             _append(locked, "status", {"status": Status.RUNNING})
@@ -367,7 +399,7 @@ def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
         if locked.permission_mode == mode:
             return
         AgentSession.objects.filter(pk=locked.pk).update(permission_mode=mode)
-        _append(locked, "settings", {"permission_mode": mode, "by": user.get_username()})
+        _append(locked, "settings", {"permission_mode": mode, "by": by(user)})
 
 
 def do_clear(session: AgentSession, user) -> None:
@@ -376,4 +408,18 @@ def do_clear(session: AgentSession, user) -> None:
         locked = _locked(session.pk)
         if locked.turn_active:
             raise SessionError("Stop the turn first, then clear.")
-        _append(locked, "cleared", {"by": user.get_username()})
+        _append(locked, "cleared", {"by": by(user)})
+
+
+def do_set_visibility(session: AgentSession, user, visibility: str) -> None:
+    """Share the session with the team (to watch or to act) or make it private again
+    (docs/sharing.md). Recorded as a ``settings`` event; every open page re-checks what
+    its user may do when it sees one (a watcher of a now private session is cut off)."""
+    if visibility not in AgentSession.Visibility.values:
+        raise SessionError("Choose private, the team may watch, or the team may act.")
+    with transaction.atomic():
+        locked = _locked(session.pk)
+        if locked.visibility == visibility:
+            return
+        AgentSession.objects.filter(pk=locked.pk).update(visibility=visibility)
+        _append(locked, "settings", {"visibility": visibility, "by": by(user)})

@@ -1,12 +1,13 @@
 from django.contrib import admin
 
 from .models import AgentSession, McpServer, TranscriptEvent
+from .transcript import actor
 
 
 @admin.register(AgentSession)
 class AgentSessionAdmin(admin.ModelAdmin):
-    list_display = ("__str__", "owner", "machine", "model_key", "status", "last_activity_at")
-    list_filter = ("status", "machine")
+    list_display = ("__str__", "owner", "machine", "model_key", "status", "visibility", "last_activity_at")
+    list_filter = ("status", "visibility", "machine")
     search_fields = ("title", "model_key", "owner__username")
     readonly_fields = (
         "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at", "transcript",
@@ -24,10 +25,16 @@ class AgentSessionAdmin(admin.ModelAdmin):
 
 @admin.register(TranscriptEvent)
 class TranscriptEventAdmin(admin.ModelAdmin):
-    list_display = ("session", "seq", "kind", "created_at")
+    list_display = ("session", "seq", "kind", "by", "created_at")
     list_filter = ("kind", "session")
     ordering = ("session", "seq")
-    readonly_fields = ("session", "seq", "kind", "payload", "created_at")
+    readonly_fields = ("session", "seq", "kind", "by", "payload", "created_at")
+
+    @admin.display(description="By")
+    def by(self, obj) -> str:
+        """Who did the user action this event records (blank for what nobody did)."""
+        who = actor(obj.payload)
+        return who["username"] if who else ""
 
     def has_add_permission(self, request):
         return False

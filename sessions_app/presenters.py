@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from django.template.loader import render_to_string
 
 from .markdown import render_markdown
+from .models import Access, AgentSession
+from .transcript import actor
 
 #: Kinds that neither show nor close a block.
 SILENT_KINDS = frozenset({"status", "catalogue"})
@@ -29,6 +31,39 @@ QUEUE_KINDS = frozenset({"message_queued", "message_dropped"})
 NOTE_KINDS = frozenset({"interrupted"})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({"tool_start", "tool_running", "tool_end", "question", "answered"})
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who a page is rendered for: it decides which buttons show (question answers,
+    withdraw). The views check again on every click; hiding is for the person's sake."""
+
+    user_id: int | None = None
+    access: Access = Access.MANAGE
+
+    @property
+    def can_act(self) -> bool:
+        return self.access >= Access.ACT
+
+
+#: The session's owner (and what tests of the page's shape use when no viewer matters).
+OWNER = Viewer()
+
+
+def _username(payload) -> str:
+    who = actor(payload)
+    return who["username"] if who else ""
+
+
+def queued_item(payload: dict, viewer: Viewer = OWNER) -> dict:
+    """A pending bubble: the message, its author, and whether this viewer may withdraw it."""
+    author = actor(payload)
+    return {
+        "id": payload.get("id", ""),
+        "text": payload.get("text", ""),
+        "author": author["username"] if author else "",
+        "can_withdraw": viewer.access.may_withdraw(viewer.user_id, author["id"] if author else None),
+    }
 
 
 def tool_item(events: Iterable) -> dict:
@@ -57,6 +92,7 @@ def tool_item(events: Iterable) -> dict:
         elif event.kind == "answered":
             item["question_open"] = False
             item["answer"] = payload
+            item["answered_by"] = _username(payload)
         elif event.kind == "tool_end":
             item["running"] = False
             item["output"] = payload.get("output", "")
@@ -88,8 +124,10 @@ class Block:
         return item
 
 
-def _setting(value) -> str:
+def _setting(key: str, value) -> str:
     """A settings value as a person reads it: ``{"top_k": 40}`` → ``top_k=40``."""
+    if key == "visibility" and value in AgentSession.Visibility.values:
+        return AgentSession.Visibility(value).label.lower()
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items()) or "defaults"
     return str(value)
@@ -100,27 +138,28 @@ def event_item(event) -> dict | None:
     kind, payload, seq = event.kind, event.payload, event.seq
     dom_id = f"ev-{seq}"
     if kind == "message_taken":
-        return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": payload.get("author", "")}
+        return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": _username(payload)}
     if kind == "error":
         return {"type": "error", "dom_id": dom_id, "message": payload.get("message", "")}
     if kind == "usage":
         return {"type": "usage", "dom_id": dom_id, "usage": payload}
     if kind == "cleared":
-        return {"type": "cleared", "dom_id": dom_id, "by": payload.get("by", "")}
+        return {"type": "cleared", "dom_id": dom_id, "by": _username(payload)}
     if kind == "interrupted":
-        return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {payload.get('by', 'someone')}."}
+        return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {_username(payload) or 'someone'}."}
     if kind == "server_stopped":
         return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped."}
     if kind == "server_ready":
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
     if kind == "settings":
-        parts = [f"{key} → {_setting(value)}" for key, value in payload.items() if key != "by"]
-        return {"type": "note", "dom_id": dom_id, "text": "Settings: " + ", ".join(parts)}
+        parts = ", ".join(f"{key} → {_setting(key, value)}" for key, value in payload.items() if key != "by")
+        who = _username(payload)
+        return {"type": "note", "dom_id": dom_id, "text": f"{who} changed settings: {parts}" if who else f"Settings: {parts}"}
     return None
 
 
-def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
-    """The display items of a whole transcript, in order (first paint)."""
+def build_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER) -> list[dict]:
+    """The display items of a whole transcript, in order (first paint), for ``viewer``."""
     items: list[dict] = []
     block: Block | None = None
     calls: dict[str, list] = {}
@@ -165,7 +204,8 @@ def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
         items.append(block.as_item())
     items.extend(held_notes)
     return [
-        {**tool_item(calls[item["call_id"]]), "session_id": session_id} if item["type"] == "tool-placeholder" else item
+        {**tool_item(calls[item["call_id"]]), "session_id": session_id, "can_act": viewer.can_act}
+        if item["type"] == "tool-placeholder" else item
         for item in items
     ]
 
@@ -174,8 +214,13 @@ def render_item(item: dict) -> str:
     return render_to_string("sessions_app/_item.html", {"item": item})
 
 
-def render_queued(session_id: int, item: dict) -> str:
-    return render_to_string("sessions_app/_queued.html", {"q": item, "session_id": session_id})
+def render_queued(session_id: int, payload: dict, viewer: Viewer = OWNER) -> str:
+    return render_to_string("sessions_app/_queued.html", {"q": queued_item(payload, viewer), "session_id": session_id})
+
+
+def render_presence(usernames: list[str]) -> str:
+    """The "watching now" line of a session page (first paint and every change)."""
+    return render_to_string("sessions_app/_presence.html", {"watching": usernames})
 
 
 def render_status(status: str) -> str:
@@ -190,12 +235,15 @@ class LiveRenderer:
     ``{"op": "append", "target": id, "html": …}``, ``{"op": "text", "id": id, "text": …}``,
     ``{"op": "replace", "id": id, "html": …}``, ``{"op": "remove", "id": id}``,
     ``{"op": "status", "status": …, "html": …}``, ``{"op": "value", "id": id, "value": …}``
-    (a control that follows a setting changed elsewhere).
+    (a control that follows a setting changed elsewhere), ``{"op": "reload"}`` (added by
+    the consumer when the viewer's rights changed). Buttons are rendered for
+    ``viewer``, as on the first paint.
     """
 
-    def __init__(self, session_id: int, call_events=None, machine_name: str = "") -> None:
+    def __init__(self, session_id: int, call_events=None, machine_name: str = "", viewer: Viewer = OWNER) -> None:
         self.session_id = session_id
         self.machine_name = machine_name
+        self.viewer = viewer
         self.block: Block | None = None
         # call id → that call's events so far (read from the database by the consumer).
         self.call_events = call_events
@@ -232,7 +280,8 @@ class LiveRenderer:
             return ops
         if kind == "message_queued":
             if render:
-                ops.append({"op": "append", "target": "queue", "html": render_queued(self.session_id, payload)})
+                html = render_queued(self.session_id, payload, self.viewer)
+                ops.append({"op": "append", "target": "queue", "html": html})
             return ops
         if kind == "message_dropped":
             return [{"op": "remove", "id": f"q-{payload.get('id')}"}] if render else []
@@ -242,6 +291,7 @@ class LiveRenderer:
             if render and self.call_events is not None:
                 item = tool_item([*self.call_events(payload.get("id", ""), event.seq), event])
                 item["session_id"] = self.session_id
+                item["can_act"] = self.viewer.can_act
                 html = render_item(item)
                 if kind == "tool_start":
                     ops.append({"op": "append", "target": "transcript", "html": html})
@@ -250,6 +300,8 @@ class LiveRenderer:
             return ops
         if kind == "settings" and payload.get("permission_mode") and render:
             ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
+        if kind == "settings" and payload.get("visibility") and render:
+            ops.append({"op": "value", "id": "visibility", "value": payload["visibility"]})
         if kind == "settings" and payload.get("model") and render:
             ops.append({"op": "replace", "id": "model-name",
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],

@@ -8,7 +8,8 @@ this module:
 - :func:`allowed_tools` and :func:`permission_mode` — the permission gate (SPEC §8);
 - :func:`pending_queue`, :func:`open_turn`, :func:`pending_calls`,
   :func:`open_questions` and :func:`last_model_key` — queue / turn state
-  (SPEC §6, §8, §10).
+  (SPEC §6, §8, §10);
+- :func:`actor` — who did a user action (docs/sharing.md).
 
 An *event* is any object with the attributes ``seq: int``, ``kind: str`` and
 ``payload: dict`` — the :class:`Event` dataclass defined here or a Django model
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
     "ANSWER_ALLOW_ALWAYS",
@@ -32,8 +33,10 @@ __all__ = [
     "DEFAULT_PERMISSION_MODE",
     "EMPTY_ARGUMENTS",
     "UNFINISHED_TOOL_RESULT",
+    "Actor",
     "Event",
     "EventLike",
+    "actor",
     "allowed_tools",
     "build_messages",
     "last_catalogue",
@@ -110,6 +113,39 @@ class Event:
     seq: int
     kind: str
     payload: dict[str, Any] = field(default_factory=dict)
+
+
+class Actor(TypedDict):
+    """Who did a user action: the user's id (None for events recorded before ids were
+    kept) and their username at the time."""
+
+    id: int | None
+    username: str
+
+
+def actor(payload: Any) -> Actor | None:
+    """Who did the user action an event records, or None for what nobody did (a turn's
+    own end, a question closed by an interrupt, an event from a worker).
+
+    Read from ``payload["by"]`` as ``{"id": int, "username": str}``; events recorded
+    before that shape carry a plain username in ``"by"`` (answers, interrupts, clears,
+    settings) or in ``"author"`` (messages), read with ``id`` None. An empty name is
+    nobody.
+    """
+    if not isinstance(payload, Mapping):
+        return None
+    by = payload.get("by")
+    if isinstance(by, Mapping):
+        username = by.get("username")
+        user_id = by.get("id")
+        if isinstance(username, str) and username:
+            return {"id": user_id if isinstance(user_id, int) and not isinstance(user_id, bool) else None,
+                    "username": username}
+        return None
+    for legacy in (by, payload.get("author")):
+        if isinstance(legacy, str) and legacy:
+            return {"id": None, "username": legacy}
+    return None
 
 
 # --- helpers
