@@ -233,7 +233,7 @@ def do_stop(session: AgentSession, user) -> None:
         with transaction.atomic():
             locked = _locked(session.pk)
             AgentSession.objects.filter(pk=locked.pk).update(interrupt_requested=True)
-    stop_server.delay(session.pk)
+    stop_server.delay(session.pk, by(user))
 
 
 # --- the turn flag and the queue change together (SPEC §10) ---------------------------

@@ -192,16 +192,17 @@ def _stop_process(session_id: int) -> bool:
     return True
 
 
-def stop_server(session_id: int, *, reason: str = "stopped") -> None:
+def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:
     """Stop the session's server; status becomes ``exited``. A running turn ends (its open
     questions closed as refusals); queued messages wait for a restart (SPEC §8, §10).
+    ``by`` is who asked (``actions.by``), None when Corral itself stops it.
 
     The status changes first, so the turn that the stop breaks off does not hand the
     queue to a server that is going away.
     """
     actions.set_status(session_id, Status.EXITED)
     _stop_process(session_id)
-    actions.record_event(session_id, "server_stopped", {"reason": reason})
+    actions.record_event(session_id, "server_stopped", {"reason": reason, **({"by": by} if by else {})})
     session = AgentSession.objects.get(pk=session_id)
     if session.turn_active and not (session.lease_expires and session.lease_expires > timezone.now()):
         actions.finish_turn(session_id, "stopped")

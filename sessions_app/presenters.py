@@ -148,7 +148,8 @@ def event_item(event) -> dict | None:
     if kind == "interrupted":
         return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {_username(payload) or 'someone'}."}
     if kind == "server_stopped":
-        return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped."}
+        who = _username(payload)
+        return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
     if kind == "server_ready":
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
     if kind == "settings":

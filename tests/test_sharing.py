@@ -118,7 +118,7 @@ def test_every_view_asks_the_one_rule(make_session, users, method, path, need, d
     # A stop queues its task at once, not on commit: keep it from reaching a worker of
     # another test (the stop itself is tests/test_lifecycle.py's).
     stops: list[int] = []
-    monkeypatch.setattr(tasks.stop_server, "delay", stops.append)
+    monkeypatch.setattr(tasks.stop_server, "delay", lambda session_id, by: stops.append(session_id))
     session = make_session(visibility)
     have = EXPECTED[(visibility, role)]
     body = {key: value.format(role=role, visibility=visibility) for key, value in data.items()}

@@ -7,7 +7,7 @@ import pytest
 from django.test import Client
 
 from machines_app.models import Machine, ModelFile
-from sessions_app import actions, transcript
+from sessions_app import actions, lifecycle, tasks, transcript
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.presenters import LiveRenderer, build_items, render_item
 from sessions_app.transcript import Event
@@ -38,7 +38,7 @@ def me(user) -> dict:
 
 
 @pytest.mark.django_db
-def test_every_user_action_records_who_did_it(session, alice, bob):
+def test_every_user_action_records_who_did_it(session, alice, bob, monkeypatch):
     actions.do_send_message(session, bob, "count the sheep")
     assert last(session, "message_taken")["by"] == me(bob)
     actions.do_send_message(session, alice, "then the goats")
@@ -71,6 +71,14 @@ def test_every_user_action_records_who_did_it(session, alice, bob):
     AgentSession.objects.filter(pk=session.pk).update(status="exited")
     actions.do_restart(session, alice)
     assert last(session, "status") == {"status": "loading", "by": me(alice)}
+    stops = []
+    AgentSession.objects.filter(pk=session.pk).update(status="idle")
+    # The stop runs in a worker: catch the task's arguments and do what it does.
+    monkeypatch.setattr(tasks.stop_server, "delay", lambda *args: stops.append(args))
+    actions.do_stop(session, bob)
+    assert stops == [(session.pk, me(bob))]
+    lifecycle.stop_server(session.pk, by=stops[0][1])
+    assert last(session, "server_stopped") == {"reason": "stopped", "by": me(bob)}
     # What nobody did names nobody: the end of the interrupted turn.
     assert transcript.actor(TranscriptEvent.objects.get(session=session, kind="turn_end").payload) is None
 
@@ -131,11 +139,14 @@ STORY = [
     Event(12, "message_taken", {"text": "old one", "queued_id": None, "author": "ann"}),
     Event(13, "interrupted", {"by": "ann"}),
     Event(14, "message_taken", {"text": "x", "queued_id": None, "by": HOSTILE}),
+    Event(15, "server_stopped", {"reason": "stopped", "by": ALICE}),
+    Event(16, "server_stopped", {"reason": "restart"}),
 ]
 SENTENCES = [
     '<div class="who">bob</div>', "Allowed once by alice", "Interrupted by bob.", "cleared by alice",
     "bob changed settings: title → Flock", "alice changed settings: visibility → the team may act",
     '<div class="who">ann</div>', "Interrupted by ann.", '<div class="who">&lt;b&gt;mallory&lt;/b&gt;</div>',
+    "llama-server stopped by alice.", "llama-server stopped.</div>",
 ]
 
 
