@@ -146,6 +146,9 @@ CELERY_BEAT_SCHEDULE = {
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 10.0},
 }
 
+# A refused token is answered like any refusal, in the page's message line.
+CSRF_FAILURE_VIEW = "sessions_app.views.csrf_failure"
+
 # Corral
 CORRAL_LOCAL_MODELS_DIR = env.str("CORRAL_LOCAL_MODELS_DIR", default=str(DATA_DIR / "models"))
 CORRAL_LLAMA_SERVER = env.str("CORRAL_LLAMA_SERVER", default="")

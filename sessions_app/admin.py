@@ -9,8 +9,11 @@ class AgentSessionAdmin(admin.ModelAdmin):
     list_display = ("__str__", "owner", "machine", "model_key", "status", "visibility", "last_activity_at")
     list_filter = ("status", "visibility", "machine")
     search_fields = ("title", "model_key", "owner__username")
+    # Sharing is changed from the session page: that records who did it and tells every
+    # open page to ask again what its reader may do (docs/sharing.md).
     readonly_fields = (
-        "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at", "transcript",
+        "visibility", "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at",
+        "transcript",
     )
 
     @admin.display(description="Transcript")

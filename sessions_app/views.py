@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from django.contrib import messages as flash
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
-from django.template import loader
 from django.template.response import TemplateResponse
 from django.views.decorators.http import require_GET, require_POST
 
@@ -22,14 +22,23 @@ ACT, MANAGE = Access.ACT, Access.MANAGE
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """The 403 page (``handler403``): the refusal's own sentence (``actions.NotAllowed``).
-    An htmx click gets it in the page's flash line, whatever the button targeted."""
+    An htmx click gets it in the page's flash line, whatever the button targeted (the
+    page's htmx config swaps 403 answers: templates/base.html)."""
     message = str(exception) if exception and str(exception) else "You may not do that."
     if getattr(request, "htmx", False):
         response = render(request, "sessions_app/_flash.html", {"error": message}, status=403)
         response["HX-Retarget"] = "#flash"
         response["HX-Reswap"] = "innerHTML"
         return response
-    return HttpResponse(loader.render_to_string("403.html", {"message": message}, request), status=403)
+    return render(request, "403.html", {"message": message}, status=403)
+
+
+def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
+    """``CSRF_FAILURE_VIEW``: a page left open across a logout or a new login sends a stale
+    token; say so in the same place as any other refusal."""
+    return permission_denied(
+        request, PermissionDenied("This page is out of date (you logged in or out since it was loaded): reload it.")
+    )
 
 
 @require_GET

@@ -414,3 +414,14 @@ def test_presence_spans_daphne_processes_and_forgets_one_that_crashed(stack, mak
             ws.close()
         for extra in daphnes:
             extra.stop_web()
+
+
+@pytest.mark.django_db
+def test_a_stale_page_is_told_to_reload_when_its_token_is_refused(make_session, alice):
+    session = make_session()
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(alice)
+    response = client.post(f"/sessions/{session.pk}/send/", {"text": "hi"}, headers={"HX-Request": "true"})
+    assert response.status_code == 403 and response["HX-Retarget"] == "#flash"
+    assert "This page is out of date (you logged in or out since it was loaded): reload it." in response.content.decode()
+    assert not TranscriptEvent.objects.filter(session=session).exists()

@@ -178,3 +178,15 @@ def test_the_admins_transcript_view_names_who_did_it(session, bob, charlie_staff
     event = TranscriptEvent.objects.get(session=session, kind="message_taken")
     detail = client.get(f"/admin/sessions_app/transcriptevent/{event.pk}/change/").content.decode()
     assert '<div class="readonly">bob</div>' in detail
+
+
+@pytest.mark.django_db
+def test_the_admin_shows_sharing_but_leaves_changing_it_to_the_page(session, charlie_staff):
+    from django.contrib.auth.models import Permission
+
+    charlie_staff.user_permissions.add(*Permission.objects.filter(codename__in=["view_agentsession",
+                                                                                "change_agentsession"]))
+    client = Client()
+    client.force_login(charlie_staff)
+    page = client.get(f"/admin/sessions_app/agentsession/{session.pk}/change/").content.decode()
+    assert '<div class="readonly">The team may act</div>' in page and 'name="visibility"' not in page
