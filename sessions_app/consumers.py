@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
@@ -38,6 +39,7 @@ from .presenters import (
 )
 
 FORBIDDEN = 4403
+logger = logging.getLogger(__name__)
 
 
 class SessionConsumer(AsyncJsonWebsocketConsumer):
@@ -90,10 +92,17 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
     async def _beat(self, user_id: int) -> None:
         while True:
             await asyncio.sleep(presence.heartbeat_seconds())
-            if await database_sync_to_async(presence.beat)(self.session_id, user_id, self.channel_name):
-                await broadcast.push_presence(self.session_id)
+            try:
+                if await database_sync_to_async(presence.beat)(self.session_id, user_id, self.channel_name):
+                    await broadcast.push_presence(self.session_id)
+            except Exception:
+                # A busy database or Redis now and then must not end the heartbeat (the
+                # watcher would vanish from the list while still watching): try next beat.
+                logger.warning("presence heartbeat of session %s failed", self.session_id, exc_info=True)
 
     async def presence_changed(self, message: dict) -> None:
+        if self.cut_off:
+            return
         names = await database_sync_to_async(presence.watching)(self.session_id)
         await self.send_json(
             {"presence": names, "ops": [{"op": "replace", "id": "presence", "html": render_presence(names)}]}
