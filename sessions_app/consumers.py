@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.contrib.auth import get_user_model
 
 from . import broadcast, presence
 from .actions import find_session
@@ -95,6 +96,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             try:
                 if await database_sync_to_async(presence.beat)(self.session_id, user_id, self.channel_name):
                     await broadcast.push_presence(self.session_id)
+                # Rights can also change without a sharing event (an account deactivated,
+                # staff status taken away): ask again on every beat.
+                if await self._recheck():
+                    return
             except Exception:
                 # A busy database or Redis now and then must not end the heartbeat (the
                 # watcher would vanish from the list while still watching): try next beat.
@@ -120,22 +125,28 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             return
         await self._send(seq, message["kind"], message["payload"])
 
+    async def _recheck(self) -> bool:
+        """Ask ``access_for`` again. True when the user lost access: the socket is closed
+        with 4403 and nothing more is sent. When the rights changed otherwise, the page
+        is told to reload (its buttons were drawn for the old ones)."""
+        access = await self._access()
+        if access == Access.NONE:
+            self.cut_off = True
+            await self.close(code=FORBIDDEN)
+            return True
+        if access != self.access:
+            self.access = access
+            self.renderer.viewer = Viewer(self.scope["user"].pk, access)
+            await self.send_json({"ops": [{"op": "reload"}]})
+        return False
+
     async def _send(self, seq: int, kind: str, payload: dict) -> None:
         event = TranscriptEvent(seq=seq, kind=kind, payload=payload)
         ops = await database_sync_to_async(self.renderer.feed)(event)
-        if kind == "settings" and "visibility" in payload:
-            access = await self._access()
-            if access == Access.NONE:
-                self.cut_off = True  # no longer shared with this user: nothing more
-                await self.close(code=FORBIDDEN)
-                return
-            if access != self.access:
-                # The page's buttons were drawn for the old rights: draw them again.
-                self.access = access
-                self.renderer.viewer = Viewer(self.scope["user"].pk, access)
-                ops.append({"op": "reload"})
         self.last_sent = seq
         await self.send_json({"seq": seq, "ops": ops})
+        if kind == "settings" and "visibility" in payload:
+            await self._recheck()
 
     async def _catch_up(self) -> None:
         events = await database_sync_to_async(self._events_after)(self.last_sent)
@@ -145,11 +156,14 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     @database_sync_to_async
     def _access(self) -> Access:
+        """What the user may do now: the account is read afresh (the scope's copy is
+        from the handshake and would not show a deactivation)."""
         user = self.scope.get("user")
         session = find_session(self.session_id)
-        if user is None or session is None:
+        if user is None or session is None or not user.is_authenticated:
             return Access.NONE
-        return session.access_for(user)
+        current = get_user_model().objects.filter(pk=user.pk).first()
+        return session.access_for(current) if current is not None else Access.NONE
 
     def _call_events(self, call_id: str, before_seq: int) -> list[TranscriptEvent]:
         """The earlier events of one tool call (runs in the sync thread of feed())."""

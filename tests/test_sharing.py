@@ -304,34 +304,52 @@ def test_an_id_past_what_the_database_stores_is_simply_not_found(charlie_staff, 
     assert response.status_code == 404
 
 
-async def _next_transcript_message(communicator: WebsocketCommunicator) -> dict:
-    """The next message with a seq (who-is-watching lists in between are skipped)."""
+async def _next_message(communicator: WebsocketCommunicator) -> dict:
+    """The next message that is not a who-is-watching list, or the close."""
     while True:
         output = await communicator.receive_output(5)
         if output["type"] == "websocket.close":
             return output
         message = json.loads(output["text"])
-        if "seq" in message:
+        if "presence" not in message:
             return message
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_open_page_follows_a_change_of_sharing(make_session, alice, bob, settings):
+def test_an_open_page_follows_a_change_of_sharing(make_session, alice, bob):
     session = make_session(ACT_TOO)
-
     bobs = _communicator(session.pk, bob)
 
     async def scenario() -> None:
         assert await _open(bobs) is None
         await database_sync_to_async(actions.do_set_visibility)(session, alice, WATCH_ONLY)
-        message = await _next_transcript_message(bobs)
-        # The note, then a reload: bob's buttons were drawn for acting.
-        assert message["ops"][-1] == {"op": "reload"}
-        assert "alice changed settings: visibility → the team may watch" in message["ops"][-2]["html"]
+        note = await _next_message(bobs)
+        assert "alice changed settings: visibility → the team may watch" in note["ops"][-1]["html"]
+        # Then a reload: bob's buttons were drawn for acting.
+        assert await _next_message(bobs) == {"ops": [{"op": "reload"}]}
         await database_sync_to_async(actions.do_set_visibility)(session, alice, PRIVATE)
-        closed = await _next_transcript_message(bobs)
-        assert closed == {"type": "websocket.close", "code": 4403}
+        assert "seq" in await _next_message(bobs)
+        assert await _next_message(bobs) == {"type": "websocket.close", "code": 4403}
         await bobs.disconnect()
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_open_page_is_cut_off_when_its_account_loses_the_right(make_session, bob, charlie_staff, settings):
+    """No sharing event here: the heartbeat asks the rule again."""
+    settings.CORRAL_PRESENCE_SECONDS = 0.2
+    watched, private = make_session(WATCH_ONLY), make_session(PRIVATE)
+    bobs, charlies = _communicator(watched.pk, bob), _communicator(private.pk, charlie_staff)
+
+    async def scenario() -> None:
+        assert await _open(bobs) is None and await _open(charlies) is None
+        await database_sync_to_async(type(bob).objects.filter(pk=bob.pk).update)(is_active=False)
+        await database_sync_to_async(type(bob).objects.filter(pk=charlie_staff.pk).update)(is_staff=False)
+        assert await _next_message(bobs) == {"type": "websocket.close", "code": 4403}
+        assert await _next_message(charlies) == {"type": "websocket.close", "code": 4403}
+        await bobs.disconnect()
+        await charlies.disconnect()
 
     async_to_sync(scenario)()
 
