@@ -204,6 +204,9 @@ CELERY_BEAT_SCHEDULE = {
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 10.0},
 }
 
+# A refused token is answered like any refusal, in the page's message line.
+CSRF_FAILURE_VIEW = "sessions_app.views.csrf_failure"
+
 # Corral
 CORRAL_LOCAL_MODELS_DIR = env_str("CORRAL_LOCAL_MODELS_DIR", str(DATA_DIR / "models"))
 CORRAL_LLAMA_SERVER = env_str("CORRAL_LLAMA_SERVER", "")
@@ -213,6 +216,9 @@ CORRAL_LOG_DIR = DATA_DIR / "logs"
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (case C16).
 CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
+# An open session page refreshes its "watching now" entry this often; an entry left by a
+# daphne that died expires after three missed refreshes (docs/sharing.md).
+CORRAL_PRESENCE_SECONDS = env_float("CORRAL_PRESENCE_SECONDS", 20.0, minimum=0.1)
 
 LOGGING = {
     "version": 1,

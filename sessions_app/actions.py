@@ -1,14 +1,16 @@
 """Writes to sessions, each followed by its push (Zulip's ``access_*`` / ``do_*`` shape).
 
-- ``access_*`` fetches with a permission check (404 for someone else's session).
+- ``access_*`` fetches with a permission check (404 for a session the user may not see,
+  403 for one they may see but not act on: docs/sharing.md).
 - events enter a transcript only through :mod:`sessions_app.events` (``record_event``,
   ``append``), and the turn's rules live in :mod:`sessions_app.turns`.
 - ``do_*`` are the user's actions; they raise :class:`SessionError` with a sentence for the
-  user when the action cannot be done.
+  user when the action cannot be done, and record who did them (``"by"``, see :func:`by`).
 """
 
 from __future__ import annotations
 
+from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.http import Http404
 
@@ -18,7 +20,7 @@ from machines_app.models import ServerRecord
 
 from . import dispatch, transcript, turns
 from .events import append, change_status, load_events, locked, record_event
-from .models import AgentSession
+from .models import Access, AgentSession
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -28,20 +30,43 @@ class SessionError(Exception):
     """An action refused, with the reason in the user's terms."""
 
 
-def access_session(user, session_id: int) -> AgentSession:
-    """The session if ``user`` may see and use it (its owner, or staff); 404 otherwise, so
-    another member cannot even learn that it exists."""
-    qs = AgentSession.objects.select_related("machine", "owner")
-    if not user.is_staff:
-        qs = qs.filter(owner=user)
-    try:
-        return qs.get(pk=session_id)
-    except AgentSession.DoesNotExist:
-        raise Http404("No such session") from None
+class NotAllowed(PermissionDenied):
+    """The user may see the session but not do this; the message says why, in their terms."""
 
 
-def can_access(user, session: AgentSession) -> bool:
-    return bool(user.is_authenticated and user.is_active and (user.is_staff or session.owner_id == user.pk))
+#: The largest id a database stores (a signed 64-bit integer); a bigger one in a URL
+#: would make SQLite raise instead of finding nothing.
+MAX_ID = 2**63 - 1
+
+
+def find_session(session_id: int) -> AgentSession | None:
+    """The session with this id (machine and owner loaded), or None, whatever the number."""
+    if not 0 < session_id <= MAX_ID:
+        return None
+    return AgentSession.objects.select_related("machine", "owner").filter(pk=session_id).first()
+
+
+def access_session(user, session_id: int, need: Access = Access.WATCH) -> AgentSession:
+    """The session if ``user`` may do what ``need`` names (``AgentSession.access_for``
+    decides). 404 when they may not see it at all, so a member cannot even learn that a
+    private session exists; :class:`NotAllowed` (a 403) when they may see it but not do
+    this."""
+    session = find_session(session_id)
+    have = session.access_for(user) if session is not None else Access.NONE
+    if have == Access.NONE:
+        raise Http404("No such session")
+    if have < need:
+        owner = session.owner.get_username()
+        if need == Access.ACT:
+            raise NotAllowed(f"{owner} shares this session to watch only: you cannot send, answer or interrupt here.")
+        raise NotAllowed(f"Only {owner}, who owns this session, or staff can do that.")
+    return session
+
+
+def by(user) -> transcript.Actor:
+    """Who did a user action, as recorded in its event's ``"by"`` (read back with
+    :func:`transcript.actor`)."""
+    return {"id": user.pk, "username": user.get_username()}
 
 
 def do_create_session(
@@ -74,7 +99,7 @@ def do_create_session(
             session.pk,
             Kind.SETTINGS,
             {"model_key": model_key, "permission_mode": permission_mode, "sampling": sampling,
-             "server_params": server_params},
+             "server_params": server_params, "by": by(owner)},
         )
         dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
     return session
@@ -92,7 +117,7 @@ def do_restart(session: AgentSession, user) -> None:
             raise SessionError("Stop the turn first, then restart.")
         if current.status == Status.LOADING:
             raise SessionError("The server is already starting.")
-        change_status(current, Status.LOADING)
+        change_status(current, Status.LOADING, by=by(user))
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
 
 
@@ -115,7 +140,7 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
             raise SessionError(f"The session already uses {model.display_name}.")
         AgentSession.objects.filter(pk=current.pk).update(model_key=model_key)
         change_status(current, Status.LOADING)
-        append(current, Kind.SETTINGS, {"model_key": model_key, "model": model.display_name, "by": user.get_username()})
+        append(current, Kind.SETTINGS, {"model_key": model_key, "model": model.display_name, "by": by(user)})
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
 
 
@@ -134,7 +159,7 @@ def do_update_settings(session: AgentSession, user, *, title: str, sampling: dic
         if not changes:
             return False
         AgentSession.objects.filter(pk=current.pk).update(**changes)
-        append(current, Kind.SETTINGS, {**changes, "by": user.get_username()})
+        append(current, Kind.SETTINGS, {**changes, "by": by(user)})
         return "server_params" in changes
 
 
@@ -156,7 +181,7 @@ def do_stop(session: AgentSession, user) -> None:
         with transaction.atomic():
             current = locked(session.pk)
             AgentSession.objects.filter(pk=current.pk).update(interrupt_requested=True)
-    dispatch.enqueue(dispatch.STOP_SERVER, session.pk)
+    dispatch.enqueue(dispatch.STOP_SERVER, session.pk, by(user))
 
 
 # --- messages, interrupt and questions: the turn's rules live in sessions_app/turns.py ---------
@@ -179,17 +204,22 @@ def do_send_message(session: AgentSession, user, text: str) -> None:
         session = locked(session.pk)
         if session.status == Status.EXITED:
             raise SessionError("This session's llama-server is not running. Restart the session to send messages.")
-        turns.take_message(session, text, user.get_username())
+        turns.take_message(session, text, by(user))
 
 
 def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
-    """Withdraw a queued message before a turn takes it (SPEC §10)."""
+    """Withdraw a queued message before a turn takes it (SPEC §10). A member the team
+    may act for withdraws only their own messages; the owner and staff any."""
     with transaction.atomic():
         session = locked(session.pk)
         pending = transcript.pending_queue(load_events(session.pk))
-        if not any(item["id"] == queued_id for item in pending):
+        item = next((item for item in pending if item.get("id") == queued_id), None)
+        if item is None:
             raise SessionError("That message has already been taken or withdrawn.")
-        append(session, Kind.MESSAGE_DROPPED, {"id": queued_id, "by": user.get_username()})
+        author = transcript.actor(item)
+        if not session.access_for(user).may_withdraw(user.pk, author["id"] if author else None):
+            raise SessionError("Only its author or the session's owner can withdraw that message.")
+        append(session, Kind.MESSAGE_DROPPED, {"id": queued_id, "by": by(user)})
 
 
 def do_interrupt(session: AgentSession, user) -> None:
@@ -197,7 +227,7 @@ def do_interrupt(session: AgentSession, user) -> None:
     of a second; a turn that no step holds (waiting for a person or for the model to
     load) ends here, its open questions closed as refusals."""
     with transaction.atomic():
-        if not turns.interrupt(locked(session.pk), user.get_username()):
+        if not turns.interrupt(locked(session.pk), by(user)):
             raise SessionError("Nothing is running.")
     turns.finish_if_unheld(session.pk, TurnEnd.INTERRUPTED)
 
@@ -216,7 +246,7 @@ def do_answer(session: AgentSession, user, call_id: str, answer: str) -> None:
         if question is None:
             raise SessionError("That question has already been answered.")
         append(session, Kind.ANSWERED, {"id": call_id, "tool": question.get("tool"), "answer": answer,
-                                     "by": user.get_username()})
+                                     "by": by(user)})
         turns.go_on_after_answer(session)
 
 
@@ -263,7 +293,7 @@ def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
         if current.permission_mode == mode:
             return
         AgentSession.objects.filter(pk=current.pk).update(permission_mode=mode)
-        append(current, Kind.SETTINGS, {"permission_mode": mode, "by": user.get_username()})
+        append(current, Kind.SETTINGS, {"permission_mode": mode, "by": by(user)})
 
 
 GATE_BACK_ON_REASON = "{owner} may no longer run tools without asking, so the permission gate is back on."
@@ -285,7 +315,7 @@ def gate_mode(session_id: int) -> str:
         if current.permission_mode == AgentSession.PermissionMode.BYPASS:
             AgentSession.objects.filter(pk=current.pk).update(permission_mode=manual)
             reason = GATE_BACK_ON_REASON.format(owner=session.owner.get_username())
-            append(current, Kind.SETTINGS, {"permission_mode": manual, "by": "", "reason": reason})
+            append(current, Kind.SETTINGS, {"permission_mode": manual, "reason": reason})
     return manual
 
 
@@ -295,4 +325,18 @@ def do_clear(session: AgentSession, user) -> None:
         current = locked(session.pk)
         if current.turn_active:
             raise SessionError("Stop the turn first, then clear.")
-        append(current, Kind.CLEARED, {"by": user.get_username()})
+        append(current, Kind.CLEARED, {"by": by(user)})
+
+
+def do_set_visibility(session: AgentSession, user, visibility: str) -> None:
+    """Share the session with the team (to watch or to act) or make it private again
+    (docs/sharing.md). Recorded as a ``settings`` event; every open page re-checks what
+    its user may do when it sees one (a watcher of a now private session is cut off)."""
+    if visibility not in AgentSession.Visibility.values:
+        raise SessionError("Choose private, the team may watch, or the team may act.")
+    with transaction.atomic():
+        current = locked(session.pk)
+        if current.visibility == visibility:
+            return
+        AgentSession.objects.filter(pk=current.pk).update(visibility=visibility)
+        append(current, Kind.SETTINGS, {"visibility": visibility, "by": by(user)})

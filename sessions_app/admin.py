@@ -1,17 +1,19 @@
 from django.contrib import admin
 
 from .models import AgentSession, McpServer, TranscriptEvent
+from .transcript import actor
 
 
 @admin.register(AgentSession)
 class AgentSessionAdmin(admin.ModelAdmin):
-    list_display = ("__str__", "owner", "machine", "model_key", "status", "last_activity_at")
-    list_filter = ("status", "machine")
+    list_display = ("__str__", "owner", "machine", "model_key", "status", "visibility", "last_activity_at")
+    list_filter = ("status", "visibility", "machine")
     search_fields = ("title", "model_key", "owner__username")
-    # Who owns a session, where it runs, where its tools act and whether the gate asks are
-    # set through the product only, where they are checked and recorded (docs/access.md).
+    # Who owns a session, where it runs, where its tools act, whether the gate asks and who
+    # else may see it are set through the product only, where they are checked and
+    # recorded (docs/access.md, docs/sharing.md).
     readonly_fields = (
-        "owner", "machine", "working_dir", "permission_mode",
+        "owner", "machine", "working_dir", "permission_mode", "visibility",
         "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at", "transcript",
     )
 
@@ -30,10 +32,16 @@ class AgentSessionAdmin(admin.ModelAdmin):
 
 @admin.register(TranscriptEvent)
 class TranscriptEventAdmin(admin.ModelAdmin):
-    list_display = ("session", "seq", "kind", "created_at")
+    list_display = ("session", "seq", "kind", "by", "created_at")
     list_filter = ("kind", "session")
     ordering = ("session", "seq")
-    readonly_fields = ("session", "seq", "kind", "payload", "created_at")
+    readonly_fields = ("session", "seq", "kind", "by", "payload", "created_at")
+
+    @admin.display(description="By")
+    def by(self, obj) -> str:
+        """Who did the user action this event records (blank for what nobody did)."""
+        who = actor(obj.payload)
+        return who["username"] if who else ""
 
     def has_add_permission(self, request):
         return False

@@ -39,3 +39,14 @@ def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:
         )
     except Exception as exc:  # redis-py, channels_redis and asyncio raise many kinds
         log.warning("push of event %s of session %s lost (%s); watchers catch up", seq, session_id, exc)
+
+
+async def push_presence(session_id: int) -> None:
+    """Tell every watcher of the session that who is watching changed. The message
+    carries no list: each consumer reads the list when the message arrives, so the last
+    message after several changes always shows the last state (two lists computed by
+    two processes could arrive in either order)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    await layer.group_send(group_name(session_id), {"type": "presence.changed"})

@@ -3,31 +3,46 @@
 Connect to ``/ws/sessions/<id>/?after=<last seq the page has>``. The consumer joins the
 session's group first, then reads what the page missed from the database, then forwards
 group messages — so nothing falls between the two (register, then fetch, then apply).
-Every message sent is ``{"seq": n, "ops": [...]}`` in strictly increasing ``seq`` order:
-a group message that repeats one already sent is dropped, and a gap is filled from the
-database before going on.
+Every transcript message sent is ``{"seq": n, "ops": [...]}`` in strictly increasing
+``seq`` order: a group message that repeats one already sent is dropped, and a gap is
+filled from the database before going on. Who is watching travels apart, without a seq:
+``{"presence": [username, ...], "ops": [...]}`` (docs/sharing.md).
+
+Who may connect, and which buttons the rendered HTML carries, is
+``AgentSession.access_for``'s answer, asked again whenever the session's sharing changes:
+a watcher of a session made private is closed with 4403, a page whose rights changed is
+told to reload.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.contrib.auth import get_user_model
 
-from . import broadcast
-from .actions import can_access
-from .models import AgentSession, TranscriptEvent
-from .presenters import TOOL_KINDS, TranscriptView, prime_window
+from . import broadcast, presence
+from .actions import find_session
+from .models import Access, AgentSession, TranscriptEvent
+from .presenters import TOOL_KINDS, TranscriptView, Viewer, prime_window, render_presence
 
 FORBIDDEN = 4403
+logger = logging.getLogger(__name__)
 
 
 class SessionConsumer(AsyncJsonWebsocketConsumer):
+    cut_off = False  # set when the user lost access mid-connection: send nothing more
+    heartbeat: asyncio.Task | None = None
+
     async def connect(self) -> None:
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
         self.group = broadcast.group_name(self.session_id)
-        if not await self._allowed():
+        self.access = await self._access()
+        if self.access == Access.NONE:
             # Accept, then close with our own code: the page sees 4403 and stops
             # reconnecting (a refused handshake looks like a network error to a browser).
             await self.accept()
@@ -39,46 +54,107 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         except ValueError:
             self.last_sent = 0
         self.renderer = TranscriptView(
-            self.session_id, call_events=self._call_events, machine_name=await self._machine_name()
+            self.session_id, call_events=self._call_events, machine_name=await self._machine_name(),
+            viewer=Viewer(self.scope["user"].pk, self.access),
         )
         await self.accept()
         await self.channel_layer.group_add(self.group, self.channel_name)
+        await self._join()
         await database_sync_to_async(self._prime)()
         await self._catch_up()
 
     async def disconnect(self, code: int) -> None:
         if hasattr(self, "group"):
             await self.channel_layer.group_discard(self.group, self.channel_name)
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.heartbeat
+            if await database_sync_to_async(presence.leave)(self.channel_name):
+                await broadcast.push_presence(self.session_id)
+
+    # --- who is watching (docs/sharing.md)
+
+    async def _join(self) -> None:
+        user_id = self.scope["user"].pk
+        await database_sync_to_async(presence.join)(self.session_id, user_id, self.channel_name)
+        self.heartbeat = asyncio.create_task(self._beat(user_id))
+        await broadcast.push_presence(self.session_id)
+
+    async def _beat(self, user_id: int) -> None:
+        while True:
+            await asyncio.sleep(presence.heartbeat_seconds())
+            try:
+                if await database_sync_to_async(presence.beat)(self.session_id, user_id, self.channel_name):
+                    await broadcast.push_presence(self.session_id)
+                # Rights can also change without a sharing event (an account deactivated,
+                # staff status taken away): ask again on every beat.
+                if await self._recheck():
+                    return
+            except Exception:
+                # A busy database or Redis now and then must not end the heartbeat (the
+                # watcher would vanish from the list while still watching): try next beat.
+                logger.warning("presence heartbeat of session %s failed", self.session_id, exc_info=True)
+
+    async def presence_changed(self, message: dict) -> None:
+        if self.cut_off:
+            return
+        names = await database_sync_to_async(presence.watching)(self.session_id)
+        await self.send_json(
+            {"presence": names, "ops": [{"op": "replace", "id": "presence", "html": render_presence(names)}]}
+        )
 
     async def receive_json(self, content, **kwargs) -> None:
         pass  # push-only: actions go through the HTTP views
 
     async def transcript_event(self, message: dict) -> None:
         seq = message["seq"]
-        if seq <= self.last_sent:
+        if self.cut_off or seq <= self.last_sent:
             return  # already sent (catch-up overlapped the live stream)
         if seq > self.last_sent + 1:
             await self._catch_up()  # a gap: read the missing events (and this one) from the DB
             return
         await self._send(seq, message["kind"], message["payload"])
 
+    async def _recheck(self) -> bool:
+        """Ask ``access_for`` again. True when the user lost access: the socket is closed
+        with 4403 and nothing more is sent. When the rights changed otherwise, the page
+        is told to reload (its buttons were drawn for the old ones)."""
+        access = await self._access()
+        if access == Access.NONE:
+            self.cut_off = True
+            await self.close(code=FORBIDDEN)
+            return True
+        if access != self.access:
+            self.access = access
+            self.renderer.viewer = Viewer(self.scope["user"].pk, access)
+            await self.send_json({"ops": [{"op": "reload"}]})
+        return False
+
     async def _send(self, seq: int, kind: str, payload: dict) -> None:
         event = TranscriptEvent(seq=seq, kind=kind, payload=payload)
         ops = await database_sync_to_async(self.renderer.feed)(event)
         self.last_sent = seq
         await self.send_json({"seq": seq, "ops": ops})
+        if kind == "settings" and "visibility" in payload:
+            await self._recheck()
 
     async def _catch_up(self) -> None:
         events = await database_sync_to_async(self._events_after)(self.last_sent)
         for event in events:
-            if event.seq > self.last_sent:
+            if event.seq > self.last_sent and not self.cut_off:
                 await self._send(event.seq, event.kind, event.payload)
 
     @database_sync_to_async
-    def _allowed(self) -> bool:
+    def _access(self) -> Access:
+        """What the user may do now: the account is read afresh (the scope's copy is
+        from the handshake and would not show a deactivation)."""
         user = self.scope.get("user")
-        session = AgentSession.objects.filter(pk=self.session_id).first()
-        return bool(user is not None and session is not None and can_access(user, session))
+        session = find_session(self.session_id)
+        if user is None or session is None or not user.is_authenticated:
+            return Access.NONE
+        current = get_user_model().objects.filter(pk=user.pk).first()
+        return session.access_for(current) if current is not None else Access.NONE
 
     def _call_events(self, call_id: str, before_seq: int) -> list[TranscriptEvent]:
         """The earlier events of one tool call (runs in the sync thread of feed())."""

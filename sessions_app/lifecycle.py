@@ -202,16 +202,17 @@ def stop_orphan(machine_id: int, pid: int, start_time: str) -> None:
         transport_for(machine).stop(ProcessId(pid, start_time), grace=settings.CORRAL_STOP_GRACE)
 
 
-def stop_server(session_id: int, *, reason: str = "stopped") -> None:
+def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:
     """Stop the session's server; status becomes ``exited``. A running turn ends (its open
     questions closed as refusals); queued messages wait for a restart (SPEC §8, §10).
+    ``by`` is who asked (``actions.by``), None when Corral itself stops it.
 
     The status changes first, so the turn that the stop breaks off does not hand the
     queue to a server that is going away.
     """
     set_status(session_id, Status.EXITED)
     _stop_process(session_id)
-    record_event(session_id, Kind.SERVER_STOPPED, {"reason": reason})
+    record_event(session_id, Kind.SERVER_STOPPED, {"reason": reason, **({"by": by} if by else {})})
     turns.finish_if_unheld(session_id, TurnEnd.STOPPED)
 
 

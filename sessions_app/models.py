@@ -1,12 +1,44 @@
-"""Agent sessions and their append-only transcripts (SPEC §2, §4, §7)."""
+"""Agent sessions, their append-only transcripts and who is watching them (SPEC §2, §4, §7)."""
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 from django.conf import settings
 from django.db import models
+from django.db.models import Q
 from django.urls import reverse
 
 from .tools import McpServerConfig
+
+
+class Access(IntEnum):
+    """What one user may do with one session, each level including the ones below
+    (docs/sharing.md). ``AgentSession.access_for`` is the one place that decides it."""
+
+    NONE = 0  # may not even learn that the session exists (404)
+    WATCH = 1  # the page and its websocket, read-only
+    ACT = 2  # also send messages, answer questions, interrupt, withdraw their own queued messages
+    MANAGE = 3  # the owner and staff: also clear, settings, model, permission mode, server, sharing, delete
+
+    def may_withdraw(self, user_id: int | None, author_id: int | None) -> bool:
+        """Whether this user may withdraw a queued message sent by ``author_id`` (None for
+        messages recorded before authors had ids: only the owner and staff may)."""
+        if self >= Access.MANAGE:
+            return True
+        return self >= Access.ACT and author_id is not None and author_id == user_id
+
+
+class AgentSessionQuerySet(models.QuerySet):
+    def visible_to(self, user) -> AgentSessionQuerySet:
+        """The sessions ``user`` may watch: the same rule as ``AgentSession.access_for``
+        (tests/test_sharing.py checks the two agree on every combination)."""
+        if not (user.is_authenticated and user.is_active):
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        shared = [AgentSession.Visibility.TEAM_WATCH, AgentSession.Visibility.TEAM_ACT]
+        return self.filter(Q(owner=user) | Q(visibility__in=shared))
 
 
 class AgentSession(models.Model):
@@ -29,6 +61,13 @@ class AgentSession(models.Model):
         MANUAL = "manual", "Ask before each tool call"
         BYPASS = "bypassPermissions", "Run tools without asking"
 
+    class Visibility(models.TextChoices):
+        """Who besides its owner and staff may see the session (docs/sharing.md)."""
+
+        PRIVATE = "private", "Private"
+        TEAM_WATCH = "team_watch", "The team may watch"
+        TEAM_ACT = "team_act", "The team may act"
+
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_sessions")
     machine = models.ForeignKey("machines_app.Machine", on_delete=models.PROTECT, related_name="sessions")
     model_key = models.CharField(max_length=1000)
@@ -37,6 +76,7 @@ class AgentSession(models.Model):
     sampling = models.JSONField(default=dict, blank=True, help_text="temperature, top_p, top_k, max_tokens, seed")
     permission_mode = models.CharField(max_length=20, choices=PermissionMode.choices, default=PermissionMode.MANUAL)
     title = models.CharField(max_length=200, blank=True)
+    visibility = models.CharField(max_length=20, choices=Visibility.choices, default=Visibility.PRIVATE)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.LOADING)
     created_at = models.DateTimeField(auto_now_add=True)
     last_activity_at = models.DateTimeField(auto_now_add=True)
@@ -52,6 +92,8 @@ class AgentSession(models.Model):
     lease_expires = models.DateTimeField(null=True, blank=True)
     interrupt_requested = models.BooleanField(default=False)
 
+    objects = AgentSessionQuerySet.as_manager()
+
     class Meta:
         ordering = ["-last_activity_at"]
         # Granted by an admin (staff hold it without a grant): sessions_app.actions.may_bypass.
@@ -66,6 +108,20 @@ class AgentSession(models.Model):
     @property
     def display_title(self) -> str:
         return self.title or f"Session {self.pk}"
+
+    def access_for(self, user) -> Access:
+        """What ``user`` may do here: MANAGE for its owner and staff; for any other active
+        member WATCH or ACT as the owner shared it, NONE when private; NONE for an
+        anonymous or deactivated user."""
+        if not (user.is_authenticated and user.is_active):
+            return Access.NONE
+        if user.is_staff or self.owner_id == user.pk:
+            return Access.MANAGE
+        if self.visibility == self.Visibility.TEAM_ACT:
+            return Access.ACT
+        if self.visibility == self.Visibility.TEAM_WATCH:
+            return Access.WATCH
+        return Access.NONE
 
 
 class TranscriptEvent(models.Model):
@@ -88,6 +144,25 @@ class TranscriptEvent(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.seq} {self.kind}"
+
+
+class Watcher(models.Model):
+    """One open websocket on a session page: who is watching now (docs/sharing.md).
+
+    A row per connection (a person with two tabs has two), made when the socket opens
+    and deleted when it closes. Several daphne processes share the table; a process that
+    dies never deletes its rows, so each row carries ``expires_at``, pushed forward by
+    its connection's heartbeat, and a row past it no longer counts.
+    """
+
+    session = models.ForeignKey(AgentSession, on_delete=models.CASCADE, related_name="watchers")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    channel_name = models.CharField(max_length=200, unique=True)
+    connected_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(db_index=True)
+
+    def __str__(self) -> str:
+        return f"{self.user_id} on {self.session_id}"
 
 
 class McpServerQuerySet(models.QuerySet):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from django.template.loader import render_to_string
 
 from .markdown import render_markdown
-from .transcript import Kind
+from .models import Access, AgentSession
+from .transcript import Kind, actor
 
 #: Kinds that neither show nor close a block.
 SILENT_KINDS = frozenset({Kind.STATUS, Kind.CATALOGUE})
@@ -30,6 +31,39 @@ QUEUE_KINDS = frozenset({Kind.MESSAGE_QUEUED, Kind.MESSAGE_DROPPED})
 NOTE_KINDS = frozenset({Kind.INTERRUPTED})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({Kind.TOOL_START, Kind.TOOL_RUNNING, Kind.TOOL_END, Kind.QUESTION, Kind.ANSWERED})
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who a page is rendered for: it decides which buttons show (question answers,
+    withdraw). The views check again on every click; hiding is for the person's sake."""
+
+    user_id: int | None = None
+    access: Access = Access.MANAGE
+
+    @property
+    def can_act(self) -> bool:
+        return self.access >= Access.ACT
+
+
+#: The session's owner (and what tests of the page's shape use when no viewer matters).
+OWNER = Viewer()
+
+
+def _username(payload) -> str:
+    who = actor(payload)
+    return who["username"] if who else ""
+
+
+def queued_item(payload: dict, viewer: Viewer = OWNER) -> dict:
+    """A pending bubble: the message, its author, and whether this viewer may withdraw it."""
+    author = actor(payload)
+    return {
+        "id": payload.get("id", ""),
+        "text": payload.get("text", ""),
+        "author": author["username"] if author else "",
+        "can_withdraw": viewer.access.may_withdraw(viewer.user_id, author["id"] if author else None),
+    }
 
 
 def tool_item(events: Iterable) -> dict:
@@ -58,6 +92,7 @@ def tool_item(events: Iterable) -> dict:
         elif event.kind == Kind.ANSWERED:
             item["question_open"] = False
             item["answer"] = payload
+            item["answered_by"] = _username(payload)
         elif event.kind == Kind.TOOL_END:
             item["running"] = False
             item["output"] = payload.get("output", "")
@@ -89,8 +124,10 @@ class Block:
         return item
 
 
-def _setting(value) -> str:
+def _setting(key: str, value) -> str:
     """A settings value as a person reads it: ``{"top_k": 40}`` → ``top_k=40``."""
+    if key == "visibility" and value in AgentSession.Visibility.values:
+        return AgentSession.Visibility(value).label.lower()
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items()) or "defaults"
     return str(value)
@@ -122,7 +159,7 @@ def event_item(event) -> dict | None:
     kind, payload, seq = event.kind, event.payload, event.seq
     dom_id = f"ev-{seq}"
     if kind == Kind.MESSAGE_TAKEN:
-        return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": payload.get("author", "")}
+        return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": _username(payload)}
     if kind == Kind.ERROR:
         return {"type": "error", "dom_id": dom_id, "message": payload.get("message", "")}
     if kind == Kind.NOTICE:
@@ -130,23 +167,25 @@ def event_item(event) -> dict | None:
     if kind == Kind.USAGE:
         return {"type": "usage", "dom_id": dom_id, "usage": payload, "line": usage_line(payload)}
     if kind == Kind.CLEARED:
-        return {"type": "cleared", "dom_id": dom_id, "by": payload.get("by", "")}
+        return {"type": "cleared", "dom_id": dom_id, "by": _username(payload)}
     if kind == Kind.INTERRUPTED:
-        return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {payload.get('by', 'someone')}."}
+        return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {_username(payload) or 'someone'}."}
     if kind == Kind.SERVER_STOPPED:
-        return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped."}
+        who = _username(payload)
+        return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
     if kind == Kind.SERVER_READY:
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
     if kind == Kind.SETTINGS:
-        parts = [f"{key} → {_setting(value)}" for key, value in payload.items() if key != "by"]
-        return {"type": "note", "dom_id": dom_id, "text": "Settings: " + ", ".join(parts)}
+        parts = ", ".join(f"{key} → {_setting(key, value)}" for key, value in payload.items() if key != "by")
+        who = _username(payload)
+        return {"type": "note", "dom_id": dom_id, "text": f"{who} changed settings: {parts}" if who else f"Settings: {parts}"}
     return None
 
 
-def build_items(events: Iterable, session_id: int = 0) -> list[dict]:
-    """The display items of a whole transcript, in page order (first paint): the
-    :class:`TranscriptView` fold over every event, without producing operations."""
-    view = TranscriptView(session_id)
+def build_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER) -> list[dict]:
+    """The display items of a whole transcript, in page order (first paint), for
+    ``viewer``: the :class:`TranscriptView` fold over every event, without operations."""
+    view = TranscriptView(session_id, viewer=viewer)
     view.prime(events)
     return view.page_items()
 
@@ -167,8 +206,13 @@ def render_item(item: dict) -> str:
     return render_to_string("sessions_app/_item.html", {"item": item})
 
 
-def render_queued(session_id: int, item: dict) -> str:
-    return render_to_string("sessions_app/_queued.html", {"q": item, "session_id": session_id})
+def render_queued(session_id: int, payload: dict, viewer: Viewer = OWNER) -> str:
+    return render_to_string("sessions_app/_queued.html", {"q": queued_item(payload, viewer), "session_id": session_id})
+
+
+def render_presence(usernames: list[str]) -> str:
+    """The "watching now" line of a session page (first paint and every change)."""
+    return render_to_string("sessions_app/_presence.html", {"watching": usernames})
 
 
 def render_status(status: str) -> str:
@@ -190,17 +234,20 @@ class TranscriptView:
     ``{"op": "append", "target": id, "html": …}``, ``{"op": "text", "id": id, "text": …}``,
     ``{"op": "replace", "id": id, "html": …}``, ``{"op": "remove", "id": id}``,
     ``{"op": "status", "status": …, "html": …}``, ``{"op": "value", "id": id, "value": …}``
-    (a control that follows a setting changed elsewhere). The queue (``#queue``), the
-    status badge, the tool list and the header are drawn from the session on first
-    paint; only their live operations come from here.
+    (a control that follows a setting changed elsewhere), ``{"op": "reload"}`` (added by
+    the consumer when the viewer's rights changed). Buttons are rendered for ``viewer``,
+    the same on first paint and live. The queue (``#queue``), the status badge, the tool
+    list and the header are drawn from the session on first paint; only their live
+    operations come from here.
 
     ``call_events(call_id, before_seq)`` returns the earlier events of a tool call the
     view did not see (a page primed after that call started).
     """
 
-    def __init__(self, session_id: int, call_events=None, machine_name: str = "") -> None:
+    def __init__(self, session_id: int, call_events=None, machine_name: str = "", viewer: Viewer = OWNER) -> None:
         self.session_id = session_id
         self.machine_name = machine_name
+        self.viewer = viewer
         self.call_events = call_events
         self.block: Block | None = None
         # dom id → item, in page order; a reply block stays a Block (made an item when
@@ -256,7 +303,8 @@ class TranscriptView:
             return ops
         if kind == Kind.MESSAGE_QUEUED:
             if render:
-                ops.append({"op": "append", "target": "queue", "html": render_queued(self.session_id, payload)})
+                html = render_queued(self.session_id, payload, self.viewer)
+                ops.append({"op": "append", "target": "queue", "html": html})
             return ops
         if kind == Kind.MESSAGE_DROPPED:
             return [{"op": "remove", "id": f"q-{payload.get('id')}"}] if render else []
@@ -269,11 +317,14 @@ class TranscriptView:
             self.calls[call_id].append(event)
             if any(e.kind == Kind.TOOL_START for e in self.calls[call_id]):
                 # A call's row appears with its tool_start and is redrawn in place after.
-                item = {**tool_item(self.calls[call_id]), "session_id": self.session_id}
+                item = {**tool_item(self.calls[call_id]), "session_id": self.session_id,
+                        "can_act": self.viewer.can_act}
                 self._show(item, ops, render, known=kind != Kind.TOOL_START)
             return ops
         if kind == Kind.SETTINGS and payload.get("permission_mode") and render:
             ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
+        if kind == Kind.SETTINGS and payload.get("visibility") and render:
+            ops.append({"op": "value", "id": "visibility", "value": payload["visibility"]})
         if kind == Kind.SETTINGS and payload.get("model") and render:
             ops.append({"op": "replace", "id": "model-name",
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],

@@ -13,8 +13,8 @@ def start_server(session_id: int) -> None:
 
 
 @shared_task
-def stop_server(session_id: int) -> None:
-    lifecycle.stop_server(session_id)
+def stop_server(session_id: int, by: dict | None = None) -> None:
+    lifecycle.stop_server(session_id, by=by)
 
 
 @shared_task

@@ -9,7 +9,8 @@ this module:
   ``permission_mode`` column, each change recorded as a ``settings`` event);
 - :func:`pending_queue`, :func:`open_turn`, :func:`pending_calls`,
   :func:`open_questions` and :func:`reply_cut_off` — queue / turn state
-  (SPEC §6, §8, §10).
+  (SPEC §6, §8, §10);
+- :func:`actor` — who did a user action (docs/sharing.md).
 
 An *event* is any object with the attributes ``seq: int``, ``kind: str`` and
 ``payload: dict`` — the :class:`Event` dataclass defined here or a Django model
@@ -25,7 +26,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, Required, TypedDict, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
     "ANSWER_ALLOW_ALWAYS",
@@ -33,12 +34,14 @@ __all__ = [
     "ANSWER_REFUSE",
     "EMPTY_ARGUMENTS",
     "UNFINISHED_TOOL_RESULT",
+    "Actor",
     "Event",
     "EventLike",
     "InvalidEvent",
     "Kind",
     "TurnEnd",
     "check_payload",
+    "actor",
     "allowed_tools",
     "build_messages",
     "last_catalogue",
@@ -66,6 +69,14 @@ EMPTY_ARGUMENTS = "{}"
 ANSWER_ALLOW_ONCE = "allow_once"
 ANSWER_ALLOW_ALWAYS = "allow_always"
 ANSWER_REFUSE = "refuse"
+
+class Actor(TypedDict):
+    """Who did a user action: the user's id (None for events recorded before ids were
+    kept) and their username at the time."""
+
+    id: int | None
+    username: str
+
 
 class Kind(StrEnum):
     """Every kind of transcript event (docs/transcript.md). A ``StrEnum``: members are the
@@ -116,12 +127,17 @@ class SettingsPayload(TypedDict, total=False):
     sampling: dict
     server_params: dict
     title: str
-    by: str
+    visibility: str
+    by: Actor
     reason: str
 
 
-class StatusPayload(TypedDict):
+class _StatusPayloadRequired(TypedDict):
     status: str
+
+
+class StatusPayload(_StatusPayloadRequired, total=False):
+    by: Actor
 
 
 class ServerReadyPayload(TypedDict):
@@ -133,35 +149,50 @@ class CataloguePayload(TypedDict):
     tools: list
 
 
-class ServerStoppedPayload(TypedDict):
+class _ServerStoppedPayloadRequired(TypedDict):
     reason: str
 
 
-class MessageQueuedPayload(TypedDict):
+class ServerStoppedPayload(_ServerStoppedPayloadRequired, total=False):
+    by: Actor
+
+
+class _MessageQueuedPayloadRequired(TypedDict):
     id: str
     text: str
-    author: str
+
+
+class MessageQueuedPayload(_MessageQueuedPayloadRequired, total=False):
+    by: Actor
+    author: str  # transcripts written before "by": the author's username
 
 
 class MessageDroppedPayload(TypedDict):
     id: str
-    by: str
+    by: Actor
 
 
-class MessageTakenPayload(TypedDict):
+class _MessageTakenPayloadRequired(TypedDict):
     text: str
     queued_id: str | None
-    author: str
+
+
+class MessageTakenPayload(_MessageTakenPayloadRequired, total=False):
+    by: Actor | None
+    author: str  # transcripts written before "by"
 
 
 class TextPayload(TypedDict):
     text: str
 
 
-class ToolStartPayload(TypedDict):
+class _ToolStartPayloadRequired(TypedDict):
     id: str
     tool: str
-    arguments: str
+    arguments: str  # JSON text, as the model wrote it (or "{}")
+
+
+class ToolStartPayload(_ToolStartPayloadRequired, total=False):
     raw_arguments: str | None
     input: dict
     origin: str | None
@@ -175,11 +206,14 @@ class QuestionPayload(TypedDict):
     tool: str
 
 
-class AnsweredPayload(TypedDict, total=False):
-    id: Required[str]
-    tool: Required[str | None]
-    answer: Required[str]
-    by: str
+class _AnsweredPayloadRequired(TypedDict):
+    id: str
+    tool: str | None
+    answer: str
+
+
+class AnsweredPayload(_AnsweredPayloadRequired, total=False):
+    by: Actor
     reason: str
 
 
@@ -211,7 +245,7 @@ class MessagePayload(TypedDict):
 
 
 class ByPayload(TypedDict):
-    by: str
+    by: Actor
 
 
 class TurnEndPayload(TypedDict):
@@ -306,6 +340,31 @@ class Event:
     seq: int
     kind: str
     payload: dict[str, Any] = field(default_factory=dict)
+
+
+def actor(payload: Any) -> Actor | None:
+    """Who did the user action an event records, or None for what nobody did (a turn's
+    own end, a question closed by an interrupt, an event from a worker).
+
+    Read from ``payload["by"]`` as ``{"id": int, "username": str}``; events recorded
+    before that shape carry a plain username in ``"by"`` (answers, interrupts, clears,
+    settings) or in ``"author"`` (messages), read with ``id`` None. An empty name is
+    nobody.
+    """
+    if not isinstance(payload, Mapping):
+        return None
+    by = payload.get("by")
+    if isinstance(by, Mapping):
+        username = by.get("username")
+        user_id = by.get("id")
+        if isinstance(username, str) and username:
+            return {"id": user_id if isinstance(user_id, int) and not isinstance(user_id, bool) else None,
+                    "username": username}
+        return None
+    for legacy in (by, payload.get("author")):
+        if isinstance(legacy, str) and legacy:
+            return {"id": None, "username": legacy}
+    return None
 
 
 # --- helpers

@@ -65,18 +65,18 @@ def enqueue_step(session_id: int) -> None:
 # --- taking messages ------------------------------------------------------------------------
 
 
-def take_message(session: AgentSession, text: str, author: str) -> bool:
+def take_message(session: AgentSession, text: str, by: transcript.Actor) -> bool:
     """Start a turn with ``text`` on a session locked by the caller, or queue it behind the
-    open turn (``message_queued``). True when a turn started."""
+    open turn (``message_queued``). ``by`` is its author. True when a turn started."""
     if session.turn_active:
-        append(session, Kind.MESSAGE_QUEUED, {"id": uuid.uuid4().hex, "text": text, "author": author})
+        append(session, Kind.MESSAGE_QUEUED, {"id": uuid.uuid4().hex, "text": text, "by": by})
         return False
-    _open(session, text, author, queued_id=None)
+    _open(session, text, by, queued_id=None)
     return True
 
 
-def _open(session: AgentSession, text: str, author: str, queued_id: str | None) -> None:
-    append(session, Kind.MESSAGE_TAKEN, {"text": text, "queued_id": queued_id, "author": author})
+def _open(session: AgentSession, text: str, by: transcript.Actor | None, queued_id: str | None) -> None:
+    append(session, Kind.MESSAGE_TAKEN, {"text": text, "queued_id": queued_id, "by": by})
     # The lease is handed back too, so the step queued for this message can claim it even
     # before a finishing step has let go of it.
     AgentSession.objects.filter(pk=session.pk).update(
@@ -92,7 +92,8 @@ def _take_next(session: AgentSession, events) -> bool:
     if not pending:
         return False
     item = pending[0]
-    _open(session, item["text"], item["author"], queued_id=item["id"])
+    # The message stays its author's, whoever's turn end took it off the queue.
+    _open(session, item.get("text", ""), transcript.actor(item), queued_id=item["id"])
     return True
 
 
@@ -116,7 +117,7 @@ def _close_questions(session: AgentSession, events, reason: str) -> None:
             session,
             Kind.ANSWERED,
             {"id": question["id"], "tool": question.get("tool"), "answer": transcript.ANSWER_REFUSE,
-             "by": "", "reason": reason},
+             "reason": reason},
         )
 
 
@@ -146,7 +147,7 @@ def finish_if_unheld(session_id: int, reason: TurnEnd) -> bool:
     return True
 
 
-def interrupt(session: AgentSession, by: str) -> bool:
+def interrupt(session: AgentSession, by: transcript.Actor) -> bool:
     """Ask the open turn of a session locked by the caller to stop; False when no turn is
     open. The caller finishes the turn with :func:`finish_if_unheld` after commit."""
     if not session.turn_active:

@@ -18,6 +18,7 @@ urlpatterns = [
     path("sessions/<int:session_id>/model/", views.session_model, name="session_model"),
     path("sessions/<int:session_id>/settings/", views.session_settings, name="session_settings"),
     path("sessions/<int:session_id>/delete/", views.session_delete, name="session_delete"),
+    path("sessions/<int:session_id>/sharing/", views.session_sharing, name="session_sharing"),
     path("sessions/<int:session_id>/mode/", views.session_mode, name="session_mode"),
     path("sessions/<int:session_id>/queue/<str:queued_id>/drop/", views.session_drop, name="session_drop"),
 ]

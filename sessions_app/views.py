@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.contrib import messages as flash
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.template.response import TemplateResponse
@@ -11,24 +12,61 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machines_for
 
-from . import actions, transcript
+from . import actions, presence, transcript
 from .events import load_events
 from .forms import MessageForm, NewSessionForm, SessionSettingsForm
-from .models import AgentSession
-from .presenters import build_items
+from .models import Access, AgentSession
+from .presenters import Viewer, build_items, queued_item
+
+ACT, MANAGE = Access.ACT, Access.MANAGE
+
+
+def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """The 403 page (``handler403``): the refusal's own sentence (``actions.NotAllowed``).
+    An htmx click gets it in the page's flash line, whatever the button targeted (the
+    page's htmx config swaps 403 answers: templates/base.html)."""
+    message = str(exception) if exception and str(exception) else "You may not do that."
+    if getattr(request, "htmx", False):
+        response = render(request, "sessions_app/_flash.html", {"error": message}, status=403)
+        response["HX-Retarget"] = "#flash"
+        response["HX-Reswap"] = "innerHTML"
+        return response
+    return render(request, "403.html", {"message": message}, status=403)
+
+
+def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
+    """``CSRF_FAILURE_VIEW``: a page left open across a logout or a new login sends a stale
+    token; say so in the same place as any other refusal."""
+    return permission_denied(
+        request, PermissionDenied("This page is out of date (you logged in or out since it was loaded): reload it.")
+    )
 
 
 @require_GET
 def session_list(request: HttpRequest) -> HttpResponse:
+    """The sessions this user may see, as "mine", "shared with me" and, for staff, the
+    others' private ones."""
     from django.db.models import OuterRef, Subquery
 
     from machines_app.models import ModelFile
 
     model_name = ModelFile.objects.filter(machine=OuterRef("machine"), key=OuterRef("model_key")).values("display_name")
-    sessions = AgentSession.objects.select_related("machine", "owner").annotate(model_name=Subquery(model_name[:1]))
-    if not request.user.is_staff:
-        sessions = sessions.filter(owner=request.user)
-    return render(request, "sessions_app/session_list.html", {"sessions": sessions.order_by("-last_activity_at")})
+    sessions = (
+        AgentSession.objects.visible_to(request.user)
+        .select_related("machine", "owner")
+        .annotate(model_name=Subquery(model_name[:1]))
+        .order_by("-last_activity_at")
+    )
+    mine, shared, others = [], [], []
+    for session in sessions:
+        if session.owner_id == request.user.pk:
+            mine.append(session)
+        elif session.visibility != AgentSession.Visibility.PRIVATE:
+            shared.append(session)
+        else:
+            others.append(session)
+    context = {"mine": mine, "shared": shared, "others": others, "any": bool(mine or shared or others)}
+    return render(request, "sessions_app/session_list.html", context)
 
 
 def session_new(request: HttpRequest) -> HttpResponse:
@@ -107,6 +145,7 @@ def _session_context(session: AgentSession) -> dict:
 @require_GET
 def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
+    viewer = Viewer(request.user.pk, session.access_for(request.user))
     events = load_events(session.pk)
     context = {
         **_session_context(session),
@@ -118,8 +157,12 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         # Shown to whom may choose it; kept (hidden, disabled) for the rest so the select can
         # still show that the gate is off when someone else turns it off.
         "offer_bypass": actions.may_bypass(request.user) and actions.may_bypass(session.owner),
-        "items": build_items(events, session.pk),
-        "queued": transcript.pending_queue(events),
+        "can_act": viewer.access >= ACT,
+        "can_manage": viewer.access >= MANAGE,
+        "items": build_items(events, session.pk, viewer),
+        "queued": [queued_item(payload, viewer) for payload in transcript.pending_queue(events)],
+        # This page's own socket is about to join the list.
+        "watching": sorted({*presence.watching(session.pk), request.user.get_username()}),
         "last_seq": events[-1].seq if events else 0,
         "form": MessageForm(),
     }
@@ -132,7 +175,7 @@ def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, er
 
 @require_POST
 def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
-    session = actions.access_session(request.user, session_id)
+    session = actions.access_session(request.user, session_id, ACT)
     form = MessageForm(request.POST)
     if not form.is_valid():
         return _composer(request, session, form, "Type a message first.")
@@ -143,8 +186,8 @@ def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     return _composer(request, session, MessageForm())
 
 
-def _act(request: HttpRequest, session_id: int, action, *args) -> HttpResponse:
-    session = actions.access_session(request.user, session_id)
+def _act(request: HttpRequest, session_id: int, need: Access, action, *args) -> HttpResponse:
+    session = actions.access_session(request.user, session_id, need)
     try:
         action(session, request.user, *args)
     except actions.SessionError as exc:
@@ -158,42 +201,47 @@ def _act(request: HttpRequest, session_id: int, action, *args) -> HttpResponse:
 
 @require_POST
 def session_interrupt(request: HttpRequest, session_id: int) -> HttpResponse:
-    return _act(request, session_id, actions.do_interrupt)
+    return _act(request, session_id, ACT, actions.do_interrupt)
 
 
 @require_POST
 def session_clear(request: HttpRequest, session_id: int) -> HttpResponse:
-    return _act(request, session_id, actions.do_clear)
+    return _act(request, session_id, MANAGE, actions.do_clear)
 
 
 @require_POST
 def session_drop(request: HttpRequest, session_id: int, queued_id: str) -> HttpResponse:
-    return _act(request, session_id, actions.do_drop_queued, queued_id)
+    return _act(request, session_id, ACT, actions.do_drop_queued, queued_id)
 
 
 @require_POST
 def session_stop(request: HttpRequest, session_id: int) -> HttpResponse:
-    return _act(request, session_id, actions.do_stop)
+    return _act(request, session_id, MANAGE, actions.do_stop)
 
 
 @require_POST
 def session_answer(request: HttpRequest, session_id: int, call_id: str) -> HttpResponse:
-    return _act(request, session_id, actions.do_answer, call_id, request.POST.get("answer", ""))
+    return _act(request, session_id, ACT, actions.do_answer, call_id, request.POST.get("answer", ""))
 
 
 @require_POST
 def session_mode(request: HttpRequest, session_id: int) -> HttpResponse:
-    return _act(request, session_id, actions.do_set_permission_mode, request.POST.get("permission_mode", ""))
+    return _act(request, session_id, MANAGE, actions.do_set_permission_mode, request.POST.get("permission_mode", ""))
 
 
 @require_POST
 def session_model(request: HttpRequest, session_id: int) -> HttpResponse:
-    return _act(request, session_id, actions.do_change_model, request.POST.get("model_key", ""))
+    return _act(request, session_id, MANAGE, actions.do_change_model, request.POST.get("model_key", ""))
+
+
+@require_POST
+def session_sharing(request: HttpRequest, session_id: int) -> HttpResponse:
+    return _act(request, session_id, MANAGE, actions.do_set_visibility, request.POST.get("visibility", ""))
 
 
 @require_POST
 def session_settings(request: HttpRequest, session_id: int) -> HttpResponse:
-    session = actions.access_session(request.user, session_id)
+    session = actions.access_session(request.user, session_id, MANAGE)
     form = SessionSettingsForm(request.POST)
     if not form.is_valid():
         return render(request, "sessions_app/_settings.html", {"session": session, "settings_form": form,
@@ -210,7 +258,7 @@ def session_settings(request: HttpRequest, session_id: int) -> HttpResponse:
 
 @require_POST
 def session_delete(request: HttpRequest, session_id: int) -> HttpResponse:
-    session = actions.access_session(request.user, session_id)
+    session = actions.access_session(request.user, session_id, MANAGE)
     actions.do_delete(session, request.user)
     flash.success(request, f"Deleted {session.display_title}.")
     if request.htmx:
@@ -222,4 +270,4 @@ def session_delete(request: HttpRequest, session_id: int) -> HttpResponse:
 
 @require_POST
 def session_restart(request: HttpRequest, session_id: int) -> HttpResponse:
-    return _act(request, session_id, actions.do_restart)
+    return _act(request, session_id, MANAGE, actions.do_restart)

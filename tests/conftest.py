@@ -234,13 +234,16 @@ def stop_servers_after():
 
 
 class WSRecorder:
-    """A real websocket client in a thread, keeping every message it receives."""
+    """A real websocket client in a thread, keeping every message it receives:
+    transcript messages (with a ``seq``) in ``messages``, who-is-watching lists in
+    ``presence``."""
 
     def __init__(self, url: str, *, cookie: str, origin: str) -> None:
         from websockets.exceptions import InvalidStatus
         from websockets.sync.client import connect
 
         self.messages: list[dict] = []
+        self.presence: list[list[str]] = []
         self.close_code: int | None = None
         self.refused_status: int | None = None  # HTTP status when the handshake was refused
         self._conn = None
@@ -258,7 +261,11 @@ class WSRecorder:
 
         try:
             for raw in self._conn:
-                self.messages.append(json.loads(raw))
+                message = json.loads(raw)
+                if "seq" in message:
+                    self.messages.append(message)
+                else:
+                    self.presence.append(message["presence"])
         except ConnectionClosed as exc:
             self.close_code = exc.rcvd.code if exc.rcvd else None
         else:

@@ -91,7 +91,7 @@ def test_granted_the_option_is_offered_and_the_switch_works(alices_session, alic
                 headers={"HX-Request": "true"})
     alices_session.refresh_from_db()
     assert alices_session.permission_mode == "bypassPermissions"
-    assert settings_events(alices_session) == [{"permission_mode": "bypassPermissions", "by": "alice"}]
+    assert settings_events(alices_session) == [{"permission_mode": "bypassPermissions", "by": {"id": alice.pk, "username": "alice"}}]
 
 
 def test_staff_cannot_turn_the_gate_off_for_an_owner_who_may_not(alices_session, alice, charlie_staff):
@@ -135,7 +135,7 @@ def test_the_gate_comes_back_on_when_the_owner_loses_the_permission(alices_sessi
     assert actions.gate_mode(alices_session.pk) == "manual"
     assert AgentSession.objects.get(pk=alices_session.pk).permission_mode == "manual"
     assert settings_events(alices_session)[1:] == [{
-        "permission_mode": "manual", "by": "",
+        "permission_mode": "manual",
         "reason": "alice may no longer run tools without asking, so the permission gate is back on."}]
 
 

@@ -34,6 +34,9 @@
     } else if (op.op === "value") {
       const el = document.getElementById(op.id);
       if (el && el.value !== op.value) el.value = op.value;
+    } else if (op.op === "reload") {
+      location.reload();  // the user's rights changed: the server draws the page again
+      return;
     } else if (op.op === "status") {
       const badge = document.getElementById("status-badge");
       if (badge) { badge.outerHTML = op.html.replace("<span ", '<span id="status-badge" '); }
@@ -58,6 +61,10 @@
     socket.onopen = function () { retry = 500; setConn("live"); };
     socket.onmessage = function (e) {
       const msg = JSON.parse(e.data);
+      if (msg.seq === undefined) {             // not a transcript event (who is watching): apply as is
+        msg.ops.forEach(apply);
+        return;
+      }
       if (msg.seq <= lastSeq) return;          // already applied
       if (msg.seq !== lastSeq + 1) {           // a gap: start over from what we have
         socket.close();
@@ -70,7 +77,13 @@
       if (stick) window.scrollTo(0, document.body.scrollHeight);
     };
     socket.onclose = function (e) {
-      if (e.code === 4403) { setConn("forbidden"); return; }
+      if (e.code === 4403) {                   // not (or no longer) shared with this user
+        setConn("forbidden");
+        if (conn) conn.textContent = "not shared with you";
+        const composer = document.getElementById("composer-wrap");
+        if (composer) composer.remove();
+        return;
+      }
       setConn("reconnecting");
       setTimeout(connect, retry);
       retry = Math.min(retry * 2, 5000);
