@@ -15,7 +15,7 @@ from datetime import timedelta
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
 
-from project import data_dir
+from project import data_dir, queues
 from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_str, env_url
 
 BASE_DIR = data_dir.BASE_DIR
@@ -183,7 +183,10 @@ CHANNEL_LAYERS = {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         # capacity: a fast stream must not overflow a browser's channel (case C17); a
         # browser that still misses something catches up from the database.
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60},
+        # group_expiry: a socket whose daphne died never says goodbye, so its channel stays
+        # in the session's group until this many seconds pass; live consumers re-join every
+        # CORRAL_GROUP_REFRESH_SECONDS (consumers.py), well inside it.
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60, "group_expiry": 300},
     },
 }
 
@@ -199,9 +202,14 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 2 * 60 * 60}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# One queue per kind of work, each with workers of its own (project/queues.py).
+CELERY_TASK_ROUTES = queues.ROUTES
+CELERY_TASK_DEFAULT_QUEUE = queues.HOUSEKEEPING
+# Periodic checks expire rather than pile up while their worker is down: the next one
+# comes a few seconds later anyway.
 CELERY_BEAT_SCHEDULE = {
-    "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0},
-    "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 10.0},
+    "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
+    "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},
 }
 
 # Corral
@@ -213,6 +221,11 @@ CORRAL_LOG_DIR = DATA_DIR / "logs"
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (case C16).
 CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
+# Threads of the turns worker that ./corral run starts: how many turns stream at once on
+# this host; more wait in the queue, and their pages say how many are ahead.
+CORRAL_TURN_WORKERS = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
+# How often a live websocket consumer re-joins its session's group (below group_expiry).
+CORRAL_GROUP_REFRESH_SECONDS = 60.0
 
 LOGGING = {
     "version": 1,

@@ -22,6 +22,8 @@ from urllib.parse import quote
 import pytest
 from django.conf import settings
 
+from project import queues
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -108,7 +110,8 @@ class Stack:
     def start_worker(self, concurrency: int = 8) -> None:
         log = open(self.data_dir / "worker.log", "ab")
         self.procs["worker"] = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-P", "threads", "-c", str(concurrency),
+            [sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-Q", ",".join(queues.ALL),
+             "-P", "threads", "-c", str(concurrency),
              "--without-gossip", "--without-mingle", "-l", "info",
              "-s", str(self.data_dir / "celerybeat-schedule")],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
