@@ -237,6 +237,22 @@ class LeaseKeeper:
         self.thread.join(5)
 
 
+# --- waiting for a worker ---------------------------------------------------------------------
+
+
+def waiting_for_worker() -> dict[int, int]:
+    """Sessions whose turn waits for a free turn worker: open turn, no step holding the
+    lease, neither loading nor awaiting a person. Session id → how many wait ahead of it
+    (0 = next), oldest first by last activity (a waiting turn records nothing, so that is
+    when its step was queued). One query; for the pages."""
+    waiting = (
+        AgentSession.objects.filter(turn_active=True, lease_owner="", status__in=[Status.IDLE, Status.RUNNING])
+        .order_by("last_activity_at", "pk")
+        .values_list("pk", flat=True)
+    )
+    return {session_id: ahead for ahead, session_id in enumerate(waiting)}
+
+
 # --- fast takeover ----------------------------------------------------------------------------
 
 RESUMING_NOTICE = "Resuming after a worker restart: the worker running this turn stopped."

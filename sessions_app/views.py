@@ -11,7 +11,7 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.models import Machine
 
-from . import actions, transcript
+from . import actions, transcript, turns
 from .events import load_events
 from .forms import MessageForm, NewSessionForm, SessionSettingsForm
 from .models import AgentSession
@@ -28,7 +28,11 @@ def session_list(request: HttpRequest) -> HttpResponse:
     sessions = AgentSession.objects.select_related("machine", "owner").annotate(model_name=Subquery(model_name[:1]))
     if not request.user.is_staff:
         sessions = sessions.filter(owner=request.user)
-    return render(request, "sessions_app/session_list.html", {"sessions": sessions.order_by("-last_activity_at")})
+    waiting = turns.waiting_for_worker()
+    sessions = list(sessions.order_by("-last_activity_at"))
+    for session in sessions:
+        session.waiting_ahead = waiting.get(session.pk)
+    return render(request, "sessions_app/session_list.html", {"sessions": sessions})
 
 
 def session_new(request: HttpRequest) -> HttpResponse:
@@ -115,8 +119,20 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "queued": transcript.pending_queue(events),
         "last_seq": events[-1].seq if events else 0,
         "form": MessageForm(),
+        **_waiting_context(session),
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
+
+
+@require_GET
+def session_waiting(request: HttpRequest, session_id: int) -> HttpResponse:
+    """The "waiting for a worker (n ahead)" note of a session page (polled by htmx)."""
+    session = actions.access_session(request.user, session_id)
+    return render(request, "sessions_app/_waiting.html", _waiting_context(session))
+
+
+def _waiting_context(session: AgentSession) -> dict:
+    return {"session_id": session.pk, "ahead": turns.waiting_for_worker().get(session.pk)}
 
 
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:

@@ -4,10 +4,14 @@ the stand-in llama-server)."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
+from django.test import Client
 
+from machines_app.models import ServerRecord
+from project import queues
 from project.celery import app
 from sessions_app import actions, agent, turns
 from sessions_app.models import AgentSession, TranscriptEvent
@@ -60,3 +64,43 @@ def test_a_step_whose_worker_restarted_is_taken_over_within_seconds(long_leases,
     assert payloads(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
     assert [p["reason"] for p in payloads(session, "turn_end")] == ["interrupted"]
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
+
+
+def test_a_full_turn_pool_never_delays_health_checks_and_waiting_sessions_show_their_place(
+    stack, fake_machine, alice, tmp_path
+):
+    """Production's layout in small: a turns worker of 4 threads, another worker (with
+    beat) for servers and housekeeping. Ten turns stream at once."""
+    stack.stop_worker()
+    stack.start_worker(concurrency=4, queue_names=(queues.TURNS,), name="turns", beat=False)
+    stack.start_worker(concurrency=4, queue_names=(queues.SERVERS, queues.HOUSEKEEPING))
+    try:
+        reply = {"text": " ".join(f"word{i}" for i in range(60)), "delay": 0.25}
+        sessions = [start_session(fake_machine([reply]), alice, tmp_path) for _ in range(10)]
+        for session in sessions:
+            actions.do_send_message(session, alice, "talk slowly")
+        waiting = wait_for(lambda: len(w := turns.waiting_for_worker()) == 6 and w, 30, what="4 streaming, 6 waiting")
+        assert sorted(waiting.values()) == [0, 1, 2, 3, 4, 5]
+        assert sum(turns.lease_held(AgentSession.objects.get(pk=s.pk)) for s in sessions) == 4
+
+        client = Client()
+        client.force_login(alice)
+        listing = client.get("/").content.decode()
+        assert listing.count("waiting for a worker (") == 6 and "waiting for a worker (5 ahead)" in listing
+        last = next(pk for pk, ahead in waiting.items() if ahead == 5)
+        assert "waiting for a worker (5 ahead)" in client.get(f"/sessions/{last}/").content.decode()
+        assert "waiting for a worker (5 ahead)" in client.get(f"/sessions/{last}/waiting/").content.decode()
+
+        # Every turn thread is busy: the health watch still sees a server die, as usual.
+        os.kill(ServerRecord.objects.get(session_id=last).pid, signal.SIGKILL)
+        wait_for(lambda: AgentSession.objects.get(pk=last).status == "exited", 5, interval=0.05, what="exited in 5 s")
+        assert sum(turns.lease_held(AgentSession.objects.get(pk=s.pk)) for s in sessions) == 4  # still streaming
+
+        # The queue drains: every turn ends, the waiting note goes away.
+        wait_for(lambda: all(payloads(s, "turn_end") for s in sessions), 120, interval=0.5, what="every turn to end")
+        assert turns.waiting_for_worker() == {}
+        assert "waiting for a worker (" not in client.get(f"/sessions/{last}/waiting/").content.decode()
+    finally:
+        stack.stop_worker(name="turns")
+        stack.stop_worker()
+        stack.start_worker()
