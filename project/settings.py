@@ -177,6 +177,10 @@ STATIC_ROOT = DATA_DIR / "static"
 WHITENOISE_USE_FINDERS = True
 
 REDIS_URL = env_url("REDIS_URL", "redis://127.0.0.1:6379/0", {"redis", "rediss", "unix"})
+# How long a websocket channel stays in its session's group without re-joining (seconds).
+CORRAL_GROUP_EXPIRY_SECONDS = env_int("CORRAL_GROUP_EXPIRY_SECONDS", 300, minimum=5)
+# How often a live websocket consumer re-joins (consumers.py): a fifth of the expiry.
+CORRAL_GROUP_REFRESH_SECONDS = CORRAL_GROUP_EXPIRY_SECONDS / 5
 
 CHANNEL_LAYERS = {
     "default": {
@@ -186,7 +190,7 @@ CHANNEL_LAYERS = {
         # group_expiry: a socket whose daphne died never says goodbye, so its channel stays
         # in the session's group until this many seconds pass; live consumers re-join every
         # CORRAL_GROUP_REFRESH_SECONDS (consumers.py), well inside it.
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60, "group_expiry": 300},
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60, "group_expiry": CORRAL_GROUP_EXPIRY_SECONDS},
     },
 }
 
@@ -224,8 +228,6 @@ CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
 # Threads of the turns worker that ./corral run starts: how many turns stream at once on
 # this host; more wait in the queue, and their pages say how many are ahead.
 CORRAL_TURN_WORKERS = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
-# How often a live websocket consumer re-joins its session's group (below group_expiry).
-CORRAL_GROUP_REFRESH_SECONDS = 60.0
 
 LOGGING = {
     "version": 1,

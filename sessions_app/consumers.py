@@ -10,10 +10,13 @@ database before going on.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 
 from . import broadcast
 from .actions import can_access
@@ -43,12 +46,25 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         )
         await self.accept()
         await self.channel_layer.group_add(self.group, self.channel_name)
+        self.membership = asyncio.ensure_future(self._keep_membership())
         await database_sync_to_async(self._prime)()
         await self._catch_up()
 
     async def disconnect(self, code: int) -> None:
+        if hasattr(self, "membership"):
+            self.membership.cancel()
         if hasattr(self, "group"):
             await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def _keep_membership(self) -> None:
+        """Re-join the group every CORRAL_GROUP_REFRESH_SECONDS while connected. A group
+        forgets a member after the layer's ``group_expiry`` (settings): so the channel of
+        a socket whose daphne died (no disconnect ever ran) leaves soon, while live ones
+        stay."""
+        with contextlib.suppress(Exception):  # a Redis outage: the next round tries again
+            while True:
+                await asyncio.sleep(settings.CORRAL_GROUP_REFRESH_SECONDS)
+                await self.channel_layer.group_add(self.group, self.channel_name)
 
     async def receive_json(self, content, **kwargs) -> None:
         pass  # push-only: actions go through the HTTP views
