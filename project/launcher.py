@@ -14,6 +14,10 @@ Redis; sessions' llama-servers are not Corral's children and keep running. DEBUG
 for this loopback run unless ``CORRAL_HTTPS=1`` (production behind a proxy) or ``DEBUG``
 says otherwise.
 
+``python -m project.launcher setup``: what ``run`` does before it starts any process
+(data directory, migrations, the local machine, an admin account), for a production
+host whose processes systemd runs (README, "Production"). Needs ``REDIS_URL``.
+
 ``python -m project.launcher test [pytest args]``: embedded Redis when ``REDIS_URL`` is
 not set, then pytest.
 """
@@ -235,6 +239,17 @@ def run(port: int) -> int:
         _stop(redis, "embedded Redis")
 
 
+def setup() -> int:
+    """``./corral setup``: prepare the data directory, migrate, create the local machine
+    and an admin account; starts nothing."""
+    if not os.environ.get("REDIS_URL"):
+        sys.exit("corral: setup is for a host whose services run apart: set REDIS_URL (and DATABASE_URL)")
+    prepare_data_dir()
+    _manage("migrate", "--noinput")
+    _manage("corral_setup")
+    return 0
+
+
 def test(args: list[str]) -> int:
     prepare_data_dir()
     redis = None
@@ -263,11 +278,13 @@ def main(argv: list[str]) -> int:
             return run(_port(argv))
         if command == "test":
             return test(argv[1:])
+        if command == "setup":
+            return setup()
     except ImproperlyConfigured as exc:
         sys.exit(f"corral: {exc}")
     except OSError as exc:  # e.g. CORRAL_DATA_DIR on a read-only disk or owned by someone else
         sys.exit(f"corral: cannot prepare the data directory {data_dir.location()}: {exc.strerror or exc}")
-    sys.exit(f"usage: {sys.argv[0]} run [--port N] | test [pytest args]")
+    sys.exit(f"usage: {sys.argv[0]} run [--port N] | setup | test [pytest args]")
 
 
 if __name__ == "__main__":
