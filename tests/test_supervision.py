@@ -16,11 +16,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import re
+
 import httpx
 import psutil
 import pytest
 
-from .conftest import ROOT, wait_for
+from machines_app.models import ServerRecord
+from sessions_app import actions, agent, dispatch, turns
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import ROOT, _database_url, model_key, wait_for
 
 PROGRAMS = {"web", "worker-turns", "worker-servers", "worker-housekeeping", "beat"}
 
@@ -150,3 +156,50 @@ def test_sigint_stops_everything_and_a_second_run_starts_over_stale_files(launch
 
     launcher.start()  # the same data directory and port, at once
     assert set(launcher.running()) == PROGRAMS
+
+
+def payloads(session, kind):
+    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_turn_whose_worker_is_killed_ends_truthfully_and_its_server_outlives_the_stop(
+    launcher, fake_machine, alice, tmp_path, monkeypatch
+):
+    """The launcher on the test database (its own embedded Redis): the product's own
+    actions hand their tasks to that Redis, so the launcher's workers run them."""
+    from project.celery import app
+
+    launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60")
+    launcher.start()
+    log = (launcher.data.parent / "launcher.log").read_text()
+    redis_url = re.search(r"embedded Redis on (redis://\S+)", log).group(1)
+
+    def enqueue(task: str, *args: object) -> bool:
+        with app.connection_for_write(redis_url) as connection:
+            app.send_task(task, args=args, connection=connection)
+        return True
+
+    monkeypatch.setattr(dispatch, "enqueue", enqueue)
+    machine = fake_machine([{"text": " ".join(f"word{i}" for i in range(80)), "delay": 0.25}])
+    session = actions.do_create_session(
+        alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 60, what="the server to be ready")
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "talk slowly")
+    wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 30, what="the stream to start")
+
+    _restarted_alone(launcher, "worker-turns")
+    wait_for(lambda: payloads(session, "turn_end"), 10, what="the turn taken over (not the 60 s lease)")
+    assert {"message": turns.RESUMING_NOTICE} in payloads(session, "notice")
+    assert payloads(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+
+    server = psutil.Process(ServerRecord.objects.get(session=session).pid)
+    everything = [p for p in launcher.tree() if p.pid != server.pid]
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(60) == 0
+    assert _gone(everything) == []
+    assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE  # the README's promise
