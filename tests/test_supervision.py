@@ -203,3 +203,18 @@ def test_a_turn_whose_worker_is_killed_ends_truthfully_and_its_server_outlives_t
     assert launcher.proc.wait(60) == 0
     assert _gone(everything) == []
     assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE  # the README's promise
+
+
+def test_a_port_in_use_stops_the_launcher_with_a_message_before_it_starts_anything(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+        result = subprocess.run(
+            [sys.executable, "-m", "project.launcher", "run", "--port", str(port)], cwd=ROOT,
+            env={**env, "CORRAL_DATA_DIR": str(tmp_path / "data")}, capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"corral: port {port} is already in use" in result.stderr
+    assert not (tmp_path / "data" / "run" / "supervisord.conf").exists()
