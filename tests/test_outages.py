@@ -24,8 +24,8 @@ from django.test import Client
 
 from machines_app.models import ServerRecord
 from machines_app.transports import LocalTransport
-from sessions_app import lifecycle
 from project import queues
+from sessions_app import lifecycle
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import ROOT, _database_url, model_key, wait_for

@@ -10,13 +10,12 @@ is watched through supervisord's own ``supervisorctl`` and the process table (ps
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
-
-import re
 
 import httpx
 import psutil

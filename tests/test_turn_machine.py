@@ -258,3 +258,18 @@ def test_a_step_of_a_dead_worker_is_let_go_with_a_notice_and_a_live_one_is_kept(
     assert turns.take_over_dead_steps(restarted=("turns@a", 11)) == []  # once
     assert turns.claim_step(session.pk, "next") == owner  # the next step knows it lost a holder
     assert session.pk not in turns.recoverable()
+
+
+def test_turns_waiting_for_a_worker_are_counted_in_queue_order(session, alice, tmp_path, queued,
+                                                                 django_capture_on_commit_callbacks):
+    others = [AgentSession.objects.create(owner=alice, machine=session.machine, model_key="m.gguf",
+                                          working_dir=str(tmp_path), status=Status.IDLE) for _ in range(3)]
+    first, second, third = others
+    for s in (session, *others):
+        send(s, alice, "hi", django_capture_on_commit_callbacks)
+    assert turns.waiting_for_worker() == {session.pk: 0, first.pk: 1, second.pk: 2, third.pk: 3}
+
+    assert turns.claim_step(session.pk, "a step") == ""  # a worker took it
+    AgentSession.objects.filter(pk=first.pk).update(status=Status.AWAITING_INPUT)  # waits for a person
+    AgentSession.objects.filter(pk=second.pk).update(status=Status.LOADING)  # waits for the model
+    assert turns.waiting_for_worker() == {third.pk: 0}
