@@ -32,6 +32,7 @@ ROUTES: dict[str, dict[str, str]] = {
 }
 
 #: Threads of the servers and housekeeping workers that ``./corral run`` starts (a start
-#: waits for a model to load, up to CORRAL_READY_TIMEOUT; housekeeping tasks are short).
+#: waits for a model to load, up to CORRAL_READY_TIMEOUT; a model refresh over SSH may take
+#: a while, so housekeeping keeps threads free for the 2-second health watch).
 SERVERS_CONCURRENCY = 4
-HOUSEKEEPING_CONCURRENCY = 2
+HOUSEKEEPING_CONCURRENCY = 4
