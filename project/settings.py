@@ -15,7 +15,7 @@ from datetime import timedelta
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
 
-from project import data_dir
+from project import data_dir, queues
 from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_str, env_url
 
 BASE_DIR = data_dir.BASE_DIR
@@ -177,13 +177,20 @@ STATIC_ROOT = DATA_DIR / "static"
 WHITENOISE_USE_FINDERS = True
 
 REDIS_URL = env_url("REDIS_URL", "redis://127.0.0.1:6379/0", {"redis", "rediss", "unix"})
+# How long a websocket channel stays in its session's group without re-joining (seconds).
+CORRAL_GROUP_EXPIRY_SECONDS = env_int("CORRAL_GROUP_EXPIRY_SECONDS", 300, minimum=5)
+# How often a live websocket consumer re-joins (consumers.py): a fifth of the expiry.
+CORRAL_GROUP_REFRESH_SECONDS = CORRAL_GROUP_EXPIRY_SECONDS / 5
 
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         # capacity: a fast stream must not overflow a browser's channel (case C17); a
         # browser that still misses something catches up from the database.
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60},
+        # group_expiry: a socket whose daphne died never says goodbye, so its channel stays
+        # in the session's group until this many seconds pass; live consumers re-join every
+        # CORRAL_GROUP_REFRESH_SECONDS (consumers.py), well inside it.
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60, "group_expiry": CORRAL_GROUP_EXPIRY_SECONDS},
     },
 }
 
@@ -199,9 +206,14 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 2 * 60 * 60}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# One queue per kind of work, each with workers of its own (project/queues.py).
+CELERY_TASK_ROUTES = queues.ROUTES
+CELERY_TASK_DEFAULT_QUEUE = queues.HOUSEKEEPING
+# Periodic checks expire rather than pile up while their worker is down: the next one
+# comes a few seconds later anyway.
 CELERY_BEAT_SCHEDULE = {
-    "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0},
-    "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 10.0},
+    "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
+    "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},
 }
 
 # A refused token is answered like any refusal, in the page's message line.
@@ -219,6 +231,9 @@ CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
 # An open session page refreshes its "watching now" entry this often; an entry left by a
 # daphne that died expires after three missed refreshes (docs/sharing.md).
 CORRAL_PRESENCE_SECONDS = env_float("CORRAL_PRESENCE_SECONDS", 20.0, minimum=0.1)
+# Threads of the turns worker that ./corral run starts: how many turns stream at once on
+# this host; more wait in the queue, and their pages say how many are ahead.
+CORRAL_TURN_WORKERS = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
 
 LOGGING = {
     "version": 1,

@@ -19,7 +19,6 @@ import re
 import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import httpx
@@ -359,14 +358,18 @@ def run_turn_step(
     *,
     client_factory: ClientFactory = CompletionClient,
     run_tool: Callable[..., tools.ToolResult] | None = None,
+    worker: str | None = None,
 ) -> None:
     """Advance the session's open turn as far as it can go without a person (SPEC §6, §8).
+
+    ``worker``: the nodename of the Celery worker running the step, recorded in the lease
+    so a step whose worker died is taken over without waiting for the lease to lapse.
 
     Returns without doing anything when another step holds the lease, when no turn is
     open, or while the model is still loading (the server's readiness re-enqueues the
     step). Every failure ends the turn with an error event in the user's terms.
     """
-    owner = uuid.uuid4().hex
+    owner = turns.step_owner(worker)
     previous = turns.claim_step(session_id, owner)
     if previous is None:
         return

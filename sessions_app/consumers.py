@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from . import broadcast, presence
@@ -60,10 +61,13 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         await self.accept()
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self._join()
+        self.membership = asyncio.ensure_future(self._keep_membership())
         await database_sync_to_async(self._prime)()
         await self._catch_up()
 
     async def disconnect(self, code: int) -> None:
+        if hasattr(self, "membership"):
+            self.membership.cancel()
         if hasattr(self, "group"):
             await self.channel_layer.group_discard(self.group, self.channel_name)
         if self.heartbeat is not None:
@@ -103,6 +107,18 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(
             {"presence": names, "ops": [{"op": "replace", "id": "presence", "html": render_presence(names)}]}
         )
+
+    async def _keep_membership(self) -> None:
+        """Re-join the group every CORRAL_GROUP_REFRESH_SECONDS while connected. A group
+        forgets a member after the layer's ``group_expiry`` (settings): so the channel of
+        a socket whose daphne died (no disconnect ever ran) leaves soon, while live ones
+        stay."""
+        while True:
+            await asyncio.sleep(settings.CORRAL_GROUP_REFRESH_SECONDS)
+            try:
+                await self.channel_layer.group_add(self.group, self.channel_name)
+            except Exception:  # a Redis outage: the next round tries again
+                logger.warning("re-joining the group of session %s failed", self.session_id, exc_info=True)
 
     async def receive_json(self, content, **kwargs) -> None:
         pass  # push-only: actions go through the HTTP views

@@ -1,10 +1,20 @@
-"""Thin Celery tasks: ids in, actions / lifecycle / agent calls out."""
+"""Thin Celery tasks: ids in, actions / lifecycle / agent calls out.
+
+Which queue each runs on is in ``project/queues.py``.
+"""
 
 from __future__ import annotations
 
-from celery import shared_task
+import logging
+import os
+
+from celery import current_app, shared_task
+from celery.signals import worker_ready
 
 from . import agent, lifecycle, turns
+
+log = logging.getLogger(__name__)
+PING_TIMEOUT = 1.0  # seconds a ping waits for workers' answers
 
 
 @shared_task
@@ -33,14 +43,44 @@ def watch_servers() -> None:
     lifecycle.watch_servers()
 
 
-@shared_task
-def run_turn(session_id: int) -> None:
-    agent.run_turn_step(session_id)
+@shared_task(bind=True)
+def run_turn(self, session_id: int) -> None:
+    agent.run_turn_step(session_id, worker=self.request.hostname)
 
 
-@shared_task
-def recover_turns() -> None:
-    """Re-enqueue the step of every open turn whose step is not running (a worker that
-    died mid-step, or a step message that was lost); see turns.recoverable."""
+@shared_task(bind=True)
+def recover_turns(self) -> None:
+    """Take over the steps of workers gone from Celery's view (a ping), then re-enqueue
+    the step of every open turn whose step is not running (a worker that died mid-step,
+    or a step message that was lost); see turns.take_over_dead_steps, turns.recoverable.
+
+    A worker counts as gone only when two pings in a row miss it, and a ping counts only
+    when this worker heard its own answer: a broken round says nothing about the others."""
+    rounds = [live_workers(), live_workers()]
+    if all(live is not None and self.request.hostname in live for live in rounds):
+        taken = turns.take_over_dead_steps(live=rounds[0] | rounds[1])
+        if taken:
+            log.warning("took over the turns of sessions %s from workers that are gone", taken)
     for session_id in turns.recoverable():
+        run_turn.delay(session_id)
+
+
+def live_workers() -> set[str] | None:
+    """Nodenames of the workers that answer a ping within PING_TIMEOUT; None when the
+    ping itself fails (the broker is unreachable)."""
+    try:
+        replies = current_app.control.ping(timeout=PING_TIMEOUT)
+    except Exception as exc:  # kombu/redis raise many kinds
+        log.warning("could not ping the workers: %s", exc)
+        return None
+    return {name for reply in replies for name in reply}
+
+
+@worker_ready.connect
+def take_over_after_restart(sender, **_kwargs) -> None:
+    """A worker that starts under a name that held steps in another process is that
+    worker restarted: its earlier steps are dead; take them over at once."""
+    restarted = (sender.hostname, os.getpid())
+    for session_id in turns.take_over_dead_steps(restarted=restarted):
+        log.warning("session %s: resuming a turn after the restart of %s", session_id, sender.hostname)
         run_turn.delay(session_id)

@@ -25,14 +25,19 @@ the session's row lock and recorded as events in the same transaction::
 - :func:`interrupt` sets the flag a streaming step watches; a turn that no step holds
   (waiting for a person, for the model to load) is finished at once.
 - :func:`recoverable` lists open turns whose step is not running, for beat to re-queue.
+- A step's lease id names its worker (:func:`step_owner`), so a step whose worker is known
+  dead — gone from Celery's view, or restarted under the same name — is taken over at
+  once (:func:`take_over_dead_steps`) instead of after the lease lapses.
 
 Lower layers enqueue steps by task name (:mod:`sessions_app.dispatch`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
+from collections.abc import Collection
 from datetime import timedelta
 
 from django.conf import settings
@@ -231,6 +236,82 @@ class LeaseKeeper:
     def __exit__(self, *exc) -> None:
         self.stopped.set()
         self.thread.join(5)
+
+
+# --- waiting for a worker ---------------------------------------------------------------------
+
+
+def waiting_for_worker() -> dict[int, int]:
+    """Sessions whose turn waits for a free turn worker: open turn, no step holding the
+    lease, neither loading nor awaiting a person. Session id → how many wait ahead of it
+    (0 = next), oldest first by last activity (a waiting turn records nothing, so that is
+    when its step was queued). One query; for the pages."""
+    waiting = (
+        AgentSession.objects.filter(turn_active=True, lease_owner="", status__in=[Status.IDLE, Status.RUNNING])
+        .order_by("last_activity_at", "pk")
+        .values_list("pk", flat=True)
+    )
+    return {session_id: ahead for ahead, session_id in enumerate(waiting)}
+
+
+# --- fast takeover ----------------------------------------------------------------------------
+
+RESUMING_NOTICE = "Resuming after a worker restart: the worker running this turn stopped."
+
+
+def step_owner(worker: str | None) -> str:
+    """A new lease id for a step run by the Celery worker named ``worker`` (its nodename,
+    e.g. ``turns@host``) in this process: ``"<16 hex> <pid> <worker>"``, cut to the
+    column's 64 characters; just the hex when not run by a worker (tests, a shell)."""
+    token = uuid.uuid4().hex[:16]
+    return f"{token} {os.getpid()} {worker}"[:64] if worker else token
+
+
+def _holder(owner: str) -> tuple[int, str, bool] | None:
+    """``(pid, worker nodename, cut)`` from a lease id made by :func:`step_owner`; None
+    for one that names no worker. ``cut``: the name may have lost its end to the column."""
+    parts = owner.split(" ", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2], len(owner) >= 64
+
+
+def holder_is_dead(owner: str, *, live: Collection[str] | None = None,
+                   restarted: tuple[str, int] | None = None) -> bool:
+    """Whether the worker holding lease ``owner`` is known to be gone: its name is not
+    among ``live`` (the nodenames that answered a ping), or ``restarted`` = (nodename,
+    pid) is that worker started again in another process. Unknown holders are alive."""
+    holder = _holder(owner)
+    if holder is None:
+        return False
+    pid, name, cut = holder
+    if restarted is not None and restarted[0].startswith(name) and (cut or restarted[0] == name):
+        return restarted[1] != pid
+    if live is not None:
+        return not any(node == name or (cut and node.startswith(name)) for node in live)
+    return False
+
+
+def take_over_dead_steps(*, live: Collection[str] | None = None,
+                         restarted: tuple[str, int] | None = None) -> list[int]:
+    """Let go of the lease of every open turn whose step's worker is dead (see
+    :func:`holder_is_dead`), saying so on the page (a ``notice``); the ids, for the
+    caller to queue a step each. The next step claims the lease as one that lost its
+    holder and goes on, or ends the turn truthfully, from the transcript."""
+    now = timezone.now()
+    held = AgentSession.objects.filter(turn_active=True, lease_expires__gt=now).exclude(lease_owner="")
+    taken = []
+    for session_id, owner in held.values_list("pk", "lease_owner"):
+        if not holder_is_dead(owner, live=live, restarted=restarted):
+            continue
+        with transaction.atomic():
+            session = locked(session_id)
+            if session.lease_owner != owner or not session.turn_active:
+                continue  # the step ended, or was taken over, meanwhile
+            AgentSession.objects.filter(pk=session_id, lease_owner=owner).update(lease_expires=now)
+            append(session, Kind.NOTICE, {"message": RESUMING_NOTICE})
+        taken.append(session_id)
+    return taken
 
 
 # --- recovery ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machines_for
 
-from . import actions, presence, transcript
+from . import actions, presence, transcript, turns
 from .events import load_events
 from .forms import MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession
@@ -57,8 +57,10 @@ def session_list(request: HttpRequest) -> HttpResponse:
         .annotate(model_name=Subquery(model_name[:1]))
         .order_by("-last_activity_at")
     )
+    waiting = turns.waiting_for_worker()
     mine, shared, others = [], [], []
     for session in sessions:
+        session.waiting_ahead = waiting.get(session.pk)
         if session.owner_id == request.user.pk:
             mine.append(session)
         elif session.visibility != AgentSession.Visibility.PRIVATE:
@@ -165,8 +167,20 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "watching": sorted({*presence.watching(session.pk), request.user.get_username()}),
         "last_seq": events[-1].seq if events else 0,
         "form": MessageForm(),
+        **_waiting_context(session),
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
+
+
+@require_GET
+def session_waiting(request: HttpRequest, session_id: int) -> HttpResponse:
+    """The "waiting for a worker (n ahead)" note of a session page (polled by htmx)."""
+    session = actions.access_session(request.user, session_id)
+    return render(request, "sessions_app/_waiting.html", _waiting_context(session))
+
+
+def _waiting_context(session: AgentSession) -> dict:
+    return {"session_id": session.pk, "ahead": turns.waiting_for_worker().get(session.pk)}
 
 
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:

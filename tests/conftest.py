@@ -22,6 +22,8 @@ from urllib.parse import quote
 import pytest
 from django.conf import settings
 
+from project import queues
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -117,10 +119,14 @@ class Stack:
     def ws_url(self, session_id: int, after: int = 0) -> str:
         return f"{self.ws_base}/ws/sessions/{session_id}/?after={after}"
 
-    def start_worker(self, concurrency: int = 8) -> None:
-        log = open(self.data_dir / "worker.log", "ab")
-        self.procs["worker"] = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-P", "threads", "-c", str(concurrency),
+    def start_worker(self, concurrency: int = 8, *, queue_names: tuple[str, ...] = queues.ALL, name: str = "worker",
+                     beat: bool = True) -> None:
+        """A Celery worker consuming ``queue_names`` (all by default) as ``procs[name]``, with
+        beat inside it when ``beat``; returns once it answers a ping."""
+        log = open(self.data_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "project", "worker", *(["-B"] if beat else []),
+             "-Q", ",".join(queue_names), "-n", f"{name}@%h", "-P", "threads", "-c", str(concurrency),
              "--without-gossip", "--without-mingle", "-l", "info",
              "-s", str(self.data_dir / "celerybeat-schedule")],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -128,10 +134,11 @@ class Stack:
         )
         from project.celery import app
 
-        wait_for(lambda: app.control.ping(timeout=0.5), 60, what="the Celery worker to answer")
+        wait_for(lambda: any(f"{name}@" in node for reply in app.control.ping(timeout=0.5) for node in reply), 60,
+                 what=f"the Celery worker {name} to answer")
 
-    def stop_worker(self, sig: int = 15) -> None:
-        proc = self.procs.pop("worker", None)
+    def stop_worker(self, sig: int = 15, name: str = "worker") -> None:
+        proc = self.procs.pop(name, None)
         if proc is not None:
             os.killpg(proc.pid, sig)
             try:

@@ -24,6 +24,7 @@ from django.test import Client
 
 from machines_app.models import ServerRecord
 from machines_app.transports import LocalTransport
+from project import queues
 from sessions_app import lifecycle
 from sessions_app.models import AgentSession, TranscriptEvent
 
@@ -81,7 +82,8 @@ def private_stack(tmp_path, django_db_setup):
            "CORRAL_LEASE_SECONDS": "3", "CORRAL_STOP_GRACE": "2", "PYTHONUNBUFFERED": "1"}
     worker_log = tmp_path / "worker.log"
     procs = [
-        subprocess.Popen([sys.executable, "-m", "celery", "-A", "project", "worker", "-B", "-P", "threads", "-c", "4",
+        subprocess.Popen([sys.executable, "-m", "celery", "-A", "project", "worker", "-B",
+                          "-Q", ",".join(queues.ALL), "-P", "threads", "-c", "4",
                           "--without-gossip", "--without-mingle", "-l", "info",
                           "-s", str(tmp_path / "celerybeat-schedule")],
                          cwd=ROOT, env=env, stdout=open(worker_log, "ab"), stderr=subprocess.STDOUT,

@@ -147,7 +147,7 @@ def test_importing_settings_writes_nothing_and_a_missing_key_is_a_clear_error(tm
     ("name", "value"),
     [("DEBUG", "ture"), ("CORRAL_HTTPS", "maybe"), ("CORRAL_STOP_GRACE", "5s"), ("CORRAL_LEASE_SECONDS", "0"),
      ("ALLOWED_HOSTS", "corral.example,"), ("REDIS_URL", "127.0.0.1:6379"), ("LOG_LEVEL", "LOUD"),
-     ("CORRAL_LOGIN_FAILURE_LIMIT", "0")],
+     ("CORRAL_LOGIN_FAILURE_LIMIT", "0"), ("CORRAL_TURN_WORKERS", "0"), ("CORRAL_GROUP_EXPIRY_SECONDS", "1")],
 )
 def test_a_bad_setting_stops_the_process_naming_the_variable(tmp_path, name, value):
     result = _settings_in(tmp_path, ["DEBUG"], SECRET_KEY="k" * 60, **{name: value})
@@ -215,7 +215,9 @@ def test_corral_run_has_debug_only_on_a_plain_loopback_run(monkeypatch, https, d
     ("argv", "env", "words"),
     [(["run", "--port", "eighty"], {}, "PORT='eighty' is not valid"), (["run", "--port"], {}, "is not valid"),
      (["run"], {"PORT": "99999"}, "at most 65535"), (["run"], {"CORRAL_HTTPS": "sure"}, "CORRAL_HTTPS='sure'"),
-     (["test"], {"CORRAL_DATA_DIR": "/proc/corral-data"}, "cannot prepare the data directory /proc/corral-data")],
+     (["test"], {"CORRAL_DATA_DIR": "/proc/corral-data"}, "cannot prepare the data directory /proc/corral-data"),
+     (["run"], {"CORRAL_TURN_WORKERS": "many"}, "CORRAL_TURN_WORKERS='many'"),
+     (["setup"], {"REDIS_URL": ""}, "set REDIS_URL")],
 )
 def test_the_launcher_refuses_bad_input_with_a_message_not_a_traceback(tmp_path, argv, env, words):
     result = subprocess.run(

@@ -209,3 +209,67 @@ def test_an_event_outside_the_vocabulary_is_refused_before_it_is_written(session
     with pytest.raises(InvalidEvent, match=re.escape(problem)):
         record_event(session.pk, kind, payload)
     assert kinds(session) == []
+
+
+# --- fast takeover -------------------------------------------------------------------------
+
+
+def test_a_lease_id_names_the_worker_and_its_process():
+    owner = turns.step_owner("turns@host")
+    token, pid, worker = owner.split(" ")
+    assert re.fullmatch(r"[0-9a-f]{16}", token) and pid.isdigit() and worker == "turns@host"
+    assert " " not in turns.step_owner(None)
+    assert len(turns.step_owner("turns@" + "h" * 100)) == 64
+
+
+@pytest.mark.parametrize(
+    "owner, live, restarted, dead",
+    [
+        ("abc 10 turns@a", {"turns@a", "housekeeping@a"}, None, False),  # answers the ping
+        ("abc 10 turns@a", {"housekeeping@a"}, None, True),  # gone from Celery's view
+        ("abc 10 turns@a", {"turns@ab"}, None, True),  # another worker whose name starts alike
+        ("abc 10 turns@a", None, ("turns@a", 11), True),  # the same worker, started again
+        ("abc 10 turns@a", None, ("turns@a", 10), False),  # the same process
+        ("abc 10 turns@a", None, ("turns@b", 11), False),  # another worker started
+        ("abc 10 turns@a", None, None, False),  # nothing known
+        ("0123456789abcdef", {"housekeeping@a"}, None, False),  # no worker named: only the lease lapse
+        (("x" * 16 + " 10 turns@" + "h" * 60)[:64], {"turns@" + "h" * 60}, None, False),  # cut name, alive
+        (("x" * 16 + " 10 turns@" + "h" * 60)[:64], None, ("turns@" + "h" * 60, 11), True),  # cut name, restarted
+    ],
+)
+def test_which_holders_are_known_dead(owner, live, restarted, dead):
+    assert turns.holder_is_dead(owner, live=live, restarted=restarted) is dead
+
+
+def test_a_step_of_a_dead_worker_is_let_go_with_a_notice_and_a_live_one_is_kept(session, alice, queued,
+                                                                                  django_capture_on_commit_callbacks):
+    send(session, alice, "hi", django_capture_on_commit_callbacks)
+    owner = "0123456789abcdef 10 turns@a"
+    assert turns.claim_step(session.pk, owner) == ""
+
+    assert turns.take_over_dead_steps(live={"turns@a"}) == []
+    assert turns.take_over_dead_steps(restarted=("turns@a", 10)) == []
+    assert turns.lease_held(fresh(session))
+
+    assert turns.take_over_dead_steps(restarted=("turns@a", 11)) == [session.pk]
+    assert not turns.lease_held(fresh(session))
+    assert kinds(session)[-1] == "notice"
+    assert load_events(session.pk)[-1].payload == {"message": turns.RESUMING_NOTICE}
+    assert turns.take_over_dead_steps(restarted=("turns@a", 11)) == []  # once
+    assert turns.claim_step(session.pk, "next") == owner  # the next step knows it lost a holder
+    assert session.pk not in turns.recoverable()
+
+
+def test_turns_waiting_for_a_worker_are_counted_in_queue_order(session, alice, tmp_path, queued,
+                                                                 django_capture_on_commit_callbacks):
+    others = [AgentSession.objects.create(owner=alice, machine=session.machine, model_key="m.gguf",
+                                          working_dir=str(tmp_path), status=Status.IDLE) for _ in range(3)]
+    first, second, third = others
+    for s in (session, *others):
+        send(s, alice, "hi", django_capture_on_commit_callbacks)
+    assert turns.waiting_for_worker() == {session.pk: 0, first.pk: 1, second.pk: 2, third.pk: 3}
+
+    assert turns.claim_step(session.pk, "a step") == ""  # a worker took it
+    AgentSession.objects.filter(pk=first.pk).update(status=Status.AWAITING_INPUT)  # waits for a person
+    AgentSession.objects.filter(pk=second.pk).update(status=Status.LOADING)  # waits for the model
+    assert turns.waiting_for_worker() == {third.pk: 0}

@@ -1,0 +1,161 @@
+"""Corral keeps running: a step whose worker restarted is taken over within seconds, and
+housekeeping runs on time while every turn thread streams (real worker, daphne, Redis,
+the stand-in llama-server)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+from django.test import Client, override_settings
+
+from machines_app.models import Machine, ServerRecord
+from project import queues
+from project.celery import app
+from sessions_app import actions, agent, broadcast, turns
+from sessions_app.events import record_event
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import WSRecorder, model_key, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
+
+
+def start_session(machine, user, tmp_path) -> AgentSession:
+    session = actions.do_create_session(
+        user, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 30, what="idle")
+    return AgentSession.objects.get(pk=session.pk)
+
+
+def payloads(session, kind):
+    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
+
+
+@pytest.fixture
+def long_leases(stack):
+    """The stack's worker with the production lease (60 s): a takeover seen within 10 s
+    cannot be the lease lapsing."""
+    stack.stop_worker()
+    stack.env["CORRAL_LEASE_SECONDS"] = "60"
+    stack.start_worker()
+    yield stack
+    stack.stop_worker(sig=signal.SIGKILL)
+    stack.env["CORRAL_LEASE_SECONDS"] = "3"
+    stack.start_worker()
+
+
+def test_a_step_whose_worker_restarted_is_taken_over_within_seconds(long_leases, fake_machine, alice, tmp_path):
+    stack = long_leases
+    machine = fake_machine([{"text": " ".join(f"word{i}" for i in range(80)), "delay": 0.25}, {"text": "Back."}])
+    session = start_session(machine, alice, tmp_path)
+    actions.do_send_message(session, alice, "talk slowly")
+    wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 20, what="the stream to start")
+    owner = AgentSession.objects.get(pk=session.pk).lease_owner
+    assert owner.split(" ")[2] in {name for reply in app.control.ping(timeout=1) for name in reply}
+
+    stack.stop_worker(sig=signal.SIGKILL)
+    assert turns.lease_held(AgentSession.objects.get(pk=session.pk))  # 60 s to go
+    stack.start_worker()  # returns once the new worker answers a ping
+    wait_for(lambda: payloads(session, "turn_end"), 10, what="the takeover (not the 60 s lease)")
+    assert {"message": turns.RESUMING_NOTICE} in payloads(session, "notice")
+    assert payloads(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
+    assert [p["reason"] for p in payloads(session, "turn_end")] == ["interrupted"]
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+
+
+def test_a_full_turn_pool_never_delays_health_checks_and_waiting_sessions_show_their_place(
+    stack, fake_machine, alice, tmp_path
+):
+    """Production's layout in small: a turns worker of 4 threads, another worker (with
+    beat) for servers and housekeeping. Ten turns stream at once."""
+    stack.stop_worker()
+    stack.start_worker(concurrency=4, queue_names=(queues.TURNS,), name="turns", beat=False)
+    stack.start_worker(concurrency=4, queue_names=(queues.SERVERS, queues.HOUSEKEEPING))
+    try:
+        reply = {"text": " ".join(f"word{i}" for i in range(60)), "delay": 0.25}
+        sessions = [start_session(fake_machine([reply]), alice, tmp_path) for _ in range(10)]
+        for session in sessions:
+            actions.do_send_message(session, alice, "talk slowly")
+        waiting = wait_for(lambda: len(w := turns.waiting_for_worker()) == 6 and w, 30, what="4 streaming, 6 waiting")
+        assert sorted(waiting.values()) == [0, 1, 2, 3, 4, 5]
+        assert sum(turns.lease_held(AgentSession.objects.get(pk=s.pk)) for s in sessions) == 4
+
+        client = Client()
+        client.force_login(alice)
+        listing = client.get("/").content.decode()
+        assert listing.count("waiting for a worker (") == 6 and "waiting for a worker (5 ahead)" in listing
+        last = next(pk for pk, ahead in waiting.items() if ahead == 5)
+        assert "waiting for a worker (5 ahead)" in client.get(f"/sessions/{last}/").content.decode()
+        assert "waiting for a worker (5 ahead)" in client.get(f"/sessions/{last}/waiting/").content.decode()
+
+        # Every turn thread is busy: the health watch still sees a server die, as usual.
+        os.kill(ServerRecord.objects.get(session_id=last).pid, signal.SIGKILL)
+        wait_for(lambda: AgentSession.objects.get(pk=last).status == "exited", 5, interval=0.05, what="exited in 5 s")
+        assert sum(turns.lease_held(AgentSession.objects.get(pk=s.pk)) for s in sessions) == 4  # still streaming
+
+        # The queue drains: every turn ends, the waiting note goes away.
+        wait_for(lambda: all(payloads(s, "turn_end") for s in sessions), 120, interval=0.5, what="every turn to end")
+        assert turns.waiting_for_worker() == {}
+        assert "waiting for a worker (" not in client.get(f"/sessions/{last}/waiting/").content.decode()
+    finally:
+        stack.stop_worker(name="turns")
+        stack.stop_worker()
+        stack.start_worker()
+
+
+def test_the_channel_of_a_socket_whose_daphne_died_leaves_the_group_and_live_ones_stay(stack, alice, tmp_path):
+    """A daphne killed outright never runs its consumers' disconnect: their channels stay
+    in the session's group until the layer's group expiry. With the expiry at 5 s (live
+    consumers re-join every second), the dead one goes and the live one stays."""
+    import redis
+    from django.conf import settings
+
+    machine = Machine.objects.create(name="m", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
+                                          status=AgentSession.Status.IDLE)
+    client = Client()
+    client.force_login(alice)
+    cookie = f"sessionid={client.cookies['sessionid'].value}"
+    members_key = f"asgi:group:{broadcast.group_name(session.pk)}"
+    db = redis.Redis.from_url(settings.REDIS_URL)
+    five_second_groups = copy.deepcopy(settings.CHANNEL_LAYERS)
+    five_second_groups["default"]["CONFIG"]["group_expiry"] = 5
+
+    stack.stop_web()
+    stack.env["CORRAL_GROUP_EXPIRY_SECONDS"] = "5"
+    stack.start_web()
+    dead = live = None
+    try:
+        dead = WSRecorder(stack.ws_url(session.pk), cookie=cookie, origin=stack.base_url)
+        wait_for(lambda: db.zcard(members_key) == 1, 10, what="the first socket to join")
+        first = set(db.zrange(members_key, 0, -1))
+        stack.procs.pop("web").kill()  # SIGKILL: no disconnect runs
+        stack.start_web()
+        live = WSRecorder(stack.ws_url(session.pk), cookie=cookie, origin=stack.base_url)
+        wait_for(lambda: db.zcard(members_key) == 2, 10, what="the second socket to join")
+        (live_channel,) = [m for m in db.zrange(members_key, 0, -1) if m not in first]
+        joined = db.zscore(members_key, live_channel)
+        wait_for(lambda: db.zscore(members_key, live_channel) > joined, 10, what="the live consumer to re-join")
+        # Expired members are dropped when the group is next sent to; a push of an event
+        # every page already has (seq 0) is one that the consumers ignore.
+        with override_settings(CHANNEL_LAYERS=five_second_groups):
+            def only_one_member() -> bool:
+                broadcast.push_event(session.pk, 0, "notice", {"message": ""})
+                return db.zcard(members_key) == 1
+
+            wait_for(only_one_member, 20, interval=0.5, what="the dead channel to leave")
+            record_event(session.pk, "notice", {"message": "still here"})
+            wait_for(lambda: any(m["ops"] for m in live.messages), 10, what="the live socket to get the event")
+            assert db.zrange(members_key, 0, -1) == [live_channel]
+    finally:
+        for recorder in (dead, live):
+            if recorder is not None:
+                recorder.close()
+        stack.stop_web()
+        del stack.env["CORRAL_GROUP_EXPIRY_SECONDS"]
+        stack.start_web()

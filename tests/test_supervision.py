@@ -1,0 +1,227 @@
+"""``./corral run`` as an operator meets it: a crashed process is restarted and the others
+keep running; SIGTERM or SIGINT on the launcher stops every Corral process and the
+embedded Redis; a second run on the same data directory starts cleanly.
+
+The launcher runs for real (``python -m project.launcher run``) on a data directory of its
+own, with its own SQLite file and embedded Redis (DATABASE_URL and REDIS_URL unset), and
+is watched through supervisord's own ``supervisorctl`` and the process table (psutil).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from machines_app.models import ServerRecord
+from sessions_app import actions, agent, dispatch, turns
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import ROOT, _database_url, model_key, wait_for
+
+PROGRAMS = {"web", "worker-turns", "worker-servers", "worker-housekeeping", "beat"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    """One ``./corral run`` on ``data``: start, look at its programs, stop."""
+
+    def __init__(self, data: Path, port: int) -> None:
+        self.data, self.port = data, port
+        self.env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "DEBUG")}
+        self.env.update(CORRAL_DATA_DIR=str(data), CORRAL_ADMIN_PASSWORD="admin-password-1", CORRAL_TURN_WORKERS="2")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "project.launcher", "run", "--port", str(self.port)],
+            cwd=ROOT, env=self.env, stdout=open(self.data.parent / "launcher.log", "ab"), stderr=subprocess.STDOUT,
+        )
+        wait_for(lambda: set(self.running()) == PROGRAMS, 120, interval=0.5, what="every program RUNNING")
+        wait_for(self.serves, 60, interval=0.5, what="daphne to answer")
+
+    def running(self) -> dict[str, int]:
+        """program name → pid of each program supervisord reports RUNNING."""
+        out = subprocess.run(
+            [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.data / "run" / "supervisord.conf"),
+             "status"], capture_output=True, text=True, env=self.env,
+        ).stdout
+        pids = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[1] == "RUNNING":
+                pids[parts[0].split(":")[-1]] = int(parts[3].rstrip(","))
+        return pids
+
+    def serves(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/login/", timeout=2).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    def tree(self) -> list[psutil.Process]:
+        """The launcher and everything under it (supervisord, programs, their children, Redis)."""
+        me = psutil.Process(self.proc.pid)
+        return [me, *me.children(recursive=True)]
+
+    def kill_all(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            for p in reversed(self.tree()):
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            self.proc.wait()
+
+
+def _gone(processes: list[psutil.Process]) -> list[str]:
+    """Those of ``processes`` still alive, described (empty when all are gone)."""
+    alive = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    run = Launcher(data, _free_port())
+    yield run
+    run.kill_all()
+
+
+def _restarted_alone(launcher: Launcher, name: str) -> None:
+    before = launcher.running()
+    os.kill(before[name], signal.SIGKILL)
+    after = wait_for(
+        lambda: (now := launcher.running()).get(name, before[name]) != before[name] and set(now) == PROGRAMS and now,
+        60, interval=0.5, what=f"{name} restarted",
+    )
+    assert {k: v for k, v in after.items() if k != name} == {k: v for k, v in before.items() if k != name}
+
+
+def test_a_crash_restarts_that_process_only_and_sigterm_stops_everything(launcher):
+    launcher.start()
+    redis = [p for p in launcher.tree() if "redis-server" in p.name()]
+    assert len(redis) == 1
+
+    _restarted_alone(launcher, "worker-turns")
+    _restarted_alone(launcher, "web")
+    wait_for(launcher.serves, 60, interval=0.5, what="daphne to answer again")
+    log = (launcher.data.parent / "launcher.log").read_text()
+    assert "exited: worker-turns (terminated by SIGKILL; not expected)" in log
+    assert "exited: web (terminated by SIGKILL; not expected)" in log
+
+    everything = launcher.tree()
+    assert len(everything) >= 1 + 1 + len(PROGRAMS) + 1  # launcher, supervisord, programs, Redis
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(60) == 0
+    assert _gone(everything) == []
+    assert not (launcher.data / "run" / "supervisor.sock").exists()
+
+
+def test_sigint_stops_everything_and_a_second_run_starts_over_stale_files(launcher):
+    run_dir = launcher.data / "run"
+    run_dir.mkdir()
+    # What a run killed outright leaves: a control socket nobody listens on, a pid file.
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(run_dir / "supervisor.sock"))
+    stale.close()
+    (run_dir / "supervisord.pid").write_text("999999\n")
+
+    launcher.start()
+    everything = launcher.tree()
+    launcher.proc.send_signal(signal.SIGINT)
+    assert launcher.proc.wait(60) == 0
+    assert _gone(everything) == []
+
+    launcher.start()  # the same data directory and port, at once
+    assert set(launcher.running()) == PROGRAMS
+
+
+def test_a_launcher_killed_outright_takes_every_corral_process_with_it(launcher):
+    launcher.start()
+    everything = launcher.tree()
+    launcher.proc.kill()  # SIGKILL: no handler runs; the kernel tells supervisord and Redis
+    launcher.proc.wait()
+    wait_for(lambda: _gone(everything) == [], 60, interval=0.5, what="every Corral process to stop")
+
+
+def payloads(session, kind):
+    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_turn_whose_worker_is_killed_ends_truthfully_and_its_server_outlives_the_stop(
+    launcher, fake_machine, alice, tmp_path, monkeypatch
+):
+    """The launcher on the test database (its own embedded Redis): the product's own
+    actions hand their tasks to that Redis, so the launcher's workers run them."""
+    from project.celery import app
+
+    launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60")
+    launcher.start()
+    log = (launcher.data.parent / "launcher.log").read_text()
+    redis_url = re.search(r"embedded Redis on (redis://\S+)", log).group(1)
+
+    def enqueue(task: str, *args: object) -> bool:
+        with app.connection_for_write(redis_url) as connection:
+            app.send_task(task, args=args, connection=connection)
+        return True
+
+    monkeypatch.setattr(dispatch, "enqueue", enqueue)
+    machine = fake_machine([{"text": " ".join(f"word{i}" for i in range(80)), "delay": 0.25}])
+    session = actions.do_create_session(
+        alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 60, what="the server to be ready")
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "talk slowly")
+    wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 30, what="the stream to start")
+
+    _restarted_alone(launcher, "worker-turns")
+    wait_for(lambda: payloads(session, "turn_end"), 10, what="the turn taken over (not the 60 s lease)")
+    assert {"message": turns.RESUMING_NOTICE} in payloads(session, "notice")
+    assert payloads(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+
+    server = psutil.Process(ServerRecord.objects.get(session=session).pid)
+    everything = [p for p in launcher.tree() if p.pid != server.pid]
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(60) == 0
+    assert _gone(everything) == []
+    assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE  # the README's promise
+
+
+def test_a_port_in_use_stops_the_launcher_with_a_message_before_it_starts_anything(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+        result = subprocess.run(
+            [sys.executable, "-m", "project.launcher", "run", "--port", str(port)], cwd=ROOT,
+            env={**env, "CORRAL_DATA_DIR": str(tmp_path / "data")}, capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"corral: port {port} is already in use" in result.stderr
+    assert not (tmp_path / "data" / "run" / "supervisord.conf").exists()
