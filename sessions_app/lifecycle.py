@@ -7,7 +7,7 @@ No database transaction is held across a process start, a health poll or a stop.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import posixpath
 
 from django.conf import settings
 from django.db import transaction
@@ -23,7 +23,7 @@ from machines_app.llama_server import (
     wait_until_ready,
 )
 from machines_app.models import ModelFile, ServerRecord
-from machines_app.transports import ProcessId, TransportError, transport_for
+from machines_app.transports import ProcessId, Transport, TransportError, transport_for
 
 from . import actions, tools
 from .models import AgentSession
@@ -32,15 +32,16 @@ Status = AgentSession.Status
 log = logging.getLogger(__name__)
 
 
-def log_path_for(session: AgentSession) -> str:
-    """One append-only, owner-only log file per session (SPEC §5)."""
-    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.log")
+def log_path_for(session: AgentSession, transport: Transport) -> str:
+    """One append-only, owner-only log file per session, on the machine that runs its
+    server (SPEC §5): a remote server writes its log there, read back by the tail."""
+    return posixpath.join(transport.private_dir(), f"session-{session.pk}.log")
 
 
-def key_path_for(session: AgentSession) -> str:
-    """Where the server's API key waits for llama-server to read it at start (mode 0600;
-    removed once the server is ready or has failed)."""
-    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.key")
+def key_path_for(session: AgentSession, transport: Transport) -> str:
+    """Where the server's API key waits for llama-server to read it at start, on the
+    server's machine (mode 0600; removed once the server is ready or has failed)."""
+    return posixpath.join(transport.private_dir(), f"session-{session.pk}.key")
 
 
 def _proc(record: ServerRecord) -> ProcessId:
@@ -89,15 +90,17 @@ def start_server(session_id: int) -> None:
             return
         record.delete()
 
+    key_path = ""
     try:
         model = catalog.model_for_session(session.machine, session.model_key)
+        key_path = key_path_for(session, transport)
         spec = ServerSpec(
             binary=session.machine.llama_server_path,
             model_path=model.path,
             port=transport.free_port(),
             params=session.server_params,
             has_mtp=model.has_mtp,
-            api_key_file=key_path_for(session),
+            api_key_file=key_path,
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.
@@ -105,13 +108,14 @@ def start_server(session_id: int) -> None:
                 f"Machine '{session.machine.name}' has no file {model.path} any more; the model file has to be "
                 "on that machine (refresh the model list after copying it there)."
             )
-        log_path = log_path_for(session)
+        log_path = log_path_for(session, transport)
         actions.set_status(session.pk, Status.LOADING)
         api_key = new_api_key()
         transport.write_private(spec.api_key_file, api_key + "\n")
         proc = transport.spawn(build_argv(spec), log_path, cwd=None)
     except (catalog.ModelUnavailable, TransportError) as exc:
-        transport.remove(key_path_for(session))
+        if key_path:
+            transport.remove(key_path)
         _fail(session, str(exc))
         return
     record = ServerRecord.objects.create(
@@ -140,11 +144,12 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             should_stop=lambda: ServerRecord.objects.filter(pk=record.pk, stopping=False).count() == 0,
         )
     except (ServerStartError, TransportError) as exc:
-        transport.remove(key_path_for(session))
         try:
+            transport.remove(key_path_for(session, transport))
             transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
         except TransportError:
             pass
+        transport.release_port(record.port)
         # Stopped on purpose (a stop, a restart or a model change took the record): say nothing.
         stopped_on_purpose = not ServerRecord.objects.filter(pk=record.pk, stopping=False).exists()
         ServerRecord.objects.filter(pk=record.pk).delete()
@@ -152,7 +157,10 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             _fail(session, str(exc))
         return
     # llama-server read its key at start; the file need not outlive that.
-    transport.remove(key_path_for(session))
+    try:
+        transport.remove(key_path_for(session, transport))
+    except TransportError:
+        pass  # the machine went away just now: the watch will say so
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
     actions.record_event(
@@ -187,7 +195,18 @@ def _stop_process(session_id: int) -> bool:
     if record is None:
         return False
     ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
-    transport_for(record.machine).stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+    transport = transport_for(record.machine)
+    try:
+        transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+    except TransportError as exc:
+        # The machine cannot be reached to stop it: say so, with what an admin needs to
+        # find the process, rather than claim it stopped.
+        actions.record_error(
+            session_id,
+            f"Could not stop llama-server (pid {record.pid}) on machine '{record.machine.name}': {exc}. "
+            "It may still be running there.",
+        )
+    transport.release_port(record.port)
     record.delete()
     return True
 
@@ -236,8 +255,12 @@ def check_server(record: ServerRecord) -> None:
     transport = transport_for(record.machine)
     try:
         alive = transport.process_alive(_proc(record))
-    except TransportError:
-        actions.set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
+    except TransportError as exc:
+        if actions.set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING)):
+            actions.record_error(
+                record.session_id,
+                f"{exc} The session's server cannot be checked; its status is unknown until the machine answers again.",
+            )
         return
     if alive:
         actions.set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
@@ -245,6 +268,10 @@ def check_server(record: ServerRecord) -> None:
     # Delete first, conditionally, so two watchers never both report the death.
     if ServerRecord.objects.filter(pk=record.pk, stopping=False).delete()[0] == 0:
         return
-    tail = transport.log_tail(record.log_path)
+    transport.release_port(record.port)
+    try:
+        tail = transport.log_tail(record.log_path)
+    except TransportError:
+        tail = ""
     message = "llama-server exited." + (f" It last said:\n{tail}" if tail else "")
     _fail(AgentSession.objects.get(pk=record.session_id), message)
