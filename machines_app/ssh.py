@@ -37,6 +37,7 @@ CHANNEL_OPEN_TIMEOUT = 10.0  # seconds for the server to open a session or a dir
 IO_TIMEOUT = 15.0  # seconds a single SFTP request may take before the link is called lost
 HEARTBEAT_INTERVAL = 5.0  # seconds between two "are you there" requests on an idle or busy link
 DEAD_AFTER = 10.0  # seconds without an answer after which a connection is closed as dead
+RETRY_AFTER = 3.0  # seconds a failed connect is answered from memory, so callers never pile up on a dead machine
 FORWARD_IDLE = 120.0  # seconds a local forward with no connection stays open before it closes
 OUTPUT_LIMIT = 64 * 1024  # bytes of a command's (merged) output kept; the rest is drained and dropped
 
@@ -355,6 +356,7 @@ class Link:
 
 _lock = threading.Lock()
 _links: dict[Target, Link] = {}
+_failures: dict[Target, tuple[float, LinkError]] = {}
 _forwards: dict[tuple[Target, int], _Forward] = {}
 _pid = os.getpid()
 
@@ -364,22 +366,33 @@ def _after_fork_check() -> None:
     global _pid
     if os.getpid() != _pid:
         _links.clear()
+        _failures.clear()
         _forwards.clear()
         _pid = os.getpid()
 
 
 def link_for(target: Target) -> Link:
     """The live connection to ``target`` in this process, connecting (bounded) when there
-    is none or the last one died. Raises LinkError."""
+    is none or the last one died. Raises LinkError; a connect that failed less than
+    ``RETRY_AFTER`` seconds ago fails again at once with the same error."""
     with _lock:
         _after_fork_check()
         link = _links.get(target)
         if link is not None and link.active:
             return link
         _links.pop(target, None)
+        failure = _failures.get(target)
+        if failure is not None and time.monotonic() - failure[0] < RETRY_AFTER:
+            raise failure[1]
     # Connect outside the lock: one slow machine must not hold up the others.
-    link = Link(target)
+    try:
+        link = Link(target)
+    except LinkError as exc:
+        with _lock:
+            _failures[target] = (time.monotonic(), exc)
+        raise
     with _lock:
+        _failures.pop(target, None)
         current = _links.get(target)
         if current is not None and current.active:
             link.close()
@@ -392,6 +405,7 @@ def drop_link(target: Target) -> None:
     """Close this process's connection to ``target`` (a re-pinned key, a deleted machine)."""
     with _lock:
         link = _links.pop(target, None)
+        _failures.pop(target, None)
     if link is not None:
         link.close()
 

@@ -124,7 +124,10 @@ class SshServer:
         assert self.proc is not None
         pids = [self.proc.pid, *descendants(self.proc.pid)]
         for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass  # a connection that just ended
         return pids
 
     def thaw(self, pids: list[int]) -> None:
