@@ -71,7 +71,10 @@ def do_test_connection(machine: Machine) -> str:
         home = transport.check()
     except TransportError as exc:
         raise MachineError(str(exc)) from None
-    return f"Machine '{machine.name}' answers as {machine.user or 'the SSH user'} (home {home}), host key {machine.host_key_fingerprint}."
+    return (
+        f"Machine '{machine.name}' answers as {machine.user or 'the SSH user'} (home {home}), "
+        f"host key {machine.host_key_fingerprint}."
+    )
 
 
 def _parse_private_key(text: str) -> paramiko.PKey:

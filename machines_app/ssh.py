@@ -217,7 +217,9 @@ class Link:
             ) from None
         except FileNotFoundError:
             client.close()
-            raise LinkError(f"the private key for {target.entry} is missing on the Corral backend", permanent=True) from None
+            raise LinkError(
+                f"the private key for {target.entry} is missing on the Corral backend", permanent=True
+            ) from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
