@@ -11,6 +11,7 @@ import posixpath
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from machines_app import catalog
@@ -143,7 +144,15 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             api_key=record.api_key,
             should_stop=lambda: ServerRecord.objects.filter(pk=record.pk, stopping=False).count() == 0,
         )
-    except (ServerStartError, TransportError) as exc:
+    except TransportError as exc:
+        # The machine stopped answering while the model loads. Its server may well still
+        # run there: keep the record (never orphan a process holding a model) and say
+        # unknown; the watch takes it up again when the machine answers.
+        transport.release_port(record.port)
+        if actions.set_status(session.pk, Status.UNKNOWN, only_from=(Status.LOADING,)):
+            actions.record_error(session.pk, _unknown_sentence(exc))
+        return
+    except ServerStartError as exc:
         try:
             transport.remove(key_path_for(session, transport))
             transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
@@ -239,8 +248,15 @@ def watch_servers() -> None:
     """Check every ready server's process (SPEC §5 "keep watching"): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can."""
-    for record in ServerRecord.objects.filter(ready_at__isnull=False, stopping=False).select_related("machine"):
+    records = ServerRecord.objects.filter(
+        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), stopping=False
+    ).select_related("machine")
+    for record in records:
         check_server(record)
+
+
+def _unknown_sentence(exc: TransportError) -> str:
+    return f"{exc} The session's server cannot be checked; its status is unknown until the machine answers again."
 
 
 def check_session_server(session_id: int) -> None:
@@ -257,12 +273,16 @@ def check_server(record: ServerRecord) -> None:
         alive = transport.process_alive(_proc(record))
     except TransportError as exc:
         if actions.set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING)):
-            actions.record_error(
-                record.session_id,
-                f"{exc} The session's server cannot be checked; its status is unknown until the machine answers again.",
-            )
+            actions.record_error(record.session_id, _unknown_sentence(exc))
         return
     if alive:
+        if record.ready_at is None:
+            # Lost while loading, back now: wait for it again (start_server adopts it).
+            if actions.set_status(record.session_id, Status.LOADING, only_from=(Status.UNKNOWN,)):
+                from .tasks import start_server
+
+                start_server.delay(record.session_id)
+            return
         actions.set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
         return
     # Delete first, conditionally, so two watchers never both report the death.

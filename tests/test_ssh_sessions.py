@@ -261,3 +261,42 @@ def test_a_frozen_peer_is_noticed_and_no_thread_stays_blocked(tmp_path, real_mod
         wait_for(lambda: threading.active_count() <= threads_before + 1, 20, what="helper threads to end")
     finally:
         server.kill()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_machine_lost_while_loading_keeps_its_server_and_resumes(stack, tmp_path, real_models_dir, alice):
+    """A link lost during a long load (the stand-in answers 503 for 25 s, case C09) is
+    unknown, not exited: the server keeps loading there, and when the machine answers
+    again the same process is waited for and becomes ready — never a second one."""
+    from machines_app import catalog
+
+    from .conftest import fake_server
+
+    server = SshServer(tmp_path / "sshd")
+    server.start()
+    try:
+        machine = make_ssh_machine(server, real_models_dir, fake_server(tmp_path, FAKE_LOADING_SECONDS="25"))
+        catalog.refresh_models(machine)
+        session = actions.do_create_session(
+            alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+            server_params={}, sampling={}, permission_mode="manual",
+        )
+        wait_for(lambda: ServerRecord.objects.filter(session=session).exists(), 60, what="the server record")
+        record = ServerRecord.objects.get(session=session)
+        assert fresh(session).status == "loading"
+        server.kill()
+        wait_for(lambda: fresh(session).status == "unknown", 30, what="unknown while loading")
+        assert ServerRecord.objects.filter(session=session).exists()  # not given up, not orphaned
+        server.start()
+        wait_for(lambda: fresh(session).status == "idle", 90, what="ready after the machine came back")
+        ready = ServerRecord.objects.get(session=session)
+        assert (ready.pid, ready.start_time) == (record.pid, record.start_time)
+        assert [p["status"] for p in payloads(session, "status")] == ["unknown", "loading", "idle"]  # created loading
+    finally:
+        for rec in ServerRecord.objects.filter(machine__port=server.port):
+            if server.proc is None:
+                server.start()
+            transport_for(rec.machine).stop(proc_of(rec), grace=2)
+            rec.delete()
+        server.kill()
