@@ -3,6 +3,7 @@ from django.contrib import admin, messages
 from django.db.models import Count
 
 from . import actions as machine_actions
+from . import ssh
 from .models import Machine, ModelFile, ServerRecord
 
 
@@ -32,6 +33,11 @@ class MachineForm(forms.ModelForm):
     def clean(self):
         data = super().clean()
         self.pinned_fingerprint = ""
+        if data.get("host_key"):
+            try:
+                ssh.parse_pins(data["host_key"], data.get("host") or "", data.get("port") or 22)
+            except ValueError as exc:
+                self.add_error("host_key", str(exc))
         if data.get("private_key"):
             try:
                 machine_actions._parse_private_key(data["private_key"])

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import paramiko
-from paramiko.hostkeys import HostKeyEntry
+from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def parse_pins(text: str, host: str, port: int) -> paramiko.HostKeys:
             line = f"{entry} {fields[0]} {fields[1]}"
         try:
             parsed = HostKeyEntry.from_line(line, number)
-        except (paramiko.SSHException, ValueError, TypeError) as exc:
+        except (paramiko.SSHException, InvalidHostKey, ValueError, TypeError) as exc:
             raise ValueError(f"host key line {number} is not a public key or known_hosts line: {exc}") from None
         if parsed is None or parsed.key is None:
             raise ValueError(f"host key line {number} is not a public key or known_hosts line")

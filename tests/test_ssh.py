@@ -103,6 +103,27 @@ def test_tilde_is_the_remote_users_home(ssh_machine):
     assert not transport.is_dir("a\x00b")
 
 
+def test_case_c42_a_huge_sparse_remote_file_is_read_by_its_head_only(ssh_machine, tmp_path):
+    """20 GB on disk by its size, a few KiB of metadata: listed in seconds with its size,
+    and the bytes asked of SFTP never exceed what the head needs."""
+    root = tmp_path / "huge"
+    path = model(root, "big.gguf", "Huge")
+    with open(path, "r+b") as f:
+        f.truncate(20 * 1024**3)
+    transport = transport_for(ssh_machine)
+    asked: list[int] = []
+
+    def read_head(key, n):
+        asked.append(n)
+        return transport.read_head(f"{root}/{key}", n)
+
+    started = time.monotonic()
+    [info] = discover(transport.list_gguf(str(root)), read_head)
+    assert time.monotonic() - started < 10
+    assert info.display_name == "Huge" and info.file_size == 20 * 1024**3 and info.error is None
+    assert asked == [2 * 1024 * 1024]  # one head read of the first size; never the weights
+
+
 # --- host keys ------------------------------------------------------------------------------
 
 
@@ -204,10 +225,23 @@ def test_hostile_working_directories_execute_nothing(ssh_machine, tmp_path, name
     assert not Path("/tmp/pwned").exists()
 
 
-def test_a_binary_not_on_the_path_is_refused_fast(ssh_machine, tmp_path):
+@pytest.mark.parametrize("binary", ["llama-server-nowhere", "$(touch /tmp/pwned)", "x; touch /tmp/pwned", "-v"])
+def test_a_binary_not_on_the_path_is_refused_fast(ssh_machine, tmp_path, binary):
+    """Case C39: a binary only an interactive shell would find is refused at once, by name;
+    a hostile "path" is only a name."""
+    Path("/tmp/pwned").unlink(missing_ok=True)
     transport = transport_for(ssh_machine)
-    with pytest.raises(TransportError, match="llama-server-nowhere was not found on machine"):
-        transport.spawn(["llama-server-nowhere", "--help"], str(tmp_path / "x.log"))
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="was not found on machine") as info:
+        transport.spawn([binary, "--help"], str(tmp_path / "x.log"))
+    assert str(info.value).startswith(binary) and time.monotonic() - started < 5
+    assert not Path("/tmp/pwned").exists() and not (tmp_path / "x.log").exists()
+
+
+def test_a_garbled_pinned_key_is_refused_in_words(sshd, real_models_dir, llama_server_bin):
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, host_key="ssh-ed25519 not-base64!")
+    with pytest.raises(TransportError, match="host key line 1 is not a public key"):
+        transport_for(machine).is_dir("/")
 
 
 def test_the_key_file_is_private_from_its_creation(ssh_machine, tmp_path):

@@ -122,3 +122,12 @@ def test_the_list_shows_state_running_sessions_and_repins_a_changed_key(admin_cl
     ).content.decode()
     assert "answers as" in listing
     assert Machine.objects.get(pk=machine.pk).link_state == "reachable"
+
+
+def test_a_garbled_host_key_is_a_form_error(admin_client, sshd, real_models_dir, llama_server_bin):
+    response = admin_client.post(
+        "/admin/machines_app/machine/add/",
+        add_form(sshd, real_models_dir, llama_server_bin, host_key="ssh-ed25519 not-base64!"),
+    )
+    assert "host key line 1 is not a public key" in response.content.decode()
+    assert not Machine.objects.filter(name="gpu1").exists()

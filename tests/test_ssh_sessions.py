@@ -159,6 +159,10 @@ def test_a_dead_peer_makes_the_session_unknown_then_it_recovers(stack, tmp_path,
         turns_ended(session, 1, timeout=30)
         wait_for(lambda: not fresh(session).lease_owner, 30, what="the step's lease to be released")
         assert Machine.objects.get(pk=machine.pk).link_state == "unreachable"
+        client = Client()
+        client.force_login(alice)
+        page = client.get(f"/sessions/{session.pk}/").content.decode()
+        assert 'id="status-badge" data-status="unknown"' in page and machine.name in page
 
         server.start()  # the machine answers again; its llama-server never stopped
         wait_for(lambda: fresh(session).status == "idle", 30, what="back to idle")
