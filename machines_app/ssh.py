@@ -227,6 +227,8 @@ class Link:
         self.client = client
         self.transport: paramiko.Transport = client.get_transport()
         self._home: str | None = None
+        self._sftp: paramiko.SFTPClient | None = None
+        self._sftp_lock = threading.RLock()
         self._heartbeat = threading.Thread(target=self._beat, name=f"ssh-heartbeat {target.entry}", daemon=True)
         self._heartbeat.start()
 
@@ -313,24 +315,29 @@ class Link:
 
     @contextmanager
     def sftp(self) -> Iterator[paramiko.SFTPClient]:
-        """An SFTP session whose every request waits at most ``IO_TIMEOUT`` seconds.
+        """This link's SFTP session, one at a time (a lock), every request waiting at most
+        ``IO_TIMEOUT`` seconds. One session per link, kept open: a liveness check four
+        times a second must not start an sftp-server process on the machine each time.
 
         File errors (no such file, permission) come out as paramiko raises them
         (FileNotFoundError, PermissionError, OSError); a timeout or a broken link as
         LinkError, and the link is closed."""
-        try:
-            client = self.client.open_sftp()
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise self.lost(exc) from None
-        try:
-            client.get_channel().settimeout(IO_TIMEOUT)
-            yield client
-        except TimeoutError:
-            raise self.lost(TimeoutError(f"no answer within {IO_TIMEOUT:g} s")) from None
-        except (paramiko.SSHException, EOFError, ConnectionError) as exc:
-            raise self.lost(exc) from None
-        finally:
-            client.close()
+        with self._sftp_lock:
+            if self._sftp is None or self._sftp.get_channel().closed:
+                try:
+                    self._sftp = self.client.open_sftp()
+                except (paramiko.SSHException, OSError, EOFError) as exc:
+                    self._sftp = None
+                    raise self.lost(exc) from None
+                self._sftp.get_channel().settimeout(IO_TIMEOUT)
+            try:
+                yield self._sftp
+            except TimeoutError:
+                self._sftp = None
+                raise self.lost(TimeoutError(f"no answer within {IO_TIMEOUT:g} s")) from None
+            except (paramiko.SSHException, EOFError, ConnectionError) as exc:
+                self._sftp = None
+                raise self.lost(exc) from None
 
     def home(self) -> str:
         """The remote user's home directory (where ``~`` and relative paths point)."""
