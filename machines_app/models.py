@@ -70,7 +70,12 @@ class Machine(models.Model):
 
     def note_link(self, state: str, reason: str, offered_key: str = "") -> None:
         """Record how the last connection went (the machine list shows it). A changed host
-        key is kept, with the key offered, until an admin re-pins (see ``do_repin``)."""
+        key is kept, with the key offered, until an admin re-pins (see
+        ``machines_app.actions.do_repin``). Written only when the state or its reason
+        changes (``link_checked_at`` is when that happened): the health watch checks
+        every couple of seconds and must not write each time."""
+        if (self.link_state, self.link_reason) == (state, reason[:2000]) and not offered_key:
+            return
         fields = {"link_state": state, "link_reason": reason[:2000], "link_checked_at": timezone.now()}
         if offered_key:
             fields["offered_host_key"] = offered_key
