@@ -26,7 +26,9 @@ class MachineError(Exception):
 def check_offered_host_key(host: str, port: int, expected_fingerprint: str = "") -> tuple[str, str]:
     """Connect once, without authenticating, and read the host key ``host:port`` offers.
 
-    Returns (key line ``<type> <base64>`` to pin, its SHA256 fingerprint). When the admin
+    Returns (the known_hosts line to pin — ``<host entry> <type> <base64>``, the entry
+    written as OpenSSH writes it, ``[host]:port`` off port 22 — and the key's SHA256
+    fingerprint). When the admin
     gave the fingerprint they expect (from ``ssh-keygen -lf`` on the machine), a
     different key is refused naming both.
     """
@@ -40,7 +42,7 @@ def check_offered_host_key(host: str, port: int, expected_fingerprint: str = "")
         raise MachineError(
             f"{ssh.host_entry(host, port)} offers host key {found}, not the expected {expected}; nothing was pinned"
         )
-    return ssh.public_key_line(key), found
+    return f"{ssh.host_entry(host, port)} {ssh.public_key_line(key)}", found
 
 
 def do_repin(machine: Machine) -> tuple[str, str]:
@@ -55,7 +57,7 @@ def do_repin(machine: Machine) -> tuple[str, str]:
     old, new = machine.host_key_fingerprint, machine.offered_key_fingerprint
     ssh.drop_link(ssh_target(machine))
     Machine.objects.filter(pk=machine.pk).update(
-        host_key=machine.offered_host_key, offered_host_key="", link_state=Machine.LinkState.UNCHECKED, link_reason=""
+        host_key=f"{machine.host_entry} {machine.offered_host_key}", offered_host_key="", link_state=Machine.LinkState.UNCHECKED, link_reason=""
     )
     machine.refresh_from_db()
     return old, new

@@ -155,6 +155,7 @@ def test_a_changed_host_key_is_refused_with_both_fingerprints_until_repinned(ssh
         transport_for(Machine.objects.get(pk=machine.pk)).is_dir("/")
     machine_actions.do_repin(machine)
     machine.refresh_from_db()
+    assert machine.host_key == f"[127.0.0.1]:{sshd.port} {sshd.host_key_line}"
     assert machine.host_key_fingerprint == fingerprint_of(sshd.host_key_line)
     assert transport_for(machine).is_dir("/")
     assert Machine.objects.get(pk=machine.pk).link_state == "reachable"

@@ -51,6 +51,7 @@ def test_adding_a_machine_pins_its_host_key_and_hides_the_private_key(admin_clie
     machine = Machine.objects.get(name="gpu1")
     expected = fingerprint_of(sshd.host_key_line)
     assert machine.host_key_fingerprint == expected
+    assert machine.host_key == f"[127.0.0.1]:{sshd.port} {sshd.host_key_line}"  # as OpenSSH files it
     assert f"Pinned the host key [127.0.0.1]:{sshd.port} offers: {expected}" in page
     key_file = Path(machine.private_key_path)
     assert key_file.read_text().strip() == private_key.strip()
