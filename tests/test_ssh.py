@@ -179,6 +179,12 @@ def test_a_non_standard_port_is_pinned_as_openssh_writes_it(sshd, tmp_path, real
     assert ssh.host_entry("gpu1", 22) == "gpu1" and ssh.host_entry("gpu1", 2222) == "[gpu1]:2222"
 
 
+def test_a_missing_private_key_file_says_so(sshd, tmp_path, real_models_dir, llama_server_bin):
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, private_key_path=str(tmp_path / "gone"))
+    with pytest.raises(TransportError, match="private key for .* is missing on the Corral backend"):
+        transport_for(machine).is_dir("/")
+
+
 def test_a_refused_private_key_says_so(sshd, tmp_path, real_models_dir, llama_server_bin):
     keygen(tmp_path / "stranger")
     machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, private_key_path=str(tmp_path / "stranger"))

@@ -81,12 +81,22 @@ def test_an_expected_fingerprint_that_differs_pins_nothing(admin_client, sshd, r
     assert f"not the expected {wrong}" in page and fingerprint_of(sshd.host_key_line) in page
 
 
-def test_a_key_that_is_not_a_private_key_is_refused(admin_client, sshd, real_models_dir, llama_server_bin):
+@pytest.mark.parametrize("kind", ["nonsense", "public key", "passphrase"])
+def test_a_key_that_cannot_be_used_is_refused(admin_client, sshd, real_models_dir, llama_server_bin, tmp_path, kind):
+    import subprocess
+
+    if kind == "nonsense":
+        text, message = "-----BEGIN NONSENSE-----\nabc\n", "not an OpenSSH private key"
+    elif kind == "public key":
+        text, message = Path(sshd.client_key + ".pub").read_text(), "not an OpenSSH private key"
+    else:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret-phrase", "-f", str(tmp_path / "locked")],
+                       check=True)
+        text, message = (tmp_path / "locked").read_text(), "protected by a passphrase"
     response = admin_client.post(
-        "/admin/machines_app/machine/add/",
-        add_form(sshd, real_models_dir, llama_server_bin, private_key="-----BEGIN NONSENSE-----\nabc\n"),
+        "/admin/machines_app/machine/add/", add_form(sshd, real_models_dir, llama_server_bin, private_key=text)
     )
-    assert "not an OpenSSH private key" in response.content.decode()
+    assert message in response.content.decode()
     assert not Machine.objects.filter(name="gpu1").exists()
 
 
