@@ -247,7 +247,9 @@ def restart_server(session_id: int) -> None:
 def watch_servers() -> None:
     """Check every ready server's process (SPEC §5 "keep watching"): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
-    liveness cannot be told makes the session ``unknown`` until it can."""
+    liveness cannot be told makes the session ``unknown`` until it can. A server whose
+    machine was lost while it loaded (``unknown``, not ready) is checked too, so it is
+    waited for again once the machine answers (docs/ssh.md)."""
     records = ServerRecord.objects.filter(
         Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), stopping=False
     ).select_related("machine")
