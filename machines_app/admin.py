@@ -48,6 +48,11 @@ class MachineForm(forms.ModelForm):
         if not data.get("host"):
             self.add_error("host", "An SSH machine needs a host.")
             return data
+        if data["host"].startswith("-") or any(c.isspace() or c in "[]@/," for c in data["host"]):
+            self.add_error(
+                "host", "A host is a name or an address: no spaces, brackets, '@', '/' or ',', not starting with '-'."
+            )
+            return data
         if not data.get("private_key") and not data.get("private_key_path") and not self.instance.private_key_path:
             self.add_error("private_key", "Paste the private key Corral uses for this machine.")
         if not data.get("host_key"):

@@ -111,15 +111,18 @@ def parse_pins(text: str, host: str, port: int) -> paramiko.HostKeys:
         if not line or line.startswith("#"):
             continue
         fields = line.split()
-        if len(fields) == 2 or (len(fields) >= 2 and fields[0].startswith(("ssh-", "ecdsa-", "sk-"))):
-            line = f"{entry} {fields[0]} {fields[1]}"
+        bare = len(fields) == 2 or (len(fields) >= 2 and fields[0].startswith(("ssh-", "ecdsa-", "sk-")))
+        if bare:
+            # A bare key is pinned for this machine's own entry (which is never put into
+            # the text parsed: a host name is data, not known_hosts syntax).
+            line = f"pinned {fields[0]} {fields[1]}"
         try:
             parsed = HostKeyEntry.from_line(line, number)
         except (paramiko.SSHException, InvalidHostKey, ValueError, TypeError) as exc:
             raise ValueError(f"host key line {number} is not a public key or known_hosts line: {exc}") from None
         if parsed is None or parsed.key is None:
             raise ValueError(f"host key line {number} is not a public key or known_hosts line")
-        for name in parsed.hostnames:
+        for name in [entry] if bare else parsed.hostnames:
             keys.add(name, parsed.key.get_name(), parsed.key)
     return keys
 

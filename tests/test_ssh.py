@@ -201,6 +201,15 @@ def test_nothing_listening_is_unreachable_quickly(real_models_dir, llama_server_
     assert Machine.objects.get(pk=machine.pk).link_state == "unreachable"
 
 
+@pytest.mark.parametrize("host", ["-oProxyCommand=touch /tmp/pwned", "gpu1; touch /tmp/pwned", "no-such-host.invalid"])
+def test_a_hostile_or_unknown_host_is_only_a_name(sshd, real_models_dir, llama_server_bin, host):
+    Path("/tmp/pwned").unlink(missing_ok=True)
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, host=host)
+    with pytest.raises(TransportError, match="is unreachable: cannot reach"):
+        transport_for(machine).is_dir("/")
+    assert not Path("/tmp/pwned").exists()
+
+
 # --- quoting --------------------------------------------------------------------------------
 
 HOSTILE_DIRS = ["$(touch /tmp/pwned)", "'; rm -rf ~ #", 'a "b" `touch /tmp/pwned` c\\d', "-n"]

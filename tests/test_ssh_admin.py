@@ -142,3 +142,12 @@ def test_a_garbled_host_key_is_a_form_error(admin_client, sshd, real_models_dir,
     )
     assert "host key line 1 is not a public key" in response.content.decode()
     assert not Machine.objects.filter(name="gpu1").exists()
+
+
+@pytest.mark.parametrize("host", ["-oProxyCommand=touch /tmp/pwned", "gpu1 gpu2", "root@gpu1"])
+def test_a_host_that_is_not_a_name_is_a_form_error(admin_client, sshd, real_models_dir, llama_server_bin, host):
+    response = admin_client.post(
+        "/admin/machines_app/machine/add/", add_form(sshd, real_models_dir, llama_server_bin, host=host)
+    )
+    assert "A host is a name or an address" in response.content.decode()
+    assert not Machine.objects.filter(name="gpu1").exists()
