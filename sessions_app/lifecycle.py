@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def log_path_for(session: AgentSession, transport: Transport) -> str:
     """One append-only, owner-only log file per session, on the machine that runs its
-    server (SPEC §5): a remote server writes its log there, read back by the tail."""
+    server: a remote server writes its log there, read back by the tail (docs/ssh.md)."""
     return posixpath.join(transport.private_dir(), f"session-{session.pk}.log")
 
 

@@ -103,7 +103,7 @@ def test_tilde_is_the_remote_users_home(ssh_machine):
     assert not transport.is_dir("a\x00b")
 
 
-def test_case_c42_a_huge_sparse_remote_file_is_read_by_its_head_only(ssh_machine, tmp_path):
+def test_a_huge_sparse_remote_file_is_read_by_its_head_only(ssh_machine, tmp_path):
     """20 GB on disk by its size, a few KiB of metadata: listed in seconds with its size,
     and the bytes asked of SFTP never exceed what the head needs."""
     root = tmp_path / "huge"
@@ -243,7 +243,7 @@ def test_hostile_working_directories_execute_nothing(ssh_machine, tmp_path, name
 
 @pytest.mark.parametrize("binary", ["llama-server-nowhere", "$(touch /tmp/pwned)", "x; touch /tmp/pwned", "-v"])
 def test_a_binary_not_on_the_path_is_refused_fast(ssh_machine, tmp_path, binary):
-    """Case C39: a binary only an interactive shell would find is refused at once, by name;
+    """A binary only an interactive shell would find is refused at once, by name;
     a hostile "path" is only a name."""
     Path("/tmp/pwned").unlink(missing_ok=True)
     transport = transport_for(ssh_machine)
@@ -311,7 +311,8 @@ def test_a_model_with_spaces_and_quotes_serves_through_the_forward(sshd, tmp_pat
 
 
 def test_a_detached_server_outlives_the_connection(ssh_machine, tmp_path):
-    """Case C39: start, drop the connection at once, reconnect: the same process runs."""
+    """Start, drop the connection at once, reconnect: the same process runs (stdin from
+    /dev/null, output to the log, a session of its own)."""
     transport = transport_for(ssh_machine)
     proc = transport.spawn(["/bin/sleep", "30"], str(tmp_path / "sleep.log"))
     try:
@@ -325,7 +326,8 @@ def test_a_detached_server_outlives_the_connection(ssh_machine, tmp_path):
 
 
 def test_a_command_that_talks_a_lot_is_capped_and_finishes(ssh_machine):
-    """Case C38: 5 MiB on stdout and on stderr at once."""
+    """5 MiB on stdout and on stderr at once: it finishes, the output kept is capped and
+    marked, and a command past its timeout is cut off."""
     transport = transport_for(ssh_machine)
     with transport._link() as link:
         status, output = link.run("head -c 5242880 /dev/zero | tr '\\0' a; head -c 5242880 /dev/zero >&2", timeout=60)

@@ -270,7 +270,7 @@ def test_a_frozen_peer_is_noticed_and_no_thread_stays_blocked(tmp_path, real_mod
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("stop_servers_after")
 def test_a_machine_lost_while_loading_keeps_its_server_and_resumes(stack, tmp_path, real_models_dir, alice):
-    """A link lost during a long load (the stand-in answers 503 for 25 s, case C09) is
+    """A link lost during a long load (the stand-in answers 503 for 25 s, as a multi-GB load does) is
     unknown, not exited: the server keeps loading there, and when the machine answers
     again the same process is waited for and becomes ready — never a second one."""
     from machines_app import catalog
