@@ -57,7 +57,10 @@ def do_repin(machine: Machine) -> tuple[str, str]:
     old, new = machine.host_key_fingerprint, machine.offered_key_fingerprint
     ssh.drop_link(ssh_target(machine))
     Machine.objects.filter(pk=machine.pk).update(
-        host_key=f"{machine.host_entry} {machine.offered_host_key}", offered_host_key="", link_state=Machine.LinkState.UNCHECKED, link_reason=""
+        host_key=f"{machine.host_entry} {machine.offered_host_key}",
+        offered_host_key="",
+        link_state=Machine.LinkState.UNCHECKED,
+        link_reason="",
     )
     machine.refresh_from_db()
     return old, new
