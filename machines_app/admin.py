@@ -1,15 +1,119 @@
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import Count
 
+from . import actions as machine_actions
+from . import ssh
 from .models import Machine, ModelFile, ServerRecord
+
+
+class MachineForm(forms.ModelForm):
+    """The machine form; for SSH it connects once to read and pin the host key, and takes
+    the private key write-only (stored 0600 under the data directory, never shown back)."""
+
+    private_key = forms.CharField(
+        required=False, strip=False, widget=forms.Textarea(attrs={"rows": 4, "autocomplete": "off"}),
+        help_text="Paste the private key Corral uses for this machine (OpenSSH format, no passphrase). It is "
+        "stored on the backend, readable by Corral only, and never shown again; leave empty to keep the current one.",
+    )
+    expected_fingerprint = forms.CharField(
+        required=False, label="Expected host key fingerprint",
+        help_text="Optional: the SHA256 fingerprint from `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` on the "
+        "machine. When the host key is empty, Corral connects once, shows the key offered and pins it; with this "
+        "filled in it pins only a key with this fingerprint.",
+    )
+
+    class Meta:
+        model = Machine
+        fields = [
+            "name", "transport", "host", "port", "user", "private_key", "private_key_path", "expected_fingerprint",
+            "host_key", "models_dir", "llama_server_path", "workspace_roots", "allowed_groups", "enabled",
+        ]
+
+    def clean(self):
+        data = super().clean()
+        self.pinned_fingerprint = ""
+        if data.get("host_key"):
+            try:
+                ssh.parse_pins(data["host_key"], data.get("host") or "", data.get("port") or 22)
+            except ValueError as exc:
+                self.add_error("host_key", str(exc))
+        if data.get("private_key"):
+            try:
+                machine_actions._parse_private_key(data["private_key"])
+            except machine_actions.MachineError as exc:
+                self.add_error("private_key", str(exc))
+        if data.get("transport") != Machine.Transport.SSH:
+            return data
+        if not data.get("host"):
+            self.add_error("host", "An SSH machine needs a host.")
+            return data
+        if data["host"].startswith("-") or any(c.isspace() or c in "[]@/," for c in data["host"]):
+            self.add_error(
+                "host", "A host is a name or an address: no spaces, brackets, '@', '/' or ',', not starting with '-'."
+            )
+            return data
+        if not data.get("private_key") and not data.get("private_key_path") and not self.instance.private_key_path:
+            self.add_error("private_key", "Paste the private key Corral uses for this machine.")
+        if not data.get("host_key"):
+            try:
+                line, fingerprint = machine_actions.check_offered_host_key(
+                    data["host"], data.get("port") or 22, data.get("expected_fingerprint", "")
+                )
+            except machine_actions.MachineError as exc:
+                self.add_error("host_key", str(exc))
+                return data
+            data["host_key"] = line
+            self.pinned_fingerprint = fingerprint
+        return data
 
 
 @admin.register(Machine)
 class MachineAdmin(admin.ModelAdmin):
-    list_display = ("name", "transport", "host", "models_dir", "enabled", "models_refreshed_at")
-    list_filter = ("transport", "enabled", "allowed_groups")
+    form = MachineForm
+    list_display = (
+        "name", "transport", "address", "state", "running_sessions", "models_dir", "enabled", "models_refreshed_at"
+    )
+    list_filter = ("transport", "enabled", "link_state", "allowed_groups")
     filter_horizontal = ("allowed_groups",)
-    actions = ["refresh_models"]
-    readonly_fields = ("models_refreshed_at", "models_refresh_error")
+    actions = ["refresh_models", "test_connection", "repin_host_key"]
+    readonly_fields = (
+        "host_key_fingerprint", "link_state", "link_reason", "link_checked_at", "offered_key_fingerprint",
+        "models_refreshed_at", "models_refresh_error",
+    )
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(running=Count("serverrecord"))
+
+    @admin.display(description="address")
+    def address(self, obj: Machine) -> str:
+        if obj.transport != Machine.Transport.SSH:
+            return "this backend"
+        return f"{obj.user}@{obj.host_entry}" if obj.user else obj.host_entry
+
+    @admin.display(description="state")
+    def state(self, obj: Machine) -> str:
+        if obj.transport != Machine.Transport.SSH:
+            return "reachable"
+        label = obj.get_link_state_display()
+        return f"{label}: {obj.link_reason}" if obj.link_reason else label
+
+    @admin.display(description="running sessions", ordering="running")
+    def running_sessions(self, obj: Machine) -> int:
+        return obj.running
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        if form.cleaned_data.get("private_key"):
+            fingerprint = machine_actions.do_store_private_key(obj, form.cleaned_data["private_key"])
+            self.message_user(request, f"Private key stored for {obj.name} (public key {fingerprint}).")
+        if getattr(form, "pinned_fingerprint", ""):
+            self.message_user(
+                request,
+                f"Pinned the host key {obj.host_entry} offers: {form.pinned_fingerprint}. Compare it with "
+                "`ssh-keygen -lf` on the machine; from now on any other key is refused.",
+                messages.WARNING,
+            )
 
     @admin.action(description="Refresh models (read GGUF heads)")
     def refresh_models(self, request, queryset):
@@ -19,6 +123,24 @@ class MachineAdmin(admin.ModelAdmin):
             refresh_models.delay(machine.pk)
         names = ", ".join(m.name for m in queryset)
         self.message_user(request, f"Reading model files on {names}; reload this page in a moment.")
+
+    @admin.action(description="Test connection")
+    def test_connection(self, request, queryset):
+        for machine in queryset:
+            try:
+                self.message_user(request, machine_actions.do_test_connection(machine))
+            except machine_actions.MachineError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+
+    @admin.action(description="Re-pin the changed host key (the key the machine offered when refused)")
+    def repin_host_key(self, request, queryset):
+        for machine in queryset:
+            try:
+                old, new = machine_actions.do_repin(machine)
+            except machine_actions.MachineError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+                continue
+            self.message_user(request, f"{machine.name} ({machine.host_entry}): host key re-pinned, {old} → {new}.")
 
 
 @admin.register(ModelFile)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from django.db import models
+from django.utils import timezone
+
+from . import ssh
 
 from .workspaces import parse_roots, validate_workspace_roots
 
@@ -16,14 +19,30 @@ class Machine(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     transport = models.CharField(max_length=10, choices=Transport.choices, default=Transport.LOCAL)
+    class LinkState(models.TextChoices):
+        UNCHECKED = "unchecked", "not checked yet"
+        REACHABLE = "reachable", "reachable"
+        UNREACHABLE = "unreachable", "unreachable"
+        HOST_KEY_CHANGED = "host_key_changed", "host key changed"
+
     host = models.CharField(max_length=255, blank=True)
     port = models.PositiveIntegerField(default=22)
     user = models.CharField(max_length=100, blank=True)
     private_key_path = models.CharField(
-        max_length=500, blank=True, help_text="Path of the private key on the Corral backend."
+        max_length=500, blank=True,
+        help_text="Path of the private key file on the Corral backend (a key pasted in the admin is stored "
+        "under the data directory, mode 0600, and never shown again).",
     )
     host_key = models.TextField(
-        blank=True, help_text="Pinned host key ('ssh-ed25519 AAAA…'); connections with another key are refused."
+        blank=True,
+        help_text="Pinned host key ('ssh-ed25519 AAAA…', or known_hosts lines, plain or hashed); connections "
+        "offering another key are refused.",
+    )
+    link_state = models.CharField(max_length=20, choices=LinkState.choices, default=LinkState.UNCHECKED)
+    link_reason = models.TextField(blank=True, help_text="Why the machine is unreachable, in plain words.")
+    link_checked_at = models.DateTimeField(null=True, blank=True)
+    offered_host_key = models.TextField(
+        blank=True, help_text="The key the machine offered when it was refused for a changed key (to re-pin)."
     )
     models_dir = models.CharField(max_length=500, default="~/models")
     llama_server_path = models.CharField(max_length=500, default="llama-server")
@@ -59,6 +78,46 @@ class Machine(models.Model):
     def workspace_root_list(self) -> list[str]:
         """The workspace roots as written, one per line ([] = no limit); see machines_app.workspaces."""
         return parse_roots(self.workspace_roots)
+
+    @property
+    def host_entry(self) -> str:
+        """How the host key is filed: ``host``, or ``[host]:port`` off port 22 (OpenSSH)."""
+        return ssh.host_entry(self.host, self.port)
+
+    @property
+    def host_key_fingerprint(self) -> str:
+        """SHA256 fingerprint of the pinned key for this host entry; '' when none is pinned."""
+        return _fingerprint_of(self.host_key, self.host, self.port)
+
+    @property
+    def offered_key_fingerprint(self) -> str:
+        return _fingerprint_of(self.offered_host_key, self.host, self.port)
+
+    def note_link(self, state: str, reason: str, offered_key: str = "") -> None:
+        """Record how the last connection went (the machine list shows it). A changed host
+        key is kept, with the key offered, until an admin re-pins (see
+        ``machines_app.actions.do_repin``). Written only when the state or its reason
+        changes (``link_checked_at`` is when that happened): the health watch checks
+        every couple of seconds and must not write each time."""
+        if (self.link_state, self.link_reason) == (state, reason[:2000]) and not offered_key:
+            return
+        fields = {"link_state": state, "link_reason": reason[:2000], "link_checked_at": timezone.now()}
+        if offered_key:
+            fields["offered_host_key"] = offered_key
+        rows = Machine.objects.filter(pk=self.pk)
+        if state != self.LinkState.HOST_KEY_CHANGED:
+            rows = rows.exclude(link_state=self.LinkState.HOST_KEY_CHANGED)
+        rows.update(**fields)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+def _fingerprint_of(text: str, host: str, port: int) -> str:
+    try:
+        key = ssh.pinned_key(ssh.parse_pins(text, host, port), host, port)
+    except ValueError:
+        return ""
+    return ssh.fingerprint(key) if key is not None else ""
 
 
 class ModelFile(models.Model):

@@ -8,14 +8,24 @@ need a fake replace this seam, never the domain code above it.
 from __future__ import annotations
 
 import os
+import posixpath
+import random
+import shlex
 import signal
 import socket
+import stat
 import subprocess
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from django.conf import settings
+
+from . import ssh
 
 
 class TransportError(Exception):
@@ -124,6 +134,14 @@ class Transport(ABC):
     @abstractmethod
     def is_file(self, path: str) -> bool:
         """Whether ``path`` is an existing file on that machine."""
+
+    @abstractmethod
+    def private_dir(self) -> str:
+        """A directory on that machine, readable by its owner only, where Corral keeps a
+        session's server log and key file (created on first use)."""
+
+    def release_port(self, port: int) -> None:
+        """This backend no longer needs to reach ``port`` (its server was stopped)."""
 
     def stop(self, proc: ProcessId, grace: float = 5.0) -> None:
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL (case C21: a llama-server
@@ -261,9 +279,310 @@ class LocalTransport(Transport):
         except (OSError, ValueError):  # a name too long, a NUL, no permission: not a directory we can use
             return False
 
+    def private_dir(self) -> str:
+        return str(settings.CORRAL_LOG_DIR)
+
+
+#: How often ``list_gguf`` may look at a directory entry: a models directory with more
+#: entries than this is refused rather than walked for minutes.
+MAX_LISTED_ENTRIES = 20000
+#: Bytes read from the end of a remote log for its tail.
+LOG_TAIL_BYTES = 64 * 1024
+
+LinkReport = Callable[[str, str, str], None]
+
+
+class SSHTransport(Transport):
+    """A machine reached over SSH (paramiko, :mod:`machines_app.ssh`); nothing installed
+    there but ``llama-server``, ``sh``, ``setsid``/``nohup`` and an SFTP server.
+
+    Files are listed, heads read, liveness and logs checked over SFTP; commands (spawn,
+    signal, write a key file) are built with :func:`shlex.quote` on every argument and run
+    with ``sh -c``. ``report(state, reason, offered_key)`` is told how the link went
+    (``"reachable"``, ``"unreachable"``, ``"host_key_changed"``) so the machine list shows it.
+    """
+
+    def __init__(
+        self, name: str, target: ssh.Target, report: LinkReport | None = None, *, refused: str = ""
+    ) -> None:
+        self.name = name
+        self.target = target
+        self.report = report
+        self.refused = refused  # a changed host key stays refused until an admin re-pins
+        self._reported: tuple[str, str] = ("", "")
+
+    @contextmanager
+    def _link(self) -> Iterator[ssh.Link]:
+        """The live link; every LinkError becomes a TransportError naming the machine."""
+        if self.refused:
+            raise TransportError(f"Machine '{self.name}': {self.refused}", permanent=False)
+        try:
+            link = ssh.link_for(self.target)
+            yield link
+        except ssh.HostKeyChanged as exc:
+            self._report("host_key_changed", str(exc), ssh.public_key_line(exc.offered))
+            raise TransportError(f"Machine '{self.name}': {exc}", permanent=False) from None
+        except ssh.LinkError as exc:
+            self._report("unreachable", str(exc), "")
+            raise TransportError(f"Machine '{self.name}' is unreachable: {exc}", permanent=False) from None
+        else:
+            self._report("reachable", "", "")
+
+    def _report(self, state: str, reason: str, offered: str) -> None:
+        if self.report is not None and (state, reason) != self._reported:
+            self._reported = (state, reason)
+            self.report(state, reason, offered)
+
+    def check(self) -> str:
+        """Connect (or reuse the live connection) and answer the remote home directory.
+        Raises TransportError; used by the admin's "test connection"."""
+        with self._link() as link:
+            return link.home()
+
+    def _run(self, script: str, *, stdin: bytes = b"", timeout: float = 30.0) -> tuple[int, str]:
+        with self._link() as link:
+            return link.run(script, stdin=stdin, timeout=timeout)
+
+    def expand_path(self, path: str) -> str:
+        if "\x00" in path:
+            raise TransportError(f"{path!r} is not a usable path: it contains a NUL character")
+        with self._link() as link:
+            home = link.home()
+        if path == "~" or path.startswith("~/"):
+            path = home + path[1:]
+        elif path.startswith("~"):
+            raise TransportError(f"{path!r}: only ~ (the home of {self.target.user or 'the SSH user'}) is expanded")
+        return posixpath.normpath(posixpath.join(home, path))
+
+    def real_path(self, path: str) -> str:
+        if "\x00" in path or "\n" in path:
+            raise TransportError(f"{path!r} is not a usable path: it contains a control character")
+        if path == "~" or path.startswith("~/"):
+            with self._link() as link:
+                path = link.home() + path[1:]
+        elif path.startswith("~"):
+            raise TransportError(f"{path!r}: only ~ (the home of {self.target.user or 'the SSH user'}) is expanded")
+        # realpath -m on that machine: symlinks resolved there, before any "..", and a part
+        # that does not exist kept as written (GNU coreutils; busybox has -m too).
+        status, output = self._run(f"realpath -m -- {shlex.quote(path)}", timeout=15)
+        resolved = output.strip()
+        if status != 0 or not resolved.startswith("/"):
+            raise TransportError(f"{path!r} could not be resolved on {self.name}: {resolved or 'no answer'}")
+        return resolved
+
+    def list_gguf(self, models_dir: str) -> list[tuple[str, int]]:
+        root = self.expand_path(models_dir)
+        found: list[tuple[str, int]] = []
+        seen = 0
+        with self._link() as link, link.sftp() as sftp:
+            try:
+                if not stat.S_ISDIR(sftp.stat(root).st_mode or 0):
+                    raise TransportError(f"models directory {root} is not a directory on {self.name}")
+            except FileNotFoundError:
+                raise TransportError(f"models directory {root} does not exist on {self.name}") from None
+            except PermissionError:
+                raise TransportError(f"models directory {root} cannot be read on {self.name}") from None
+            pending = [""]
+            while pending:
+                relative = pending.pop()
+                try:
+                    entries = sftp.listdir_attr(posixpath.join(root, relative) if relative else root)
+                except OSError:
+                    continue  # an unreadable subdirectory: skipped, as a local walk skips it
+                for attr in entries:
+                    seen += 1
+                    if seen > MAX_LISTED_ENTRIES:
+                        raise TransportError(f"models directory {root} on {self.name} holds more than "
+                                             f"{MAX_LISTED_ENTRIES} entries; point it at the models only")
+                    key = posixpath.join(relative, attr.filename) if relative else attr.filename
+                    mode = attr.st_mode or 0
+                    if stat.S_ISDIR(mode):
+                        pending.append(key)
+                        continue
+                    if not attr.filename.lower().endswith(".gguf"):
+                        continue
+                    if stat.S_ISLNK(mode):
+                        # A linked model counts as a file (a local walk follows the link too);
+                        # a linked directory is not walked, as locally.
+                        try:
+                            attr = sftp.stat(posixpath.join(root, key))
+                        except OSError:
+                            continue
+                        mode = attr.st_mode or 0
+                    if stat.S_ISREG(mode):
+                        found.append((key, attr.st_size or 0))
+        return sorted(found)
+
+    def read_head(self, path: str, nbytes: int) -> bytes:
+        """Up to ``nbytes`` from the start of the file, read in requests of at most 32 KiB,
+        each bounded by the link's I/O timeout: never more than asked, never the weights."""
+        with self._link() as link, link.sftp() as sftp:
+            with sftp.open(path, "rb") as f:
+                chunks, remaining = [], nbytes
+                while remaining > 0:
+                    chunk = f.read(min(remaining, 32768))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    remaining -= len(chunk)
+                return b"".join(chunks)
+
+    def _resolve_binary(self, binary: str) -> str:
+        """The absolute path of ``binary`` on the machine, found the way a non-interactive
+        ``sh`` finds it; refused when it is not there (never shown as started)."""
+        status, output = self._run(f"command -v -- {shlex.quote(binary)}", timeout=15)
+        path = output.strip().splitlines()[-1] if output.strip() else ""
+        if status != 0 or not path.startswith("/"):
+            raise TransportError(
+                f"{binary} was not found on machine '{self.name}' (searched the PATH of a non-interactive shell); "
+                "give the absolute path of llama-server on that machine"
+            )
+        return path
+
+    def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
+        argv = [self._resolve_binary(argv[0]), *argv[1:]]
+        # setsid: a session of its own, so closing the SSH channel sends it no SIGHUP and
+        # stop can signal its group; nohup in case a SIGHUP comes anyway; stdin from
+        # /dev/null and output to the log, so nothing ties it to the channel. `$!` is its
+        # pid: in a shell without job control setsid need not fork, so the pid stays.
+        script = (
+            "umask 077 && "
+            f"mkdir -p -- {shlex.quote(posixpath.dirname(log_path))} && "
+            f"cd -- {shlex.quote(cwd or '.')} && "
+            f"{{ setsid nohup {shlex.join(argv)} >> {shlex.quote(log_path)} 2>&1 < /dev/null & }} && "
+            "echo $!"
+        )
+        status, output = self._run(script, timeout=30)
+        pid_text = output.strip().splitlines()[-1] if output.strip() else ""
+        if status != 0 or not pid_text.isdigit():
+            raise TransportError(f"could not start {argv[0]} on machine '{self.name}': {output.strip()[-500:]}")
+        pid = int(pid_text)
+        stat_fields = self._stat(pid)
+        return ProcessId(pid, stat_fields[1] if stat_fields else "")
+
+    def write_private(self, path: str, text: str) -> None:
+        # umask 077 before creation and noclobber (O_EXCL) after removing whatever was
+        # there: the file is 0600 from its first byte and never one someone prepared. The
+        # text travels on stdin, never on a command line (`ps` shows those to everyone).
+        script = (
+            "umask 077 && "
+            f"mkdir -p -- {shlex.quote(posixpath.dirname(path))} && "
+            f"rm -f -- {shlex.quote(path)} && "
+            f"set -C && cat > {shlex.quote(path)}"
+        )
+        status, output = self._run(script, stdin=text.encode(), timeout=30)
+        if status != 0:
+            raise TransportError(f"could not write {path} on machine '{self.name}': {output.strip()[-300:]}")
+
+    def remove(self, path: str) -> None:
+        try:
+            with self._link() as link, link.sftp() as sftp:
+                sftp.remove(path)
+        except (OSError, TransportError):
+            pass
+
+    def _stat(self, pid: int) -> tuple[str, str] | None:
+        """(state, start time) from the machine's ``/proc/<pid>/stat``; None when gone."""
+        with self._link() as link, link.sftp() as sftp:
+            try:
+                with sftp.open(f"/proc/{int(pid)}/stat", "r") as f:
+                    text = f.read(4096).decode("utf-8", "replace")
+            except OSError:
+                return None
+        try:
+            return parse_proc_stat(text)
+        except (ValueError, IndexError):
+            return None
+
+    def process_alive(self, proc: ProcessId) -> bool:
+        stat_fields = self._stat(proc.pid)
+        return stat_fields is not None and stat_fields[1] == proc.start_time and stat_fields[0] not in ("Z", "X")
+
+    def send_signal(self, proc: ProcessId, sig: int) -> None:
+        if not self.process_alive(proc):
+            return
+        number, pid = int(sig), int(proc.pid)
+        # Its whole process group (setsid made it the leader); the pid alone if that fails.
+        self._run(f"kill -{number} -- -{pid} 2>/dev/null || kill -{number} {pid} 2>/dev/null; true", timeout=15)
+
+    def log_tail(self, log_path: str, lines: int = 15) -> str:
+        try:
+            with self._link() as link, link.sftp() as sftp:
+                with sftp.open(log_path, "r") as f:
+                    size = f.stat().st_size or 0
+                    f.seek(max(size - LOG_TAIL_BYTES, 0))
+                    text = f.read(LOG_TAIL_BYTES).decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return "\n".join(text.rstrip("\n").split("\n")[-lines:])
+
+    def base_url(self, port: int) -> str:
+        return f"http://127.0.0.1:{ssh.forward_port(self.target, port)}"
+
+    def release_port(self, port: int) -> None:
+        ssh.close_forward(self.target, port)
+
+    def free_port(self) -> int:
+        """A port nothing listens on in the machine's ``/proc/net/tcp{,6}`` (no helper
+        program needed there), picked at random from the dynamic range."""
+        busy: set[int] = set()
+        with self._link() as link, link.sftp() as sftp:
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                try:
+                    with sftp.open(table, "r") as f:
+                        text = f.read(4 * 1024 * 1024).decode("ascii", "replace")
+                except OSError:
+                    continue
+                for row in text.splitlines()[1:]:
+                    fields = row.split()
+                    if len(fields) > 1 and ":" in fields[1]:
+                        busy.add(int(fields[1].rsplit(":", 1)[1], 16))
+        candidates = [p for p in random.sample(range(20000, 60000), 200) if p not in busy]
+        if not candidates:
+            raise TransportError(f"no free port found on machine '{self.name}'")
+        return candidates[0]
+
+    def _kind(self, path: str) -> int | None:
+        with self._link() as link, link.sftp() as sftp:
+            try:
+                return sftp.stat(path).st_mode
+            except OSError:
+                return None
+
+    def is_file(self, path: str) -> bool:
+        mode = self._kind(path)
+        return mode is not None and stat.S_ISREG(mode)
+
+    def is_dir(self, path: str) -> bool:
+        try:
+            mode = self._kind(self.expand_path(path))
+        except TransportError as exc:
+            if "NUL" in str(exc):
+                return False
+            raise
+        return mode is not None and stat.S_ISDIR(mode)
+
+    def private_dir(self) -> str:
+        with self._link() as link:
+            return posixpath.join(link.home(), ".corral")
+
+
+def ssh_target(machine) -> ssh.Target:
+    """How to reach an SSH :class:`machines_app.models.Machine`."""
+    return ssh.Target(
+        host=machine.host, port=machine.port, user=machine.user, key_path=machine.private_key_path,
+        host_keys=machine.host_key,
+    )
+
 
 def transport_for(machine) -> Transport:
-    """The transport for a :class:`machines_app.models.Machine`."""
+    """The transport for a :class:`machines_app.models.Machine`. An SSH machine's link
+    state is written back to its row as it changes (see ``Machine.note_link``)."""
     if machine.transport == "local":
         return LocalTransport()
-    raise TransportError(f"machine {machine.name}: SSH machines are not supported yet")
+    if machine.transport == "ssh":
+        if not machine.host:
+            raise TransportError(f"Machine '{machine.name}' has no host")
+        refused = machine.link_reason if machine.link_state == machine.LinkState.HOST_KEY_CHANGED else ""
+        return SSHTransport(machine.name, ssh_target(machine), report=machine.note_link, refused=refused)
+    raise TransportError(f"Machine '{machine.name}' has an unknown transport {machine.transport!r}")

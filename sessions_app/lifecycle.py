@@ -7,9 +7,10 @@ No database transaction is held across a process start, a health poll or a stop.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import posixpath
 
 from django.conf import settings
+from django.db.models import Q
 from django.utils import timezone
 
 from machines_app import catalog
@@ -22,7 +23,7 @@ from machines_app.llama_server import (
     wait_until_ready,
 )
 from machines_app.models import Machine, ModelFile, ServerRecord
-from machines_app.transports import ProcessId, TransportError, transport_for
+from machines_app.transports import ProcessId, Transport, TransportError, transport_for
 
 from . import dispatch, tools, turns
 from .events import record_error, record_event, set_status
@@ -33,16 +34,18 @@ Status = AgentSession.Status
 log = logging.getLogger(__name__)
 
 
-def log_path_for(session: AgentSession) -> str:
-    """One append-only, owner-only log file per session (SPEC §5)."""
-    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}.log")
+def log_path_for(session: AgentSession, transport: Transport) -> str:
+    """One append-only, owner-only log file per session, on the machine that runs its
+    server: a remote server writes its log there, read back by the tail (docs/ssh.md)."""
+    return posixpath.join(transport.private_dir(), f"session-{session.pk}.log")
 
 
-def key_path_for(session: AgentSession, port: int) -> str:
-    """Where the server's API key waits for llama-server to read it at start (mode 0600;
-    removed once the server is ready or has failed). One file per start (the port tells
-    starts apart), so a start being cancelled never removes the next start's key."""
-    return str(Path(settings.CORRAL_LOG_DIR) / f"session-{session.pk}-{port}.key")
+def key_path_for(session: AgentSession, transport: Transport, port: int) -> str:
+    """Where the server's API key waits for llama-server to read it at start, on the
+    server's machine (mode 0600; removed once the server is ready or has failed). One file
+    per start (the port tells starts apart), so a cancelled start never removes the key of
+    the start that replaced it."""
+    return posixpath.join(transport.private_dir(), f"session-{session.pk}-{port}.key")
 
 
 def _proc(record: ServerRecord) -> ProcessId:
@@ -91,18 +94,18 @@ def start_server(session_id: int) -> None:
             return
         record.delete()
 
-    key_file = ""
+    key_path = ""
     try:
         model = catalog.model_for_session(session.machine, session.model_key)
         port = transport.free_port()
-        key_file = key_path_for(session, port)
+        key_path = key_path_for(session, transport, port)
         spec = ServerSpec(
             binary=session.machine.llama_server_path,
             model_path=model.path,
             port=port,
             params=session.server_params,
             has_mtp=model.has_mtp,
-            api_key_file=key_file,
+            api_key_file=key_path,
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.
@@ -110,14 +113,14 @@ def start_server(session_id: int) -> None:
                 f"Machine '{session.machine.name}' has no file {model.path} any more; the model file has to be "
                 "on that machine (refresh the model list after copying it there)."
             )
-        log_path = log_path_for(session)
+        log_path = log_path_for(session, transport)
         set_status(session.pk, Status.LOADING)
         api_key = new_api_key()
         transport.write_private(spec.api_key_file, api_key + "\n")
         proc = transport.spawn(build_argv(spec), log_path, cwd=None)
     except (catalog.ModelUnavailable, TransportError) as exc:
-        if key_file:
-            transport.remove(key_file)
+        if key_path:
+            transport.remove(key_path)
         _fail(session, str(exc))
         return
     record = ServerRecord.objects.create(
@@ -145,12 +148,21 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             api_key=record.api_key,
             should_stop=lambda: ServerRecord.objects.filter(pk=record.pk, stopping=False).count() == 0,
         )
-    except (ServerStartError, TransportError) as exc:
-        transport.remove(key_path_for(session, record.port))
+    except TransportError as exc:
+        # The machine stopped answering while the model loads. Its server may well still
+        # run there: keep the record (never orphan a process holding a model) and say
+        # unknown; the watch takes it up again when the machine answers.
+        transport.release_port(record.port)
+        if set_status(session.pk, Status.UNKNOWN, only_from=(Status.LOADING,)):
+            record_error(session.pk, _unknown_sentence(exc))
+        return
+    except ServerStartError as exc:
         try:
+            transport.remove(key_path_for(session, transport, record.port))
             transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
         except TransportError:
             pass
+        transport.release_port(record.port)
         # Stopped on purpose (a stop, a restart or a model change took the record): say nothing.
         stopped_on_purpose = not ServerRecord.objects.filter(pk=record.pk, stopping=False).exists()
         ServerRecord.objects.filter(pk=record.pk).delete()
@@ -158,7 +170,10 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
             _fail(session, str(exc))
         return
     # llama-server read its key at start; the file need not outlive that.
-    transport.remove(key_path_for(session, record.port))
+    try:
+        transport.remove(key_path_for(session, transport, record.port))
+    except TransportError:
+        pass  # the machine went away just now: the watch will say so
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
     record_event(
@@ -190,7 +205,18 @@ def _stop_process(session_id: int) -> bool:
     if record is None:
         return False
     ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
-    transport_for(record.machine).stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+    transport = transport_for(record.machine)
+    try:
+        transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+    except TransportError as exc:
+        # The machine cannot be reached to stop it: say so, with what an admin needs to
+        # find the process, rather than claim it stopped.
+        record_error(
+            session_id,
+            f"Could not stop llama-server (pid {record.pid}) on machine '{record.machine.name}': {exc}. "
+            "It may still be running there.",
+        )
+    transport.release_port(record.port)
     record.delete()
     return True
 
@@ -198,8 +224,13 @@ def _stop_process(session_id: int) -> bool:
 def stop_orphan(machine_id: int, pid: int, start_time: str) -> None:
     """Stop a server whose session was deleted (its record went with it)."""
     machine = Machine.objects.filter(pk=machine_id).first()
-    if machine is not None:
+    if machine is None:
+        return
+    try:
         transport_for(machine).stop(ProcessId(pid, start_time), grace=settings.CORRAL_STOP_GRACE)
+    except TransportError as exc:
+        # Nobody is left to tell in a transcript: the worker's log says what to look for.
+        log.warning("could not stop llama-server pid %s on machine %s: %s", pid, machine.name, exc)
 
 
 def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:
@@ -228,9 +259,18 @@ def restart_server(session_id: int) -> None:
 def watch_servers() -> None:
     """Check every ready server's process (SPEC §5 "keep watching"): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
-    liveness cannot be told makes the session ``unknown`` until it can."""
-    for record in ServerRecord.objects.filter(ready_at__isnull=False, stopping=False).select_related("machine"):
+    liveness cannot be told makes the session ``unknown`` until it can. A server whose
+    machine was lost while it loaded (``unknown``, not ready) is checked too, so it is
+    waited for again once the machine answers (docs/ssh.md)."""
+    records = ServerRecord.objects.filter(
+        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), stopping=False
+    ).select_related("machine")
+    for record in records:
         check_server(record)
+
+
+def _unknown_sentence(exc: TransportError) -> str:
+    return f"{exc} The session's server cannot be checked; its status is unknown until the machine answers again."
 
 
 def check_session_server(session_id: int) -> None:
@@ -245,15 +285,25 @@ def check_server(record: ServerRecord) -> None:
     transport = transport_for(record.machine)
     try:
         alive = transport.process_alive(_proc(record))
-    except TransportError:
-        set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
+    except TransportError as exc:
+        if set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING)):
+            record_error(record.session_id, _unknown_sentence(exc))
         return
     if alive:
+        if record.ready_at is None:
+            # Lost while loading, back now: wait for it again (start_server adopts it).
+            if set_status(record.session_id, Status.LOADING, only_from=(Status.UNKNOWN,)):
+                dispatch.enqueue(dispatch.START_SERVER, record.session_id)
+            return
         set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
         return
     # Delete first, conditionally, so two watchers never both report the death.
     if ServerRecord.objects.filter(pk=record.pk, stopping=False).delete()[0] == 0:
         return
-    tail = transport.log_tail(record.log_path)
+    transport.release_port(record.port)
+    try:
+        tail = transport.log_tail(record.log_path)
+    except TransportError:
+        tail = ""
     message = "llama-server exited." + (f" It last said:\n{tail}" if tail else "")
     _fail(AgentSession.objects.get(pk=record.session_id), message)

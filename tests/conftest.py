@@ -351,3 +351,37 @@ def model_side():
     scripted = ScriptedServer()
     yield scripted
     scripted.close()
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on a free loopback port (see tests/sshd.py), for the whole run."""
+    from .sshd import SshServer
+
+    server = SshServer(tmp_path_factory.mktemp("sshd"))
+    server.start()
+    yield server
+    server.kill()
+
+
+def make_ssh_machine(server, models_dir, llama_server_bin, **fields):
+    """This very machine, reached over SSH through ``server`` (a tests/sshd.py SshServer):
+    the real llama-server and the real GGUF files work "remotely" too."""
+    from machines_app.models import Machine
+
+    values = {
+        "name": f"gpu-{time.monotonic_ns()}", "transport": "ssh", "host": "127.0.0.1", "port": server.port,
+        "user": server.user, "private_key_path": server.client_key, "host_key": server.host_key_line,
+        "models_dir": str(models_dir), "llama_server_path": llama_server_bin, **fields,
+    }
+    return Machine.objects.create(**values)
+
+
+@pytest.fixture
+def ssh_machine(db, sshd, real_models_dir, llama_server_bin):
+    """An SSH machine on the test sshd, its models refreshed over SFTP."""
+    from machines_app import catalog
+
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin)
+    catalog.refresh_models(machine)
+    return machine

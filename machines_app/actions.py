@@ -1,0 +1,115 @@
+"""What an admin does to an SSH machine: pin its host key, re-pin a changed one, test the
+connection, store the private key Corral uses (docs/ssh.md).
+
+``check_*`` validate and answer without writing; ``do_*`` write. Every failure is a
+MachineError whose message is for the admin.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import paramiko
+from django.conf import settings
+
+from . import ssh
+from .models import Machine
+from .transports import SSHTransport, TransportError, ssh_target, transport_for
+
+
+class MachineError(Exception):
+    """An admin action on a machine failed; the message says why in the admin's terms."""
+
+
+def check_offered_host_key(host: str, port: int, expected_fingerprint: str = "") -> tuple[str, str]:
+    """Connect once, without authenticating, and read the host key ``host:port`` offers.
+
+    Returns (the known_hosts line to pin — ``<host entry> <type> <base64>``, the entry
+    written as OpenSSH writes it, ``[host]:port`` off port 22 — and the key's SHA256
+    fingerprint). When the admin
+    gave the fingerprint they expect (from ``ssh-keygen -lf`` on the machine), a
+    different key is refused naming both.
+    """
+    try:
+        key = ssh.scan_host_key(host, port)
+    except ssh.LinkError as exc:
+        raise MachineError(str(exc)) from None
+    found = ssh.fingerprint(key)
+    expected = expected_fingerprint.strip()
+    if expected and expected.removeprefix("SHA256:") != found.removeprefix("SHA256:"):
+        raise MachineError(
+            f"{ssh.host_entry(host, port)} offers host key {found}, not the expected {expected}; nothing was pinned"
+        )
+    return f"{ssh.host_entry(host, port)} {ssh.public_key_line(key)}", found
+
+
+def do_repin(machine: Machine) -> tuple[str, str]:
+    """Pin the key the machine offered when it was refused for a changed key.
+
+    That key was recorded at the refusal, so what is pinned is exactly what the admin was
+    shown (not whatever answers now). Returns (old, new) fingerprints.
+    """
+    machine.refresh_from_db()
+    if not machine.offered_host_key:
+        raise MachineError(f"Machine '{machine.name}': no changed host key was seen; nothing to re-pin")
+    old, new = machine.host_key_fingerprint, machine.offered_key_fingerprint
+    ssh.drop_link(ssh_target(machine))
+    Machine.objects.filter(pk=machine.pk).update(
+        host_key=f"{machine.host_entry} {machine.offered_host_key}",
+        offered_host_key="",
+        link_state=Machine.LinkState.UNCHECKED,
+        link_reason="",
+    )
+    machine.refresh_from_db()
+    return old, new
+
+
+def do_test_connection(machine: Machine) -> str:
+    """Connect (host key checked, key authentication) and answer a sentence for the admin.
+    The machine's link state is updated either way."""
+    transport = transport_for(machine)
+    if not isinstance(transport, SSHTransport):
+        return f"Machine '{machine.name}' is this backend itself: always reachable."
+    try:
+        home = transport.check()
+    except TransportError as exc:
+        raise MachineError(str(exc)) from None
+    return (
+        f"Machine '{machine.name}' answers as {machine.user or 'the SSH user'} (home {home}), "
+        f"host key {machine.host_key_fingerprint}."
+    )
+
+
+def _parse_private_key(text: str) -> paramiko.PKey:
+    for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+        try:
+            return kind.from_private_key(io.StringIO(text))
+        except paramiko.PasswordRequiredException:
+            raise MachineError("This private key is protected by a passphrase; Corral needs one without.") from None
+        except (paramiko.SSHException, ValueError):
+            continue
+    raise MachineError("This is not an OpenSSH private key (ed25519, ECDSA or RSA).")
+
+
+def private_key_path_for(machine: Machine) -> Path:
+    return Path(settings.DATA_DIR) / "ssh" / f"machine-{machine.pk}.key"
+
+
+def do_store_private_key(machine: Machine, text: str) -> str:
+    """Store a pasted private key for ``machine`` under the data directory, mode 0600
+    from creation (directory 0700), and point the machine at it. Returns the public
+    key's fingerprint (for the admin to compare with authorized_keys); the key itself is
+    never shown again."""
+    key = _parse_private_key(text.strip() + "\n")
+    path = private_key_path_for(machine)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # O_EXCL below: never a file someone prepared at that path
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text.strip() + "\n")
+    ssh.drop_link(ssh_target(machine))
+    Machine.objects.filter(pk=machine.pk).update(private_key_path=str(path))
+    machine.private_key_path = str(path)
+    return ssh.fingerprint(key)
