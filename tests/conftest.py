@@ -372,7 +372,9 @@ def make_ssh_machine(server, models_dir, llama_server_bin, **fields):
     values = {
         "name": f"gpu-{time.monotonic_ns()}", "transport": "ssh", "host": "127.0.0.1", "port": server.port,
         "user": server.user, "private_key_path": server.client_key, "host_key": server.host_key_line,
-        "models_dir": str(models_dir), "llama_server_path": llama_server_bin, **fields,
+        "models_dir": str(models_dir), "llama_server_path": llama_server_bin,
+        "workspace_roots": "",  # tests work in tmp_path; roots have tests of their own
+        **fields,
     }
     return Machine.objects.create(**values)
 

@@ -19,7 +19,7 @@ from sessions_app import actions, lifecycle
 from sessions_app.forms import NewSessionForm
 from sessions_app.models import AgentSession
 
-from .conftest import make_ssh_machine, model_key, wait_for
+from .conftest import grant_bypass, make_ssh_machine, model_key, wait_for
 from .sshd import SshServer
 from .test_agent_loop import events_of, step, text_reply, tool_call_reply
 from .test_lifecycle import fresh, idle_session, llama_servers_on, payloads, turns_ended
@@ -45,9 +45,11 @@ def test_tools_run_on_the_remote_machine_in_a_hostile_working_directory(ssh_mach
     workdir = tmp_path / name
     workdir.mkdir(parents=True)
     (workdir / "notes.txt").write_text("the sheep are in the north field\n")
+    grant_bypass(alice)
     form = NewSessionForm(
         data={"machine": ssh_machine.pk, "model_key": model_key(ssh_machine, "llama"), "working_dir": str(workdir),
               "permission_mode": "bypassPermissions", "speculative": "auto"},
+        user=alice,
     )
     assert form.is_valid(), form.errors
     assert form.cleaned_data["working_dir"] == str(workdir)
@@ -61,7 +63,7 @@ def test_tools_run_on_the_remote_machine_in_a_hostile_working_directory(ssh_mach
     transport = transport_for(ssh_machine)
     assert record.log_path == f"{transport.private_dir()}/session-{session.pk}.log"
     assert stat.S_IMODE(Path(record.log_path).stat().st_mode) == 0o600
-    assert not Path(lifecycle.key_path_for(session, transport)).exists()  # read at start, then removed
+    assert not Path(lifecycle.key_path_for(session, transport, record.port)).exists()  # read at start, then removed
 
     model_side.will_answer(*tool_call_reply(("exec_shell_command", '{"command": "pwd"}'),
                                             ("read_file", '{"path": "notes.txt"}')))
@@ -88,6 +90,7 @@ def test_a_working_directory_missing_on_the_machine_is_refused_naming_it(ssh_mac
     form = NewSessionForm(
         data={"machine": ssh_machine.pk, "model_key": model_key(ssh_machine, "llama"), "working_dir": str(missing),
               "permission_mode": "manual", "speculative": "auto"},
+        user=alice,
     )
     assert not form.is_valid()
     assert form.errors["working_dir"] == [f"There is no directory {missing} on {ssh_machine.name}."]
@@ -100,7 +103,7 @@ def test_a_session_on_an_unreachable_machine_is_refused_in_words(sshd, real_mode
 
     machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, port=LocalTransport().free_port())
     form = NewSessionForm(data={"machine": machine.pk, "model_key": "x.gguf", "working_dir": str(tmp_path),
-                                "permission_mode": "manual", "speculative": "auto"})
+                                "permission_mode": "manual", "speculative": "auto"}, user=alice)
     assert not form.is_valid()
     assert any("is unreachable" in e for e in form.errors["machine"]), form.errors
 
