@@ -38,7 +38,7 @@ from .completions import (
     ToolCallFragment,
     Usage,
 )
-from .events import load_events, record_error, record_event, set_status
+from .events import load_events
 from .models import AgentSession, McpServer
 from .transcript import Kind, TurnEnd
 
@@ -110,8 +110,8 @@ class Fragments:
     window are stored as one event. Order is kept: a change of kind flushes first.
     """
 
-    def __init__(self, session_id: int) -> None:
-        self.session_id = session_id
+    def __init__(self, record: Callable[[str, dict], None]) -> None:
+        self.record = record
         self.kind: str | None = None
         self.parts: list[str] = []
         self.last_flush = time.monotonic()
@@ -128,27 +128,45 @@ class Fragments:
 
     def flush(self) -> None:
         if self.parts and self.kind:
-            record_event(self.session_id, self.kind, {"text": "".join(self.parts)})
+            self.record(self.kind, {"text": "".join(self.parts)})
         self.parts = []
         self.last_flush = time.monotonic()
 
 
 class Step:
-    """One claimed step of one session's turn."""
+    """One claimed step of one session's turn, holding its lease as ``owner``.
+
+    Every write goes through the lease (turns.record_for_step, finish_turn(owner=…)): a
+    step that was taken over raises turns.LeaseLost at its next write and ends without
+    touching the turn, so two steps never write one turn at once."""
 
     def __init__(
         self,
         session_id: int,
+        owner: str,
         client_factory: ClientFactory,
         run_tool: Callable[..., tools.ToolResult],
     ) -> None:
         self.session_id = session_id
+        self.owner = owner
         self.client_factory = client_factory
         self.run_tool = run_tool
 
+    def record(self, kind: str, payload: dict) -> None:
+        turns.record_for_step(self.session_id, self.owner, kind, payload)
+
+    def error(self, message: str) -> None:
+        self.record(Kind.ERROR, {"message": message})
+
+    def finish(self, reason: TurnEnd) -> None:
+        turns.finish_turn(self.session_id, reason, owner=self.owner)
+
     def interrupted(self) -> bool:
-        """An interrupt was asked for, or the session was deleted under the step."""
-        return not AgentSession.objects.filter(pk=self.session_id, interrupt_requested=False).exists()
+        """An interrupt was asked for, the session was deleted under the step, or another
+        step holds the lease now (checked ~5×/s while a reply streams)."""
+        return not AgentSession.objects.filter(
+            pk=self.session_id, interrupt_requested=False, lease_owner=self.owner
+        ).exists()
 
     def run(self, resumed_after_loss: bool) -> None:
         session = AgentSession.objects.select_related("machine").get(pk=self.session_id)
@@ -156,20 +174,20 @@ class Step:
             return  # SPEC §4: the message waits; start_server enqueues the step once ready
         events = load_events(self.session_id)
         if not transcript.open_turn(events) or session.interrupt_requested:
-            turns.finish_turn(self.session_id, TurnEnd.INTERRUPTED if session.interrupt_requested else TurnEnd.DONE)
+            self.finish(TurnEnd.INTERRUPTED if session.interrupt_requested else TurnEnd.DONE)
             return
         if (resumed_after_loss or transcript.reply_cut_off(events)) and not transcript.pending_calls(events):
             # A step died mid-reply (its worker killed, or Redis or the database failing
             # under it): never answer the same message twice from half a stream.
-            record_error(self.session_id, WORKER_LOST_REPLY)
-            turns.finish_turn(self.session_id, TurnEnd.INTERRUPTED)
+            self.error(WORKER_LOST_REPLY)
+            self.finish(TurnEnd.INTERRUPTED)
             return
         server = lifecycle.server_endpoint(session) if session.status not in (Status.EXITED,) else None
         if server is None or session.status == Status.UNKNOWN:
-            record_error(
-                self.session_id, "llama-server is not running for this session; restart it and send again."
+            self.error(
+                "llama-server is not running for this session; restart it and send again."
             )
-            turns.finish_turn(self.session_id, TurnEnd.ERROR)
+            self.finish(TurnEnd.ERROR)
             return
         while True:
             events = load_events(self.session_id)
@@ -178,12 +196,12 @@ class Step:
                     return  # waiting for a person, or interrupted
                 continue
             if rounds_in_turn(events) >= MAX_ROUNDS:
-                record_error(self.session_id, ROUND_LIMIT_MESSAGE)
-                turns.finish_turn(self.session_id, TurnEnd.LIMIT)
+                self.error(ROUND_LIMIT_MESSAGE)
+                self.finish(TurnEnd.LIMIT)
                 return
             outcome = self.complete(session, events, server)
             if outcome is not None:
-                turns.finish_turn(self.session_id, outcome)
+                self.finish(outcome)
                 return
 
     # --- one completion -----------------------------------------------------------------
@@ -192,7 +210,7 @@ class Step:
         """Stream one completion into the transcript. Returns None when the reply asked
         for tools (their tool_start events are recorded), else why the turn ends:
         ``TurnEnd.DONE``, ``ERROR`` or ``INTERRUPTED``."""
-        set_status(self.session_id, Status.RUNNING)
+        turns.step_status(self.session_id, self.owner, Status.RUNNING)
         catalogue = catalogue_of(events)
         messages = transcript.build_messages(events)
         fresh = AgentSession.objects.get(pk=self.session_id)  # sampling changes apply now
@@ -222,7 +240,7 @@ class Step:
         stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
             messages, tools=catalogue.definitions(), sampling=sampling
         )
-        pending = Fragments(self.session_id)
+        pending = Fragments(self.record)
         produced = False  # any text, reasoning or call: a reply with none is said to be empty
         try:
             for delta in stream:
@@ -245,7 +263,7 @@ class Step:
         except CompletionError as exc:
             pending.flush()  # what was seen stays (SPEC §6: an interrupted reply is kept)
             if not interrupted.is_set():
-                record_error(self.session_id, str(exc))
+                self.error(str(exc))
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
                     lifecycle.check_session_server(self.session_id)
                 return TurnEnd.ERROR
@@ -261,11 +279,11 @@ class Step:
         if usage is not None or finish_reason is not None:
             payload = usage.as_payload() if usage is not None else {}
             payload.update({"seed": seed, "finish_reason": finish_reason})
-            record_event(self.session_id, Kind.USAGE, payload)
+            self.record(Kind.USAGE, payload)
         if interrupted.is_set():
             return TurnEnd.INTERRUPTED
         if not produced:
-            record_event(self.session_id, Kind.NOTICE, {"message": EMPTY_REPLY})
+            self.record(Kind.NOTICE, {"message": EMPTY_REPLY})
         calls = assembler.calls()
         if not calls:
             return TurnEnd.DONE
@@ -280,8 +298,7 @@ class Step:
             call_id = call.id if fresh else f"call_{secrets.token_hex(12)}"
             used.add(call_id)
             entry = catalogue.get(call.name)
-            record_event(
-                self.session_id,
+            self.record(
                 Kind.TOOL_START,
                 {
                     "id": call_id,
@@ -310,21 +327,21 @@ class Step:
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
             if self.interrupted():
-                turns.finish_turn(self.session_id, TurnEnd.INTERRUPTED)
+                self.finish(TurnEnd.INTERRUPTED)
                 return False
             if call_id in running:
                 # Started by a worker that died: a command may have run; never re-run it silently.
-                record_event(self.session_id, Kind.TOOL_END, {"id": call_id, "output": WORKER_LOST_RESULT, "ok": False})
+                self.record(Kind.TOOL_END, {"id": call_id, "output": WORKER_LOST_RESULT, "ok": False})
                 continue
             entry = catalogue.get(name)
             if entry is None:
                 output = tools.UNKNOWN_TOOL_RESULT.format(name=name)
-                record_event(self.session_id, Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
+                self.record(Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
                 continue
             answer = answers.get(call_id, {}).get("answer")
             if answer == transcript.ANSWER_REFUSE:
                 output = REFUSED_RESULT.format(tool=name)
-                record_event(self.session_id, Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
+                self.record(Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
                 continue
             # The mode is read for each call that would be asked about: a bypass whose owner lost
             # the right to it ends here, before this call (actions.gate_mode).
@@ -334,14 +351,14 @@ class Step:
                 and actions.gate_mode(self.session_id) != AgentSession.PermissionMode.BYPASS
             ):
                 if call_id not in asked:
-                    turns.ask_question(self.session_id, call_id, name)
+                    turns.ask_question(self.session_id, call_id, name, owner=self.owner)
                 return False
             self.execute(session, entry, call, server)
         return True
 
     def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> None:
-        set_status(self.session_id, Status.RUNNING)
-        record_event(self.session_id, Kind.TOOL_RUNNING, {"id": call["id"]})
+        turns.step_status(self.session_id, self.owner, Status.RUNNING)
+        self.record(Kind.TOOL_RUNNING, {"id": call["id"]})
         result = self.run_tool(
             entry,
             call.get("input") or {},
@@ -350,7 +367,7 @@ class Step:
             cwd=session.working_dir,
             mcp_servers=McpServer.objects.configs(),
         )
-        record_event(self.session_id, Kind.TOOL_END, {"id": call["id"], "output": result.output, "ok": result.ok})
+        self.record(Kind.TOOL_END, {"id": call["id"], "output": result.output, "ok": result.ok})
 
 
 def run_turn_step(
@@ -373,17 +390,22 @@ def run_turn_step(
     previous = turns.claim_step(session_id, owner)
     if previous is None:
         return
+    step = Step(session_id, owner, client_factory, run_tool or tools.run_tool)
     try:
         with turns.LeaseKeeper(session_id, owner):
-            Step(session_id, client_factory, run_tool or tools.run_tool).run(resumed_after_loss=bool(previous))
+            step.run(resumed_after_loss=bool(previous))
+    except turns.LeaseLost:
+        # Taken over (see turns.LeaseLost): the step that holds the lease now owns the turn.
+        log.warning("session %s: this step lost its lease and stopped", session_id)
     except Exception as exc:  # the turn must end, whatever broke
         if not AgentSession.objects.filter(pk=session_id).exists():
             log.info("session %s was deleted while its turn ran", session_id)
             return
         log.exception("turn step failed for session %s", session_id)
-        record_error(
-            session_id, f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details."
-        )
-        turns.finish_turn(session_id, TurnEnd.ERROR)
+        try:
+            step.error(f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details.")
+            step.finish(TurnEnd.ERROR)
+        except turns.LeaseLost:
+            pass
     finally:
         turns.release_lease(session_id, owner)

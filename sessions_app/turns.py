@@ -126,12 +126,42 @@ def _close_questions(session: AgentSession, events, reason: str) -> None:
         )
 
 
-def finish_turn(session_id: int, reason: TurnEnd) -> None:
-    """End the open turn (``turn_end`` with ``reason``: done, error, interrupted, stopped,
-    limit) and, in the same transaction, take the next queued message — a message is never
-    stranded with nothing running. Open questions are closed as refusals."""
+class LeaseLost(Exception):
+    """The step no longer holds its session's lease: another step took the turn over (its
+    worker was thought dead, or the lease lapsed while the database or the machine was
+    slow). It must stop at once and write nothing more: the new holder owns the turn."""
+
+
+def _check_holder(session: AgentSession, owner: str | None) -> None:
+    if owner is not None and session.lease_owner != owner:
+        raise LeaseLost(f"session {session.pk}: the lease is no longer held by {owner}")
+
+
+def record_for_step(session_id: int, owner: str, kind: str, payload: dict) -> None:
+    """Record an event for the step holding lease ``owner``; raises :class:`LeaseLost`
+    (writing nothing) when another step holds it now."""
     with transaction.atomic():
         session = locked(session_id)
+        _check_holder(session, owner)
+        append(session, kind, payload)
+
+
+def step_status(session_id: int, owner: str, status: str) -> None:
+    """Change the status for the step holding lease ``owner`` (:class:`LeaseLost` if not)."""
+    with transaction.atomic():
+        session = locked(session_id)
+        _check_holder(session, owner)
+        change_status(session, status)
+
+
+def finish_turn(session_id: int, reason: TurnEnd, *, owner: str | None = None) -> None:
+    """End the open turn (``turn_end`` with ``reason``: done, error, interrupted, stopped,
+    limit) and, in the same transaction, take the next queued message — a message is never
+    stranded with nothing running. Open questions are closed as refusals. A step passes its
+    lease ``owner``: a step that lost the lease ends nothing (:class:`LeaseLost`)."""
+    with transaction.atomic():
+        session = locked(session_id)
+        _check_holder(session, owner)
         events = load_events(session_id)
         _close_questions(session, events, reason)
         if transcript.open_turn(events):
@@ -165,10 +195,11 @@ def interrupt(session: AgentSession, by: transcript.Actor) -> bool:
 # --- the gate ---------------------------------------------------------------------------------
 
 
-def ask_question(session_id: int, call_id: str, tool: str) -> None:
+def ask_question(session_id: int, call_id: str, tool: str, *, owner: str | None = None) -> None:
     """Record a question about one call; the session awaits input and the step ends."""
     with transaction.atomic():
         session = locked(session_id)
+        _check_holder(session, owner)
         append(session, Kind.QUESTION, {"id": call_id, "tool": tool})
         change_status(session, Status.AWAITING_INPUT)
 

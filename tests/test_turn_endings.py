@@ -21,6 +21,7 @@ from sessions_app.completions import INCOMPLETE_REPLY, CompletionClient, Complet
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.presenters import usage_line
 
+from .conftest import wait_for
 from .scripted_server import ScriptedServer, chunk, sse
 
 pytestmark = pytest.mark.django_db
@@ -226,3 +227,40 @@ def transcript_of(*steps):
 )
 def test_the_usage_line_has_no_stray_separator(usage, line):
     assert usage_line(usage) == line
+
+
+# --- a step that lost its lease stops writing (two steps never write one turn) -----------------
+
+@pytest.mark.django_db(transaction=True)  # the step runs in a thread of its own, on its own connection
+def test_a_step_taken_over_mid_reply_stops_and_writes_nothing_more(session, alice, server):
+    import threading
+
+    from django.db import connection
+
+    server.will_answer(*[piece for i in range(40) for piece in (sse(chunk({"content": f"w{i} "})), 0.05)],
+                       sse(chunk({}, finish_reason="stop")), DONE)
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "count")
+    def run_step() -> None:
+        try:
+            agent.run_turn_step(session.pk)
+        finally:
+            connection.close()
+
+    step = threading.Thread(target=run_step)
+    step.start()
+    try:
+        wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="assistant_text").exists(), 20,
+                 what="text to stream")
+        # Another step takes the turn over (its worker thought this one dead).
+        AgentSession.objects.filter(pk=session.pk).update(lease_owner="someone-else")
+        last_seq = AgentSession.objects.get(pk=session.pk).last_seq
+    finally:
+        step.join(30)
+    assert not step.is_alive()
+    later = list(TranscriptEvent.objects.filter(session=session, seq__gt=last_seq))
+    # At most the fragment being written at that instant: never a usage, an error or an end.
+    assert all(e.kind == "assistant_text" for e in later) and len(later) <= 1, [e.kind for e in later]
+    fresh = AgentSession.objects.get(pk=session.pk)
+    assert fresh.turn_active and fresh.lease_owner == "someone-else"  # the turn is the new holder's
+    text = "".join(e.payload["text"] for e in TranscriptEvent.objects.filter(session=session, kind="assistant_text"))
+    assert "w39" not in text  # the stream was broken off, not read to its end
