@@ -73,13 +73,14 @@ def _pings(client) -> bool:
 
 @pytest.fixture
 def private_stack(tmp_path, django_db_setup):
-    """daphne + a Celery worker with beat, both on a Redis this test controls."""
+    """daphne + a Celery worker with beat, both on a Redis this test controls. The lease is
+    long: a slow machine must not make the step look dead (that is tested elsewhere)."""
     redis_server = PrivateRedis(tmp_path)
     redis_server.start()
     port = LocalTransport().free_port()
     env = {**os.environ, "DATABASE_URL": _database_url(), "REDIS_URL": redis_server.url,
            "SECRET_KEY": settings.SECRET_KEY, "CORRAL_DATA_DIR": str(tmp_path / "data"),
-           "CORRAL_LEASE_SECONDS": "3", "CORRAL_STOP_GRACE": "2", "PYTHONUNBUFFERED": "1"}
+           "CORRAL_LEASE_SECONDS": "30", "CORRAL_STOP_GRACE": "2", "PYTHONUNBUFFERED": "1"}
     worker_log = tmp_path / "worker.log"
     procs = [
         subprocess.Popen([sys.executable, "-m", "celery", "-A", "project", "worker", "-B",
