@@ -9,6 +9,7 @@ from machines_app.discovery import InvalidModelKey, validate_key
 from machines_app.models import Machine
 from machines_app.transports import TransportError, transport_for
 
+from .actions import SessionError, check_message
 from .models import AgentSession
 
 
@@ -54,12 +55,16 @@ class NewSessionForm(forms.Form):
                 self.initial["model_key"] = preferred.key
 
     def _chosen_machine(self) -> Machine | None:
-        queryset = self.fields["machine"].queryset
+        """The machine whose models the picker lists: the one asked for when it is a
+        valid choice (the field itself judges, so '²', '' or a huge number never reach a
+        query), else the first."""
+        field = self.fields["machine"]
         value = self.data.get("machine") if self.is_bound else self.initial.get("machine")
         value = getattr(value, "pk", value)
-        if value and str(value).isdigit():
-            return queryset.filter(pk=value).first()
-        return queryset.first()
+        try:
+            return field.clean(value)
+        except forms.ValidationError:
+            return field.queryset.first()
 
     def clean_model_key(self) -> str:
         key = self.cleaned_data["model_key"]
@@ -103,8 +108,29 @@ class NewSessionForm(forms.Form):
         return {k: self.cleaned_data[k] for k in self.SAMPLING_FIELDS if self.cleaned_data.get(k) is not None}
 
 
+class MachineChoiceForm(forms.Form):
+    """The ``machine`` query parameter of the model picker (a Machine id, enabled)."""
+
+    machine = forms.ModelChoiceField(
+        queryset=Machine.objects.filter(enabled=True),
+        error_messages={
+            "required": "Choose a machine first.",
+            "invalid_choice": "There is no such machine, or it is turned off; reload the page to see the machines.",
+        },
+    )
+
+
 class MessageForm(forms.Form):
-    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=200_000)
+    """A message to the model; :func:`sessions_app.actions.check_message` owns what may be
+    sent and says why not (a plain Field, so Django's own NUL message never speaks first)."""
+
+    text = forms.Field(widget=forms.Textarea(attrs={"rows": 3}), required=False)
+
+    def clean_text(self) -> str:
+        try:
+            return check_message(self.cleaned_data["text"] or "")
+        except SessionError as exc:
+            raise forms.ValidationError(str(exc)) from None
 
 
 class SessionSettingsForm(forms.Form):

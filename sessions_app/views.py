@@ -12,7 +12,7 @@ from machines_app import catalog
 from machines_app.models import Machine
 
 from . import actions, transcript
-from .forms import MessageForm, NewSessionForm, SessionSettingsForm
+from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import AgentSession
 from .presenters import build_items
 
@@ -50,10 +50,15 @@ def session_new(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 def model_options(request: HttpRequest) -> HttpResponse:
-    """The model picker for one machine (htmx fragment); the list is catalog.models_for's."""
-    machine = Machine.objects.filter(pk=request.GET.get("machine"), enabled=True).first()
-    models = list(catalog.models_for(machine)) if machine else []
-    return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine})
+    """The model picker for one machine (htmx fragment); the list is catalog.models_for's.
+    A missing, malformed or unknown ``machine`` gets an empty picker saying so (400)."""
+    form = MachineChoiceForm(request.GET)
+    if not form.is_valid():
+        context = {"models": [], "machine": None, "error": form.errors["machine"][0]}
+        return render(request, "sessions_app/_model_options.html", context, status=400)
+    machine = form.cleaned_data["machine"]
+    return render(request, "sessions_app/_model_options.html",
+                  {"models": list(catalog.models_for(machine)), "machine": machine})
 
 
 @require_POST
@@ -127,7 +132,7 @@ def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
     form = MessageForm(request.POST)
     if not form.is_valid():
-        return _composer(request, session, form, "Type a message first.")
+        return _composer(request, session, form, form.errors["text"][0])
     try:
         actions.do_send_message(session, request.user, form.cleaned_data["text"])
     except actions.SessionError as exc:
