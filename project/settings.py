@@ -122,7 +122,9 @@ REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        # channels_redis's layer, with a Redis read timeout longer than its blocking read
+        # (else every idle websocket dies after a few seconds: docs/live-page.md).
+        "BACKEND": "project.channel_layer.RedisChannelLayer",
         # capacity: a fast stream must not overflow a browser's channel (case C17); a
         # browser that still misses something catches up from the database.
         "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60},
