@@ -6,52 +6,102 @@ group messages — so nothing falls between the two (register, then fetch, then 
 Every message sent is ``{"seq": n, "ops": [...]}`` in strictly increasing ``seq`` order:
 a group message that repeats one already sent is dropped, and a gap is filled from the
 database before going on.
+
+A socket that cannot be served is accepted and then closed with one of :class:`CloseCode`
+(a refused handshake looks like a network error to a browser, which would retry for
+ever); the page shows each code's sentence and way forward (docs/live-page.md). Frames
+from the browser are ignored: actions go through the HTTP views.
 """
 
 from __future__ import annotations
 
+import enum
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 
 from . import broadcast
 from .actions import can_access
 from .models import AgentSession, TranscriptEvent
 from .presenters import BLOCK_KINDS, NOTE_KINDS, QUEUE_KINDS, SILENT_KINDS, TOOL_KINDS, LiveRenderer
 
-FORBIDDEN = 4403
+#: Largest ``after`` a page can hold (the ``seq`` column is a 64-bit integer).
+MAX_SEQ = 2**63 - 1
+
+
+class CloseCode(enum.IntEnum):
+    """Why a session's socket was closed; the page stops reconnecting on each of these
+    and says what to do (the sentences live in ``session_detail.html``). Close with
+    ``.value``: daphne refuses anything but a plain ``int`` (and answers 1011)."""
+
+    #: The path or query is not one the page sends (``after`` not a whole number ≥ 0).
+    BAD_REQUEST = 4400
+    #: Nobody is logged in on this browser (logged out, or the login expired).
+    LOGGED_OUT = 4401
+    #: No such session for this user: deleted, never theirs, or no session id at all.
+    #: Someone else's session gets the same answer as a missing one, as in the HTTP views.
+    GONE = 4404
+
+
+def _after(scope: dict) -> int | None:
+    """The ``after`` query parameter: a whole number 0 ≤ n < 2⁶³ (0 when absent), else None."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    raw = query.get("after", ["0"])[0]
+    if not (raw.isascii() and raw.isdigit()):
+        return None
+    value = int(raw)
+    return value if value <= MAX_SEQ else None
+
+
+class RefusedConsumer(AsyncWebsocketConsumer):
+    """Any websocket path that is not a session's (``/ws/sessions/abc/``, ``/ws/x``):
+    closed as GONE instead of the router's "No route found" 500."""
+
+    async def connect(self) -> None:
+        await self.accept()
+        await self.close(code=CloseCode.GONE.value)
+
+    async def receive(self, text_data=None, bytes_data=None) -> None:
+        pass
 
 
 class SessionConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
-        self.group = broadcast.group_name(self.session_id)
-        if not await self._allowed():
-            # Accept, then close with our own code: the page sees 4403 and stops
-            # reconnecting (a refused handshake looks like a network error to a browser).
+        self.joined: list[str] = []
+        refusal = await self._refusal()
+        if refusal is not None:
             await self.accept()
-            await self.close(code=FORBIDDEN)
+            await self.close(code=refusal.value)
             return
-        query = parse_qs(self.scope.get("query_string", b"").decode())
-        try:
-            self.last_sent = max(0, int(query.get("after", ["0"])[0]))
-        except ValueError:
-            self.last_sent = 0
+        self.last_sent = _after(self.scope)
         self.renderer = LiveRenderer(
             self.session_id, call_events=self._call_events, machine_name=await self._machine_name()
         )
         await self.accept()
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        for group in (broadcast.group_name(self.session_id), broadcast.login_group_name(self._login_key())):
+            await self.channel_layer.group_add(group, self.channel_name)
+            self.joined.append(group)
         await database_sync_to_async(self._prime)()
         await self._catch_up()
 
     async def disconnect(self, code: int) -> None:
-        if hasattr(self, "group"):
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+        # Leave at once, so no push goes to a socket that is gone (not when the group expires).
+        for group in self.joined:
+            await self.channel_layer.group_discard(group, self.channel_name)
+        self.joined = []
 
-    async def receive_json(self, content, **kwargs) -> None:
-        pass  # push-only: actions go through the HTTP views
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        """Frames from the browser, text or binary, JSON or not, are ignored (push-only)."""
+
+    async def session_gone(self, message: dict) -> None:
+        """The session was deleted while this page watched it."""
+        await self.close(code=CloseCode.GONE.value)
+
+    async def login_ended(self, message: dict) -> None:
+        """This browser's login ended (logged out elsewhere in it, in another tab)."""
+        await self.close(code=CloseCode.LOGGED_OUT.value)
 
     async def transcript_event(self, message: dict) -> None:
         seq = message["seq"]
@@ -75,10 +125,22 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
                 await self._send(event.seq, event.kind, event.payload)
 
     @database_sync_to_async
-    def _allowed(self) -> bool:
+    def _refusal(self) -> CloseCode | None:
+        """Why this socket cannot be served, checked in this order: nobody logged in, no
+        such session for this user, a malformed ``after``; None when it can."""
         user = self.scope.get("user")
+        if user is None or not user.is_authenticated or not user.is_active:
+            return CloseCode.LOGGED_OUT
         session = AgentSession.objects.filter(pk=self.session_id).first()
-        return bool(user is not None and session is not None and can_access(user, session))
+        if session is None or not can_access(user, session):
+            return CloseCode.GONE
+        if _after(self.scope) is None:
+            return CloseCode.BAD_REQUEST
+        return None
+
+    def _login_key(self) -> str:
+        """The Django session key of this browser's login (its logout closes this socket)."""
+        return self.scope["session"].session_key or ""
 
     def _call_events(self, call_id: str, before_seq: int) -> list[TranscriptEvent]:
         """The earlier events of one tool call (runs in the sync thread of feed())."""

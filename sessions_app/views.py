@@ -12,6 +12,7 @@ from machines_app import catalog
 from machines_app.models import Machine
 
 from . import actions, transcript
+from .consumers import CloseCode
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import AgentSession
 from .presenters import build_items
@@ -119,6 +120,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "queued": transcript.pending_queue(events),
         "last_seq": events[-1].seq if events else 0,
         "form": MessageForm(),
+        "close_codes": {code.name: code.value for code in CloseCode},
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
 

@@ -3,7 +3,8 @@
 // The socket is owned by this script, not by any element htmx may swap, so a swap never
 // closes it or opens a second one. Every server message is {seq, ops}; seq only grows.
 // On reconnect the page asks for everything after the last seq it applied, so nothing is
-// lost or shown twice.
+// lost or shown twice. A close with one of the codes the page has a sentence for
+// (#conn-closed) ends the retries; docs/live-page.md lists them.
 (function () {
   "use strict";
   const root = document.getElementById("session");
@@ -14,7 +15,10 @@
   const conn = document.getElementById("conn-state");
 
   function setConn(state) {
-    if (conn) { conn.dataset.state = state; conn.textContent = state === "live" ? "live" : state + "…"; }
+    if (conn) {
+      conn.dataset.state = state;
+      conn.textContent = state === "live" || state === "closed" ? state : state + "…";
+    }
   }
 
   function apply(op) {
@@ -70,7 +74,15 @@
       if (stick) window.scrollTo(0, document.body.scrollHeight);
     };
     socket.onclose = function (e) {
-      if (e.code === 4403) { setConn("forbidden"); return; }
+      // A close code the page has a sentence for is final: say why and how to go on
+      // (log in again, back to the list) instead of retrying for ever.
+      const reason = document.querySelector('#conn-closed [data-close-code="' + Number(e.code) + '"]');
+      if (reason) {
+        reason.hidden = false;
+        reason.parentElement.hidden = false;
+        setConn("closed");
+        return;
+      }
       setConn("reconnecting");
       setTimeout(connect, retry);
       retry = Math.min(retry * 2, 5000);
