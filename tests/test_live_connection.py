@@ -10,6 +10,7 @@ page's messages in Chromium.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
+from django.db import connection
 from django.test import Client
 
 from machines_app.models import Machine
@@ -271,8 +273,17 @@ def test_the_page_says_why_it_stopped_following_and_offers_a_way_on(stack, page,
     other.goto(f"{stack.base_url}/sessions/{second.pk}/")
     other.wait_for_selector("#conn-state[data-state=live]")
 
-    # Deleted while watched: the page says so and links back to the list.
-    AgentSession.objects.filter(pk=session.pk).delete()
+    # Deleted while watched: the page says so and links back to the list. (In a thread of
+    # its own: Playwright's event loop runs in this one, and the push needs async_to_sync.)
+    def delete() -> None:
+        try:
+            AgentSession.objects.filter(pk=session.pk).delete()
+        finally:
+            connection.close()
+
+    deleting = threading.Thread(target=delete)
+    deleting.start()
+    deleting.join(10)
     gone = page.wait_for_selector(f'#conn-closed [data-close-code="{CloseCode.GONE}"]', state="visible")
     assert "This session is gone" in gone.inner_text()
     assert page.get_attribute("#conn-state", "data-state") == "closed"
