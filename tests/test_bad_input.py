@@ -179,9 +179,28 @@ def test_the_composer_says_what_is_wrong_with_a_message(alice, session, text, re
 @pytest.mark.django_db
 def test_the_composer_sends_a_message_with_tabs_and_new_lines(alice, session):
     response = logged_in(alice).post(f"/sessions/{session.pk}/send/", {"text": "line one\n\tline two"})
-    assert response.status_code == 200 and 'class="error"' not in response.content.decode()
+    assert response.status_code == 200 and '<p class="error" id="composer-error" hidden></p>' in response.content.decode()
     taken = TranscriptEvent.objects.get(session=session, kind="message_taken")
     assert taken.payload["text"] == "line one\n\tline two"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("multipart", [False, True])
+def test_a_body_larger_than_the_server_takes_gets_a_sentence_not_a_bare_400(alice, session, settings, multipart):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+    text = "é" * 600_000  # 1.2 MB of UTF-8, more once form-encoded
+    client = logged_in(alice)
+    if multipart:
+        response = client.post(f"/sessions/{session.pk}/send/", {"text": text})
+    else:
+        response = client.post(f"/sessions/{session.pk}/send/", f"text={text}".encode(),
+                               content_type="application/x-www-form-urlencoded")
+    assert response.status_code == 413
+    assert response.content.decode() == (
+        "This is too large to send: the server takes at most 1 MB in one request, "
+        "and a message can be at most 200,000 characters."
+    )
+    assert not TranscriptEvent.objects.filter(session=session).exists()
 
 
 # --- GGUF files llama-server cannot load --------------------------------------------------------

@@ -273,6 +273,12 @@ def test_the_page_says_why_it_stopped_following_and_offers_a_way_on(stack, page,
     other.goto(f"{stack.base_url}/sessions/{second.pk}/")
     other.wait_for_selector("#conn-state[data-state=live]")
 
+    # A paste larger than the server takes in one request: the composer says so.
+    page.evaluate("document.getElementById('id_text').value = 'x'.repeat(3 * 1024 * 1024)")
+    page.click("#send-button")
+    too_large = page.wait_for_selector("#composer-error", state="visible")
+    assert too_large.inner_text().startswith("This is too large to send: the server takes at most 2.5 MB")
+
     # Deleted while watched: the page says so and links back to the list. (In a thread of
     # its own: Playwright's event loop runs in this one, and the push needs async_to_sync.)
     def delete() -> None:

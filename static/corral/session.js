@@ -105,5 +105,22 @@
     }
   });
 
+  // htmx never swaps an error response. A request too large for the server (413) gets a
+  // sentence from it: show it where the person typed (the composer), else in #flash.
+  document.body.addEventListener("htmx:responseError", function (e) {
+    const xhr = e.detail.xhr;
+    if (!xhr || xhr.status !== 413) return;
+    let slot = e.detail.elt && e.detail.elt.id === "composer" ? document.getElementById("composer-error") : null;
+    if (!slot) {
+      slot = document.createElement("p");
+      slot.className = "error";
+      const flash = document.getElementById("flash");
+      if (!flash) return;
+      flash.replaceChildren(slot);
+    }
+    slot.textContent = xhr.responseText;  // text, never markup
+    slot.hidden = false;
+  });
+
   connect();
 })();
