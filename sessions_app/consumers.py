@@ -80,7 +80,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             self.session_id, call_events=self._call_events, machine_name=await self._machine_name()
         )
         await self.accept()
-        for group in (broadcast.group_name(self.session_id), broadcast.login_group_name(self._login_key())):
+        groups = [broadcast.group_name(self.session_id)]
+        if login_key := self._login_key():
+            groups.append(broadcast.login_group_name(login_key))
+        for group in groups:
             await self.channel_layer.group_add(group, self.channel_name)
             self.joined.append(group)
         await database_sync_to_async(self._prime)()
