@@ -35,7 +35,8 @@ class CloseCode(enum.IntEnum):
     and says what to do (the sentences live in ``session_detail.html``). Close with
     ``.value``: daphne refuses anything but a plain ``int`` (and answers 1011)."""
 
-    #: The path or query is not one the page sends (``after`` not a whole number ≥ 0).
+    #: The query is not one the page sends: ``after`` not a whole number ≥ 0, or beyond
+    #: the session's last event.
     BAD_REQUEST = 4400
     #: Nobody is logged in on this browser (logged out, or the login expired).
     LOGGED_OUT = 4401
@@ -130,14 +131,17 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
     @database_sync_to_async
     def _refusal(self) -> CloseCode | None:
         """Why this socket cannot be served, checked in this order: nobody logged in, no
-        such session for this user, a malformed ``after``; None when it can."""
+        such session for this user, a malformed or impossible ``after``; None when it can."""
         user = self.scope.get("user")
         if user is None or not user.is_authenticated or not user.is_active:
             return CloseCode.LOGGED_OUT
         session = AgentSession.objects.filter(pk=self.session_id).first()
         if session is None or not can_access(user, session):
             return CloseCode.GONE
-        if _after(self.scope) is None:
+        after = _after(self.scope)
+        if after is None or after > session.last_seq:
+            # Beyond the last event stored the page holds events this server never had
+            # (a restored database): every push would look old to it. A reload mends it.
             return CloseCode.BAD_REQUEST
         return None
 

@@ -92,6 +92,20 @@ def test_it_closes_a_socket_with_a_malformed_after_as_a_bad_request(alice, sessi
     assert async_to_sync(closed_with)(communicator(path, cookie_of(alice))) == CloseCode.BAD_REQUEST
 
 
+def test_it_closes_a_socket_whose_after_is_beyond_the_last_event_as_a_bad_request(alice, session):
+    actions.record_event(session.pk, "error", {"message": "one"})
+    cookie = cookie_of(alice)
+    assert async_to_sync(closed_with)(communicator(f"/ws/sessions/{session.pk}/?after=2", cookie)) == 4400
+
+    async def at_the_last_event() -> None:
+        comm = communicator(f"/ws/sessions/{session.pk}/?after=1", cookie)
+        assert (await comm.connect(timeout=10))[0]
+        assert await comm.receive_nothing(0.3)  # open, with nothing to catch up
+        await comm.disconnect()
+
+    async_to_sync(at_the_last_event)()
+
+
 def test_it_closes_a_socket_with_non_ascii_bytes_in_its_query_as_a_bad_request(alice, session):
     comm = communicator(f"/ws/sessions/{session.pk}/", cookie_of(alice))
     comm.scope["query_string"] = b"after=\xff\xfe"
