@@ -1,11 +1,11 @@
-"""A request body larger than Django takes, answered with a sentence instead of a blank 400."""
+"""A request body Django will not read, answered with a sentence instead of a blank 400."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.http import HttpRequest, HttpResponse
 
 from sessions_app.actions import MAX_MESSAGE_CHARS
@@ -32,6 +32,10 @@ def request_too_large(get_response: Callable[[HttpRequest], HttpResponse]) -> Ca
                 request.POST  # noqa: B018  (read here, so the size check speaks first)
             except RequestDataTooBig:
                 return HttpResponse(too_large_message(), status=413, content_type="text/plain; charset=utf-8")
+            except (TooManyFieldsSent, TooManyFilesSent) as exc:
+                # No page of Corral's sends this many fields: a script's mistake, told plainly.
+                return HttpResponse(f"This request has too many fields: {exc}", status=400,
+                                    content_type="text/plain; charset=utf-8")
         return get_response(request)
 
     return middleware

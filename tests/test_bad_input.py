@@ -203,6 +203,15 @@ def test_a_body_larger_than_the_server_takes_gets_a_sentence_not_a_bare_400(alic
     assert not TranscriptEvent.objects.filter(session=session).exists()
 
 
+@pytest.mark.django_db
+def test_a_body_with_too_many_fields_gets_a_sentence(alice, session):
+    body = "&".join(f"f{i}=x" for i in range(1500)).encode()
+    response = logged_in(alice).post(f"/sessions/{session.pk}/send/", body,
+                                     content_type="application/x-www-form-urlencoded")
+    assert response.status_code == 400
+    assert response.content.decode().startswith("This request has too many fields: The number of GET/POST parameters")
+
+
 # --- GGUF files llama-server cannot load --------------------------------------------------------
 
 # GGUF value types (gguf.GGUFValueType): raw files, because GGUFWriter always writes an architecture.
