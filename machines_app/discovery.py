@@ -19,8 +19,9 @@ Rules:
   name (compared ignoring case and surrounding spaces) each is shown as
   ``"<name> (<file name>)"``. Without a name it is shown by its file name without
   ``.gguf`` (and without ``-00001-of-0000N`` for split sets).
-* A file that cannot be parsed is still listed, with ``error`` set and its file name
-  as display name, so the admin sees it; such entries cannot be started.
+* A file that cannot be parsed, or whose ``general.architecture`` is missing, empty or
+  not a string (llama-server cannot load it), is still listed, with ``error`` set and
+  its file name as display name, so the admin sees it; such entries cannot be started.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_HEAD_BYTES",
     "InvalidModelKey",
     "ModelInfo",
+    "architecture_problem",
     "discover",
     "read_model_head",
     "split_key_parts",
@@ -234,6 +236,36 @@ def _load(candidate: _Candidate, read_head: ReadHead) -> None:
         stated = head.split_count
         if stated is not None and stated != candidate.split_count:
             candidate.error = f"the file says the model has {stated} parts, but its name says {candidate.split_count}"
+            return
+    if 1 not in candidate.missing_parts:  # later parts of a split set carry no architecture of their own
+        candidate.error = architecture_problem(head)
+
+
+def _kind_of(value: object) -> str:
+    if isinstance(value, bool):
+        return "a true/false flag"
+    if isinstance(value, int | float):
+        return f"the number {value}"
+    return "a list"
+
+
+def architecture_problem(head: GGUFHead) -> str | None:
+    """Why llama-server cannot load a file for want of an architecture, or None.
+
+    llama.cpp reads ``general.architecture`` first to pick the model's code and refuses
+    a file where that key is missing, empty or not a string ("unknown model
+    architecture"); discovery says so before anyone tries to start it.
+    """
+    value = head.metadata.get("general.architecture")
+    if value is None:
+        return ("the file does not say which model architecture it is (no general.architecture), "
+                "so llama-server cannot load it")
+    if not isinstance(value, str):
+        return (f"the file's model architecture (general.architecture) is {_kind_of(value)} instead of a name, "
+                "so llama-server cannot load it")
+    if not value.strip():
+        return "the file's model architecture (general.architecture) is empty, so llama-server cannot load it"
+    return None
 
 
 def _clean_name(head: GGUFHead | None) -> str | None:

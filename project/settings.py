@@ -56,6 +56,8 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    # Before the CSRF check, which would turn an over-large body into a bare 400.
+    "project.middleware.request_too_large",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.auth.middleware.LoginRequiredMiddleware",
@@ -184,7 +186,9 @@ CORRAL_GROUP_REFRESH_SECONDS = CORRAL_GROUP_EXPIRY_SECONDS / 5
 
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        # channels_redis's layer, with a Redis read timeout longer than its blocking read
+        # (else every idle websocket dies after a few seconds: docs/live-page.md).
+        "BACKEND": "project.channel_layer.RedisChannelLayer",
         # capacity: a fast stream must not overflow a browser's channel (case C17); a
         # browser that still misses something catches up from the database.
         # group_expiry: a socket whose daphne died never says goodbye, so its channel stays

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.http import Http404
@@ -187,19 +189,48 @@ def do_stop(session: AgentSession, user) -> None:
 # --- messages, interrupt and questions: the turn's rules live in sessions_app/turns.py ---------
 
 
-def do_send_message(session: AgentSession, user, text: str) -> None:
-    """Take a user's message: start a turn with it, or queue it behind the running one.
+#: The longest message a person may send, in characters (after surrounding spaces are cut).
+MAX_MESSAGE_CHARS = 200_000
 
-    Raises SessionError for an empty message, a slash command (not supported for
-    llama.cpp sessions, SPEC §10) or a session whose server is gone (SPEC §4 ``exited``).
-    A message sent while the model is ``loading`` is accepted and waits (SPEC §4).
+# Tab, newline and carriage return are text; every other control character (C0, DEL,
+# C1) is not something a person types, and PostgreSQL's jsonb cannot store NUL at all.
+_TEXT_CONTROLS = {"\t", "\n", "\r"}
+
+
+def check_message(text: str) -> str:
+    """The message as it will be sent: ``text`` without surrounding white space.
+
+    Raises SessionError with one sentence per reason: nothing typed, longer than
+    MAX_MESSAGE_CHARS characters, a control character (NUL and the like; tab and new
+    lines are fine), or a slash command (not supported for llama.cpp sessions).
     """
     text = text.strip()
     if not text:
         raise SessionError("Type a message first.")
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise SessionError(
+            f"This message is {len(text):,} characters long; a message can be at most {MAX_MESSAGE_CHARS:,}."
+        )
+    for index, char in enumerate(text):
+        if unicodedata.category(char) == "Cc" and char not in _TEXT_CONTROLS:
+            raise SessionError(
+                f"This message contains a control character (U+{ord(char):04X} at character {index + 1:,}), "
+                "which cannot be sent; remove it and send again."
+            )
     if text.startswith("/"):
         command = text.split()[0]
         raise SessionError(f"{command}: compact and slash commands are not supported for llama.cpp sessions.")
+    return text
+
+
+def do_send_message(session: AgentSession, user, text: str) -> None:
+    """Take a user's message: start a turn with it, or queue it behind the running one.
+
+    Raises SessionError for a message check_message refuses or a session whose server is
+    gone (SPEC §4 ``exited``). A message sent while the model is ``loading`` is accepted
+    and waits (SPEC §4).
+    """
+    text = check_message(text)
     with transaction.atomic():
         session = locked(session.pk)
         if session.status == Status.EXITED:

@@ -4,3 +4,6 @@ from django.apps import AppConfig
 class SessionsAppConfig(AppConfig):
     name = "sessions_app"
     verbose_name = "Agent sessions"
+
+    def ready(self) -> None:
+        from . import signals  # noqa: F401  (connects the receivers)

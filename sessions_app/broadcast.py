@@ -1,11 +1,13 @@
 """The only module that talks to the channel layer (STYLE: push from one place, after commit).
 
-Every message carries the session's sequence number, so a browser can tell a gap or a
-duplicate and catch up from the database (case C17).
+Every transcript message carries the session's sequence number, so a browser can tell a
+gap or a duplicate and catch up from the database (case C17). Two more messages close
+sockets: a session deleted, a browser login ended (docs/live-page.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 from asgiref.sync import async_to_sync
@@ -19,6 +21,35 @@ def group_name(session_id: int) -> str:
     return f"session-{session_id}"
 
 
+def login_group_name(session_key: str) -> str:
+    """The Channels group of the sockets opened under one browser login (Django session
+    key); named by a hash, so the key itself, a secret, is never written to Redis."""
+    return "login-" + hashlib.sha256(session_key.encode()).hexdigest()[:32]
+
+
+def _send(group: str, message: dict) -> None:
+    """Send ``message`` to ``group``. Every caller has already stored what the message
+    says, so a send that fails (Redis restarting, the channel layer full) is logged and
+    dropped, never raised: a page catches up from the database."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(group, message)
+    except Exception as exc:  # redis-py, channels_redis and asyncio raise many kinds
+        log.warning("push of %s to %s lost (%s)", message.get("type"), group, exc)
+
+
+def push_session_gone(session_id: int) -> None:
+    """Close every watcher's socket of a deleted session (the page says so: docs/live-page.md)."""
+    _send(group_name(session_id), {"type": "session.gone"})
+
+
+def push_login_ended(session_key: str) -> None:
+    """Close every socket opened under a browser login that has just ended (logout)."""
+    _send(login_group_name(session_key), {"type": "login.ended"})
+
+
 def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:
     """Tell every watcher of the session about one stored event.
 
@@ -29,16 +60,7 @@ def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:
     already stored, and the step, view or task that stored it must go on as if it had
     been delivered.
     """
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    try:
-        async_to_sync(layer.group_send)(
-            group_name(session_id),
-            {"type": "transcript.event", "seq": seq, "kind": kind, "payload": payload},
-        )
-    except Exception as exc:  # redis-py, channels_redis and asyncio raise many kinds
-        log.warning("push of event %s of session %s lost (%s); watchers catch up", seq, session_id, exc)
+    _send(group_name(session_id), {"type": "transcript.event", "seq": seq, "kind": kind, "payload": payload})
 
 
 async def push_presence(session_id: int) -> None:

@@ -1,4 +1,4 @@
-"""Push-only websocket for one session's live transcript (SPEC §12, cases C17, C19).
+"""Push-only websocket for one session's live transcript (docs/behaviour.md §12).
 
 Connect to ``/ws/sessions/<id>/?after=<last seq the page has>``. The consumer joins the
 session's group first, then reads what the page missed from the database, then forwards
@@ -9,20 +9,23 @@ filled from the database before going on. Who is watching travels apart, without
 ``{"presence": [username, ...], "ops": [...]}`` (docs/sharing.md).
 
 Who may connect, and which buttons the rendered HTML carries, is
-``AgentSession.access_for``'s answer, asked again whenever the session's sharing changes:
-a watcher of a session made private is closed with 4403, a page whose rights changed is
-told to reload.
+``AgentSession.access_for``'s answer, asked again whenever the session's sharing changes
+and on every presence heartbeat. A socket that cannot be served is accepted and then
+closed with one of :class:`CloseCode` (a refused handshake looks like a network error to a
+browser, which would retry for ever); the page shows each code's sentence and way forward
+(docs/live-page.md). Frames from the browser are ignored: actions go through the HTTP views.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 from django.conf import settings
 from django.contrib.auth import get_user_model
 
@@ -31,8 +34,51 @@ from .actions import find_session
 from .models import Access, AgentSession, TranscriptEvent
 from .presenters import TOOL_KINDS, TranscriptView, Viewer, prime_window, render_presence
 
-FORBIDDEN = 4403
 logger = logging.getLogger(__name__)
+
+#: Largest ``after`` a page can hold (the ``seq`` column is a 64-bit integer).
+MAX_SEQ = 2**63 - 1
+
+
+class CloseCode(enum.IntEnum):
+    """Why a session's socket was closed; the page stops reconnecting on each of these
+    and says what to do (the sentences live in ``session_detail.html``). Close with
+    ``.value``: daphne refuses anything but a plain ``int`` (and answers 1011)."""
+
+    #: The query is not one the page sends: ``after`` not a whole number ≥ 0, or beyond
+    #: the session's last event.
+    BAD_REQUEST = 4400
+    #: Nobody is logged in on this browser (logged out, or the login expired).
+    LOGGED_OUT = 4401
+    #: The session is no longer shared with this user (its owner made it private, or
+    #: their account lost a right) while the page followed it.
+    NOT_SHARED = 4403
+    #: No such session for this user: deleted, never theirs, or no session id at all.
+    #: Someone else's private session gets the same answer as a missing one, as in the
+    #: HTTP views.
+    GONE = 4404
+
+
+def _after(scope: dict) -> int | None:
+    """The ``after`` query parameter: a whole number 0 ≤ n < 2⁶³ (0 when absent), else None."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    raw = query.get("after", ["0"])[0]
+    if not (raw.isascii() and raw.isdigit()):
+        return None
+    value = int(raw)
+    return value if value <= MAX_SEQ else None
+
+
+class RefusedConsumer(AsyncWebsocketConsumer):
+    """Any websocket path that is not a session's (``/ws/sessions/abc/``, ``/ws/x``):
+    closed as GONE instead of the router's "No route found" 500."""
+
+    async def connect(self) -> None:
+        await self.accept()
+        await self.close(code=CloseCode.GONE.value)
+
+    async def receive(self, text_data=None, bytes_data=None) -> None:
+        pass
 
 
 class SessionConsumer(AsyncJsonWebsocketConsumer):
@@ -42,24 +88,24 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
         self.group = broadcast.group_name(self.session_id)
-        self.access = await self._access()
-        if self.access == Access.NONE:
-            # Accept, then close with our own code: the page sees 4403 and stops
-            # reconnecting (a refused handshake looks like a network error to a browser).
+        self.joined: list[str] = []
+        refusal = await self._refusal()
+        if refusal is not None:
             await self.accept()
-            await self.close(code=FORBIDDEN)
+            await self.close(code=refusal.value)
             return
-        query = parse_qs(self.scope.get("query_string", b"").decode())
-        try:
-            self.last_sent = max(0, int(query.get("after", ["0"])[0]))
-        except ValueError:
-            self.last_sent = 0
+        self.last_sent = _after(self.scope)
         self.renderer = TranscriptView(
             self.session_id, call_events=self._call_events, machine_name=await self._machine_name(),
             viewer=Viewer(self.scope["user"].pk, self.access),
         )
         await self.accept()
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        groups = [self.group]
+        if login_key := self._login_key():
+            groups.append(broadcast.login_group_name(login_key))
+        for group in groups:
+            await self.channel_layer.group_add(group, self.channel_name)
+            self.joined.append(group)
         await self._join()
         self.membership = asyncio.ensure_future(self._keep_membership())
         await database_sync_to_async(self._prime)()
@@ -68,14 +114,29 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if hasattr(self, "membership"):
             self.membership.cancel()
-        if hasattr(self, "group"):
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+        # Leave at once, so no push goes to a socket that is gone (not when the group expires).
+        for group in getattr(self, "joined", []):
+            await self.channel_layer.group_discard(group, self.channel_name)
+        self.joined = []
         if self.heartbeat is not None:
             self.heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.heartbeat
             if await database_sync_to_async(presence.leave)(self.channel_name):
                 await broadcast.push_presence(self.session_id)
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        """Frames from the browser, text or binary, JSON or not, are ignored (push-only)."""
+
+    async def session_gone(self, message: dict) -> None:
+        """The session was deleted while this page watched it."""
+        self.cut_off = True
+        await self.close(code=CloseCode.GONE.value)
+
+    async def login_ended(self, message: dict) -> None:
+        """This browser's login ended (logged out elsewhere in it, in another tab)."""
+        self.cut_off = True
+        await self.close(code=CloseCode.LOGGED_OUT.value)
 
     # --- who is watching (docs/sharing.md)
 
@@ -120,9 +181,6 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             except Exception:  # a Redis outage: the next round tries again
                 logger.warning("re-joining the group of session %s failed", self.session_id, exc_info=True)
 
-    async def receive_json(self, content, **kwargs) -> None:
-        pass  # push-only: actions go through the HTTP views
-
     async def transcript_event(self, message: dict) -> None:
         seq = message["seq"]
         if self.cut_off or seq <= self.last_sent:
@@ -134,12 +192,12 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     async def _recheck(self) -> bool:
         """Ask ``access_for`` again. True when the user lost access: the socket is closed
-        with 4403 and nothing more is sent. When the rights changed otherwise, the page
+        with NOT_SHARED (4403) and nothing more is sent. When the rights changed otherwise, the page
         is told to reload (its buttons were drawn for the old ones)."""
         access = await self._access()
         if access == Access.NONE:
             self.cut_off = True
-            await self.close(code=FORBIDDEN)
+            await self.close(code=CloseCode.NOT_SHARED.value)
             return True
         if access != self.access:
             self.access = access
@@ -161,8 +219,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             if event.seq > self.last_sent and not self.cut_off:
                 await self._send(event.seq, event.kind, event.payload)
 
-    @database_sync_to_async
-    def _access(self) -> Access:
+    def _access_now(self) -> Access:
         """What the user may do now: the account is read afresh (the scope's copy is
         from the handshake and would not show a deactivation)."""
         user = self.scope.get("user")
@@ -171,6 +228,34 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             return Access.NONE
         current = get_user_model().objects.filter(pk=user.pk).first()
         return session.access_for(current) if current is not None else Access.NONE
+
+    @database_sync_to_async
+    def _access(self) -> Access:
+        return self._access_now()
+
+    @database_sync_to_async
+    def _refusal(self) -> CloseCode | None:
+        """Why this socket cannot be served, checked in this order: nobody logged in, no
+        such session for this user (a private session of someone else included), a
+        malformed or impossible ``after``; None when it can (``self.access`` is then set)."""
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated or not user.is_active:
+            return CloseCode.LOGGED_OUT
+        self.access = self._access_now()
+        if self.access == Access.NONE:
+            return CloseCode.GONE
+        after = _after(self.scope)
+        last_seq = AgentSession.objects.filter(pk=self.session_id).values_list("last_seq", flat=True).first() or 0
+        if after is None or after > last_seq:
+            # Beyond the last event stored the page holds events this server never had
+            # (a restored database): every push would look old to it. A reload mends it.
+            return CloseCode.BAD_REQUEST
+        return None
+
+    def _login_key(self) -> str:
+        """The Django session key of this browser's login (its logout closes this socket)."""
+        session = self.scope.get("session")
+        return (session.session_key or "") if session is not None else ""
 
     def _call_events(self, call_id: str, before_seq: int) -> list[TranscriptEvent]:
         """The earlier events of one tool call (runs in the sync thread of feed())."""

@@ -11,7 +11,7 @@ from machines_app.models import Machine
 from machines_app.transports import TransportError
 from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
-from .actions import SessionError, check_permission_mode, may_bypass
+from .actions import SessionError, check_message, check_permission_mode, may_bypass
 from .models import AgentSession
 
 
@@ -75,13 +75,16 @@ class NewSessionForm(forms.Form):
                 self.initial["model_key"] = preferred.key
 
     def _chosen_machine(self) -> Machine | None:
-        queryset = self.fields["machine"].queryset
+        """The machine whose models the picker lists: the one asked for when it is a
+        valid choice (the field itself judges, so '²', '' or a huge number never reach a
+        query), else the first."""
+        field = self.fields["machine"]
         value = self.data.get("machine") if self.is_bound else self.initial.get("machine")
         value = getattr(value, "pk", value)
-        # ASCII digits only: "²".isdigit() is True but no int, and int() would 500 the page.
-        if value and str(value).isascii() and str(value).isdigit():
-            return queryset.filter(pk=value).first() or queryset.first()
-        return queryset.first()
+        try:
+            return field.clean(value)
+        except forms.ValidationError:
+            return field.queryset.first()
 
     def clean_model_key(self) -> str:
         key = self.cleaned_data["model_key"]
@@ -128,8 +131,35 @@ class NewSessionForm(forms.Form):
         return {k: self.cleaned_data[k] for k in self.SAMPLING_FIELDS if self.cleaned_data.get(k) is not None}
 
 
+class MachineChoiceForm(forms.Form):
+    """The ``machine`` query parameter of the model picker: a Machine id among the machines
+    open to ``user`` (enabled, and their groups allow it: machines_app.access)."""
+
+    machine = forms.ModelChoiceField(
+        queryset=Machine.objects.none(),
+        error_messages={
+            "required": "Choose a machine first.",
+            "invalid_choice": "There is no such machine, or it is turned off or not open to you; reload the "
+                              "page to see the machines.",
+        },
+    )
+
+    def __init__(self, *args, user, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["machine"].queryset = machines_for(user)
+
+
 class MessageForm(forms.Form):
-    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=200_000)
+    """A message to the model; :func:`sessions_app.actions.check_message` owns what may be
+    sent and says why not (a plain Field, so Django's own NUL message never speaks first)."""
+
+    text = forms.Field(widget=forms.Textarea(attrs={"rows": 3}), required=False)
+
+    def clean_text(self) -> str:
+        try:
+            return check_message(self.cleaned_data["text"] or "")
+        except SessionError as exc:
+            raise forms.ValidationError(str(exc)) from None
 
 
 class SessionSettingsForm(forms.Form):

@@ -1,7 +1,10 @@
-from django.urls import path
+from django.urls import path, re_path
 
-from .consumers import SessionConsumer
+from .consumers import RefusedConsumer, SessionConsumer
 
 websocket_urlpatterns = [
     path("ws/sessions/<int:session_id>/", SessionConsumer.as_asgi()),
+    # Every other path, a session id that is not a number included: a clean close, never
+    # the router's "No route found" error.
+    re_path(r"", RefusedConsumer.as_asgi()),
 ]

@@ -13,8 +13,9 @@ from machines_app import catalog
 from machines_app.access import machines_for
 
 from . import actions, presence, transcript, turns
+from .consumers import CloseCode
 from .events import load_events
-from .forms import MessageForm, NewSessionForm, SessionSettingsForm
+from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession
 from .presenters import Viewer, build_items, queued_item
 
@@ -95,10 +96,16 @@ def session_new(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 def model_options(request: HttpRequest) -> HttpResponse:
-    """The model picker for one machine (htmx fragment); the list is catalog.models_for's."""
-    machine = machines_for(request.user).filter(pk=request.GET.get("machine")).first()
-    models = list(catalog.models_for(machine)) if machine else []
-    return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine})
+    """The model picker for one machine (htmx fragment); the list is catalog.models_for's.
+    A missing, malformed or unknown ``machine``, or one not open to this user, gets an
+    empty picker saying so (400)."""
+    form = MachineChoiceForm(request.GET, user=request.user)
+    if not form.is_valid():
+        context = {"models": [], "machine": None, "error": form.errors["machine"][0]}
+        return render(request, "sessions_app/_model_options.html", context, status=400)
+    machine = form.cleaned_data["machine"]
+    return render(request, "sessions_app/_model_options.html",
+                  {"models": list(catalog.models_for(machine)), "machine": machine})
 
 
 @require_POST
@@ -168,6 +175,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "last_seq": events[-1].seq if events else 0,
         "form": MessageForm(),
         **_waiting_context(session),
+        "close_codes": {code.name: code.value for code in CloseCode},
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
 
@@ -192,7 +200,7 @@ def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id, ACT)
     form = MessageForm(request.POST)
     if not form.is_valid():
-        return _composer(request, session, form, "Type a message first.")
+        return _composer(request, session, form, form.errors["text"][0])
     try:
         actions.do_send_message(session, request.user, form.cleaned_data["text"])
     except actions.SessionError as exc:

@@ -7,6 +7,7 @@ from django.test import Client
 
 from machines_app.models import Machine
 from sessions_app.events import record_event
+from sessions_app.consumers import CloseCode
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, wait_for
@@ -67,12 +68,13 @@ def test_it_refuses_bobs_websocket_and_a_strangers(stack, alices_session, alice,
         stack.ws_url(alices_session.pk), cookie=f"sessionid={bob_client.cookies['sessionid'].value}",
         origin=stack.base_url,
     )
-    # Accepted, then closed with 4403 before anything is sent (the page stops retrying).
+    # Accepted, then closed before anything is sent (the page stops retrying): bob hears
+    # what a missing session gets (4404), a stranger is asked to log in (4401).
     wait_for(lambda: ws.close_code is not None, 10, what="the socket to be closed")
-    assert ws.close_code == 4403 and ws.messages == []
+    assert ws.close_code == CloseCode.GONE and ws.messages == []
     anonymous = WSRecorder(stack.ws_url(alices_session.pk), cookie="", origin=stack.base_url)
     wait_for(lambda: anonymous.close_code is not None, 10, what="the socket to be closed")
-    assert anonymous.close_code == 4403 and anonymous.messages == []
+    assert anonymous.close_code == CloseCode.LOGGED_OUT and anonymous.messages == []
     other_port = WSRecorder(
         stack.ws_url(alices_session.pk), cookie=f"sessionid={logged_in(alice).cookies['sessionid'].value}",
         origin="http://127.0.0.1:1",

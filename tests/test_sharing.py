@@ -291,10 +291,11 @@ def test_the_websocket_asks_the_same_rule(make_session, users, settings):
         session = make_session(visibility)
         for role, user in users.items():
             code = check(session.pk, user)
-            assert code == (4403 if EXPECTED[(visibility, role)] == Access.NONE else None), (visibility, role)
-        assert check(session.pk, None) == 4403
-    assert check(999999, users["staff"]) == 4403
-    assert check(2**70, users["staff"]) == 4403  # past what the database stores
+            # Not allowed to see it: the same answer as no such session (docs/live-page.md).
+            assert code == (4404 if EXPECTED[(visibility, role)] == Access.NONE else None), (visibility, role)
+        assert check(session.pk, None) == 4401  # nobody logged in
+    assert check(999999, users["staff"]) == 4404
+    assert check(2**70, users["staff"]) == 4404  # past what the database stores
 
 
 @pytest.mark.django_db

@@ -3,7 +3,8 @@
 // The socket is owned by this script, not by any element htmx may swap, so a swap never
 // closes it or opens a second one. Every server message is {seq, ops}; seq only grows.
 // On reconnect the page asks for everything after the last seq it applied, so nothing is
-// lost or shown twice.
+// lost or shown twice. A close with one of the codes the page has a sentence for
+// (#conn-closed) ends the retries; docs/live-page.md lists them.
 (function () {
   "use strict";
   const root = document.getElementById("session");
@@ -14,7 +15,10 @@
   const conn = document.getElementById("conn-state");
 
   function setConn(state) {
-    if (conn) { conn.dataset.state = state; conn.textContent = state === "live" ? "live" : state + "…"; }
+    if (conn) {
+      conn.dataset.state = state;
+      conn.textContent = state === "live" || state === "closed" ? state : state + "…";
+    }
   }
 
   function apply(op) {
@@ -77,11 +81,15 @@
       if (stick) window.scrollTo(0, document.body.scrollHeight);
     };
     socket.onclose = function (e) {
-      if (e.code === 4403) {                   // not (or no longer) shared with this user
-        setConn("forbidden");
-        if (conn) conn.textContent = "not shared with you";
+      // A close code the page has a sentence for is final: say why and how to go on
+      // (log in again, back to the list, not shared any more) instead of retrying for ever.
+      const reason = document.querySelector('#conn-closed [data-close-code="' + Number(e.code) + '"]');
+      if (reason) {
+        reason.hidden = false;
+        reason.parentElement.hidden = false;
+        setConn("closed");
         const composer = document.getElementById("composer-wrap");
-        if (composer) composer.remove();
+        if (composer) composer.remove();  // nothing sent from here would be seen
         return;
       }
       setConn("reconnecting");
@@ -104,6 +112,23 @@
       const box = document.getElementById("id_text");
       if (box) box.focus();
     }
+  });
+
+  // htmx never swaps an error response. A request too large for the server (413) gets a
+  // sentence from it: show it where the person typed (the composer), else in #flash.
+  document.body.addEventListener("htmx:responseError", function (e) {
+    const xhr = e.detail.xhr;
+    if (!xhr || xhr.status !== 413) return;
+    let slot = e.detail.elt && e.detail.elt.id === "composer" ? document.getElementById("composer-error") : null;
+    if (!slot) {
+      slot = document.createElement("p");
+      slot.className = "error";
+      const flash = document.getElementById("flash");
+      if (!flash) return;
+      flash.replaceChildren(slot);
+    }
+    slot.textContent = xhr.responseText;  // text, never markup
+    slot.hidden = false;
   });
 
   connect();

@@ -1,0 +1,41 @@
+"""A request body Django will not read, answered with a sentence instead of a blank 400."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
+from django.http import HttpRequest, HttpResponse
+
+from sessions_app.actions import MAX_MESSAGE_CHARS
+
+
+def too_large_message() -> str:
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE / (1024 * 1024)
+    return (f"This is too large to send: the server takes at most {limit:g} MB in one request, "
+            f"and a message can be at most {MAX_MESSAGE_CHARS:,} characters.")
+
+
+def request_too_large(get_response: Callable[[HttpRequest], HttpResponse]) -> Callable[[HttpRequest], HttpResponse]:
+    """Answer a POST whose form data exceeds ``DATA_UPLOAD_MAX_MEMORY_SIZE`` with 413 and a
+    plain-text sentence (the session page shows it where the person typed).
+
+    Without this, Django's CSRF check is the first to read the body, and its
+    ``RequestDataTooBig`` becomes a bare "Bad Request (400)" that htmx never shows: a
+    pasted log of several megabytes would seem to vanish without a word.
+    """
+
+    def middleware(request: HttpRequest) -> HttpResponse:
+        if request.method == "POST":
+            try:
+                request.POST  # noqa: B018  (read here, so the size check speaks first)
+            except RequestDataTooBig:
+                return HttpResponse(too_large_message(), status=413, content_type="text/plain; charset=utf-8")
+            except (TooManyFieldsSent, TooManyFilesSent) as exc:
+                # No page of Corral's sends this many fields: a script's mistake, told plainly.
+                return HttpResponse(f"This request has too many fields: {exc}", status=400,
+                                    content_type="text/plain; charset=utf-8")
+        return get_response(request)
+
+    return middleware

@@ -1,0 +1,27 @@
+"""Pushes for changes that do not go through an action: a session deleted (from its page
+or from the admin) and a browser logging out. Both close the sockets they concern, so a
+page says so at once instead of at its next reconnect (docs/live-page.md)."""
+
+from __future__ import annotations
+
+from django.contrib.auth.signals import user_logged_out
+from django.db import transaction
+from django.db.models.signals import post_delete
+from django.dispatch import receiver
+
+from . import broadcast
+from .models import AgentSession
+
+
+@receiver(post_delete, sender=AgentSession, dispatch_uid="corral-session-gone")
+def session_deleted(sender, instance: AgentSession, **kwargs) -> None:
+    session_id = instance.pk
+    transaction.on_commit(lambda: broadcast.push_session_gone(session_id))
+
+
+@receiver(user_logged_out, dispatch_uid="corral-login-ended")
+def login_ended(sender, request, user, **kwargs) -> None:
+    # Sent before the session is flushed, so its key is still the one the sockets joined under.
+    session_key = getattr(getattr(request, "session", None), "session_key", None)
+    if session_key:
+        transaction.on_commit(lambda: broadcast.push_login_ended(session_key))
