@@ -1,4 +1,4 @@
-"""Benchmarks for SPEC §13, printed as ratios; run with ``.venv/bin/python bench/run.py``.
+"""Benchmarks for docs/behaviour.md §13, printed as ratios; run with ``.venv/bin/python bench/run.py``.
 
 1. Stream throughput: tokens/s seen by a websocket client of Corral vs a client reading
    the same llama-server directly (same model, prompt, seed, max_tokens; one run).

@@ -1,4 +1,4 @@
-"""The list of models on a machine — one function answers it everywhere (SPEC §3).
+"""The list of models on a machine — one function answers it everywhere (docs/behaviour.md §3).
 
 Refreshing reads only the head of each GGUF through the machine's Transport and stores
 the result as :class:`ModelFile` rows; the picker, the spawn form and the admin all read
@@ -32,14 +32,14 @@ class ResolvedModel:
 
 
 def models_for(machine: Machine) -> QuerySet[ModelFile]:
-    """Every model file known on ``machine``, by display name (SPEC §3: the same list in
+    """Every model file known on ``machine``, by display name (docs/behaviour.md §3: the same list in
     the picker, the spawn form and the API)."""
     return ModelFile.objects.filter(machine=machine).order_by("display_name", "key")
 
 
 def _text(value: object, field: str) -> str:
     """A metadata string as the column can hold it: no NUL, no lone surrogate, cut to
-    the column's length (case C13: odd metadata is shown, never a crash)."""
+    the column's length (docs/behaviour.md C13: odd metadata is shown, never a crash)."""
     text = "" if value is None else str(value)
     text = text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
     limit = ModelFile._meta.get_field(field).max_length
@@ -96,7 +96,7 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
 
 
 def model_for_session(machine: Machine, key: str) -> ResolvedModel:
-    """The model a session may start, checked before anything starts (SPEC §3, §11).
+    """The model a session may start, checked before anything starts (docs/behaviour.md §3, §11).
 
     Raises ModelUnavailable for a key with empty, '.' or '..' parts (never reaching the
     file system), a model the machine does not have, or a broken/incomplete file.

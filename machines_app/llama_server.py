@@ -1,4 +1,4 @@
-"""Starting, readying, watching and stopping ``llama-server`` through a Transport (SPEC §5).
+"""Starting, readying, watching and stopping ``llama-server`` through a Transport (docs/behaviour.md §5).
 
 No Django import: the session lifecycle (:mod:`sessions_app.lifecycle`) wires this to the
 database and the transcript.
@@ -15,11 +15,11 @@ import httpx
 
 from .transports import ProcessId, Transport, TransportError
 
-#: Server parameters → llama-server flags (SPEC §5). Sampling parameters are not flags:
+#: Server parameters → llama-server flags (docs/behaviour.md §5). Sampling parameters are not flags:
 #: they ride on every request, so changing them never reloads a model.
 SERVER_FLAGS = {"contextSize": "-c", "gpuLayers": "-ngl", "threads": "-t"}
 
-HEALTH_INTERVAL = 0.25  # SPEC §5: poll /health about four times a second
+HEALTH_INTERVAL = 0.25  # docs/behaviour.md §5: poll /health about four times a second
 
 
 def new_api_key() -> str:
@@ -71,7 +71,7 @@ class ServerSpec:
 
 
 def build_argv(spec: ServerSpec) -> list[str]:
-    """The llama-server command line for one session (SPEC §5).
+    """The llama-server command line for one session (docs/behaviour.md §5).
 
     Loopback only, always, and answering only the holder of its key: ``--api-key-file``
     (never ``--api-key``: a command line is readable by every user through ``ps``);
@@ -112,8 +112,8 @@ def wait_until_ready(
     """Poll ``GET /health`` ~4×/s until it answers 200, checking the process each time.
 
     Only ``/health`` 200 means ready: during a load it answers 503 while other endpoints may
-    already answer (case C09). A process that exits (bad flag, port taken, model that will
-    not load: case C08) is reported at once rather than after ``timeout`` seconds.
+    already answer (docs/behaviour.md C09). A process that exits (bad flag, port taken, model that will
+    not load: docs/behaviour.md C08) is reported at once rather than after ``timeout`` seconds.
 
     Raises ServerStartError with the log tail; TransportError when the machine is lost.
     """

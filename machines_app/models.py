@@ -1,4 +1,4 @@
-"""Machines, the model files on them, and the record of a running llama-server (SPEC §2)."""
+"""Machines, the model files on them, and the record of a running llama-server (docs/behaviour.md §2)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .workspaces import parse_roots, validate_workspace_roots
 
 
 class Machine(models.Model):
-    """A computer that serves models: the local one, or one reached over SSH (SPEC §2, §11)."""
+    """A computer that serves models: the local one, or one reached over SSH (docs/behaviour.md §2, §11)."""
 
     class Transport(models.TextChoices):
         LOCAL = "local", "Local"
@@ -121,7 +121,7 @@ def _fingerprint_of(text: str, host: str, port: int) -> str:
 
 
 class ModelFile(models.Model):
-    """One GGUF model on one machine, as read from the file's head (SPEC §3).
+    """One GGUF model on one machine, as read from the file's head (docs/behaviour.md §3).
 
     ``key`` is the path relative to the machine's models directory, ``/``-separated; for a
     split set it is the first part's. The list for a machine is answered by
@@ -167,7 +167,7 @@ class ModelFile(models.Model):
 
 
 class ServerRecord(models.Model):
-    """A llama-server started for a session (SPEC §2, §5).
+    """A llama-server started for a session (docs/behaviour.md §2, §5).
 
     ``pid`` and ``start_time`` (the process start time as the machine's ``/proc`` reports it,
     in clock ticks since boot) together identify the process, so a reused pid is never

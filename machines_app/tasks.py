@@ -1,4 +1,4 @@
-"""Thin Celery tasks for machines: model discovery (SPEC §3)."""
+"""Thin Celery tasks for machines: model discovery (docs/behaviour.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How Corral acts on a machine: one Transport per kind of link (SPEC §2, §11).
+"""How Corral acts on a machine: one Transport per kind of link (docs/behaviour.md §2, §11).
 
 Every machine operation — list model files, read a file's head, start a process, check a
 pid, reach a port, read a log tail, stop — goes through a :class:`Transport`. Tests that
@@ -144,7 +144,7 @@ class Transport(ABC):
         """This backend no longer needs to reach ``port`` (its server was stopped)."""
 
     def stop(self, proc: ProcessId, grace: float = 5.0) -> None:
-        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL (case C21: a llama-server
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL (docs/behaviour.md C21: a llama-server
         that served tool calls was seen to hang in "cleaning up before exit…")."""
         if not self.process_alive(proc):
             return
@@ -194,7 +194,7 @@ class LocalTransport(Transport):
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.chmod(log_path, 0o600)
         try:
-            # A session of its own: the server outlives a worker restart (adoption, SPEC §5)
+            # A session of its own: the server outlives a worker restart (adoption, docs/behaviour.md §5)
             # and stop can signal its whole process group.
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True

@@ -1,4 +1,4 @@
-"""The Celery app: spawn, health and turn loops run here (SPEC §5, §6)."""
+"""The Celery app: spawn, health and turn loops run here (docs/behaviour.md §5, §6)."""
 
 import os
 

@@ -189,7 +189,7 @@ CHANNEL_LAYERS = {
         # channels_redis's layer, with a Redis read timeout longer than its blocking read
         # (else every idle websocket dies after a few seconds: docs/live-page.md).
         "BACKEND": "project.channel_layer.RedisChannelLayer",
-        # capacity: a fast stream must not overflow a browser's channel (case C17); a
+        # capacity: a fast stream must not overflow a browser's channel (docs/behaviour.md C17); a
         # browser that still misses something catches up from the database.
         # group_expiry: a socket whose daphne died never says goodbye, so its channel stays
         # in the session's group until this many seconds pass; live consumers re-join every
@@ -202,11 +202,11 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
-# Case C16: the Redis broker redelivers a task not acknowledged within the visibility
+# docs/behaviour.md C16: the Redis broker redelivers a task not acknowledged within the visibility
 # timeout. Tasks are acknowledged on receipt (acks_late off), so a long turn is never
 # redelivered; a worker that dies mid-step is recovered by the watch task from the
 # database lease instead. The timeout is still set above the longest step (a 30 min
-# completion, SPEC §6) in case acks_late is ever turned on.
+# completion, docs/behaviour.md §6) in case acks_late is ever turned on.
 CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 2 * 60 * 60}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -230,7 +230,7 @@ CORRAL_READY_TIMEOUT = env_float("CORRAL_READY_TIMEOUT", 300.0, minimum=1.0)
 CORRAL_STOP_GRACE = env_float("CORRAL_STOP_GRACE", 5.0, minimum=0.0)
 CORRAL_LOG_DIR = DATA_DIR / "logs"
 # A turn step holds its lease this long without renewing (it renews every third of it);
-# a worker that dies mid-step is taken over once it lapses (case C16).
+# a worker that dies mid-step is taken over once it lapses (docs/behaviour.md C16).
 CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
 # An open session page refreshes its "watching now" entry this often; an entry left by a
 # daphne that died expires after three missed refreshes (docs/sharing.md).

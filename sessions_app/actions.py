@@ -75,7 +75,7 @@ def do_create_session(
     owner, *, machine, model_key: str, working_dir: str, server_params: dict, sampling: dict,
     permission_mode: str, title: str = "",
 ) -> AgentSession:
-    """Create a session and start its llama-server in the background (SPEC §5).
+    """Create a session and start its llama-server in the background (docs/behaviour.md §5).
 
     ``working_dir`` is the real path :func:`machines_app.workspaces.check_working_dir`
     answered for ``owner`` (the new-session form calls it). Raises SessionError when the
@@ -108,7 +108,7 @@ def do_create_session(
 
 
 def do_restart(session: AgentSession, user) -> None:
-    """Start the session's server again: after it exited (SPEC §4: exited but
+    """Start the session's server again: after it exited (docs/behaviour.md §4: exited but
     restartable), or to apply changed server parameters. Refused mid-turn."""
     refusal = machine_refusal(user, session.machine)
     if refusal:
@@ -124,7 +124,7 @@ def do_restart(session: AgentSession, user) -> None:
 
 
 def do_change_model(session: AgentSession, user, model_key: str) -> None:
-    """Move the session to another model on its machine (SPEC §10): refused mid-turn;
+    """Move the session to another model on its machine (docs/behaviour.md §10): refused mid-turn;
     otherwise stop the server and start one with the new model. The conversation goes on
     (it lives in the transcript); the prompt cache is lost."""
     refusal = machine_refusal(user, session.machine)
@@ -227,8 +227,8 @@ def do_send_message(session: AgentSession, user, text: str) -> None:
     """Take a user's message: start a turn with it, or queue it behind the running one.
 
     Raises SessionError for a message check_message refuses or a session whose server is
-    gone (SPEC §4 ``exited``). A message sent while the model is ``loading`` is accepted
-    and waits (SPEC §4).
+    gone (docs/behaviour.md §4 ``exited``). A message sent while the model is ``loading`` is accepted
+    and waits (docs/behaviour.md §4).
     """
     text = check_message(text)
     with transaction.atomic():
@@ -239,7 +239,7 @@ def do_send_message(session: AgentSession, user, text: str) -> None:
 
 
 def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
-    """Withdraw a queued message before a turn takes it (SPEC §10). A member the team
+    """Withdraw a queued message before a turn takes it (docs/behaviour.md §10). A member the team
     may act for withdraws only their own messages; the owner and staff any."""
     with transaction.atomic():
         session = locked(session.pk)
@@ -254,7 +254,7 @@ def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
 
 
 def do_interrupt(session: AgentSession, user) -> None:
-    """Stop the running turn (SPEC §6): a streaming step sees the flag within a fraction
+    """Stop the running turn (docs/behaviour.md §6): a streaming step sees the flag within a fraction
     of a second; a turn that no step holds (waiting for a person or for the model to
     load) ends here, its open questions closed as refusals."""
     with transaction.atomic():
@@ -268,7 +268,7 @@ ANSWERS = (transcript.ANSWER_ALLOW_ONCE, transcript.ANSWER_ALLOW_ALWAYS, transcr
 
 def do_answer(session: AgentSession, user, call_id: str, answer: str) -> None:
     """Answer an open question; the first valid answer wins and the turn goes on in a
-    new step (no worker waited for it, SPEC §8)."""
+    new step (no worker waited for it, docs/behaviour.md §8)."""
     if answer not in ANSWERS:
         raise SessionError("Choose Allow once, Always allow or Refuse.")
     with transaction.atomic():
@@ -314,7 +314,7 @@ def check_permission_mode(*, session_owner, user, mode: str) -> None:
 
 
 def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
-    """Switch between asking and not asking; takes effect for the next call (SPEC §8).
+    """Switch between asking and not asking; takes effect for the next call (docs/behaviour.md §8).
 
     Raises SessionError for an unknown mode or a bypass the user or owner may not have.
     """
@@ -351,7 +351,7 @@ def gate_mode(session_id: int) -> str:
 
 
 def do_clear(session: AgentSession, user) -> None:
-    """Record a ``cleared`` marker; the conversation folds from after it (SPEC §10)."""
+    """Record a ``cleared`` marker; the conversation folds from after it (docs/behaviour.md §10)."""
     with transaction.atomic():
         current = locked(session.pk)
         if current.turn_active:

@@ -1,10 +1,10 @@
-"""The turn loop (SPEC §6): fold the transcript, stream a completion, run the calls.
+"""The turn loop (docs/behaviour.md §6): fold the transcript, stream a completion, run the calls.
 
 A turn is driven by *steps*. A step claims the session's lease with a conditional
-UPDATE (case C16: a second copy of the same step — a redelivered task, a recovery run —
+UPDATE (docs/behaviour.md C16: a second copy of the same step — a redelivered task, a recovery run —
 finds the lease held and leaves), folds the transcript to learn where the turn stands,
 and goes on from there: run the calls that are allowed, ask about the first one that is
-not (then end: no worker waits for a person, SPEC §8), or ask the model again. Where a
+not (then end: no worker waits for a person, docs/behaviour.md §8), or ask the model again. Where a
 turn stands is never kept in memory, so a restarted worker picks it up from the
 transcript.
 
@@ -45,7 +45,7 @@ from .transcript import Kind, TurnEnd
 Status = AgentSession.Status
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 32  # SPEC §6.5
+MAX_ROUNDS = 32  # docs/behaviour.md §6.5
 ROUND_LIMIT_MESSAGE = (
     f"Stopped after {MAX_ROUNDS} tool calls in one turn; send another message to carry on, "
     "or ask for something narrower."
@@ -70,7 +70,7 @@ ClientFactory = Callable[..., CompletionClient]
 
 
 def request_sampling(sampling: dict) -> tuple[dict, int]:
-    """The sampling parameters for one request and the seed it uses (SPEC §14: a session
+    """The sampling parameters for one request and the seed it uses (docs/behaviour.md §14: a session
     without a fixed seed draws one per request, recorded with the usage)."""
     params = {k: sampling[k] for k in SAMPLING_KEYS if sampling.get(k) not in (None, "")}
     if "seed" not in params:
@@ -105,7 +105,7 @@ class Fragments:
     that arrive within ``FRAGMENT_FLUSH_EVERY`` seconds of the last write go into one event
     (written when the next fragment comes after the window, or when the reply ends).
 
-    One database write per token would hold the reader back (SPEC §13: a browser must
+    One database write per token would hold the reader back (docs/behaviour.md §13: a browser must
     see ≥ 0.97× the tokens/s of a direct client): fragments that arrive within one
     window are stored as one event. Order is kept: a change of kind flushes first.
     """
@@ -171,7 +171,7 @@ class Step:
     def run(self, resumed_after_loss: bool) -> None:
         session = AgentSession.objects.select_related("machine").get(pk=self.session_id)
         if session.status == Status.LOADING:
-            return  # SPEC §4: the message waits; start_server enqueues the step once ready
+            return  # docs/behaviour.md §4: the message waits; start_server enqueues the step once ready
         events = load_events(self.session_id)
         if not transcript.open_turn(events) or session.interrupt_requested:
             self.finish(TurnEnd.INTERRUPTED if session.interrupt_requested else TurnEnd.DONE)
@@ -261,7 +261,7 @@ class Step:
                     finish_reason = delta.reason or finish_reason
             pending.flush()
         except CompletionError as exc:
-            pending.flush()  # what was seen stays (SPEC §6: an interrupted reply is kept)
+            pending.flush()  # what was seen stays (docs/behaviour.md §6: an interrupted reply is kept)
             if not interrupted.is_set():
                 self.error(str(exc))
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
@@ -287,7 +287,7 @@ class Step:
         calls = assembler.calls()
         if not calls:
             return TurnEnd.DONE
-        # SPEC §9: every call of the reply is recorded, in order, before any runs, so the
+        # docs/behaviour.md §9: every call of the reply is recorded, in order, before any runs, so the
         # fold knows they belong to one assistant message. Results are paired by call id,
         # so an id the transcript has seen before (some servers number calls call_0,
         # call_1 in every reply) is replaced by a fresh one.
@@ -314,7 +314,7 @@ class Step:
             )
         return None
 
-    # --- the calls and the gate (SPEC §8) ---------------------------------------------------
+    # --- the calls and the gate (docs/behaviour.md §8) ---------------------------------------------------
 
     def run_calls(self, session: AgentSession, events, server: Endpoint) -> bool:
         """Run the pending calls in order. False when the step must end here: a question
@@ -377,7 +377,7 @@ def run_turn_step(
     run_tool: Callable[..., tools.ToolResult] | None = None,
     worker: str | None = None,
 ) -> None:
-    """Advance the session's open turn as far as it can go without a person (SPEC §6, §8).
+    """Advance the session's open turn as far as it can go without a person (docs/behaviour.md §6, §8).
 
     ``worker``: the nodename of the Celery worker running the step, recorded in the lease
     so a step whose worker died is taken over without waiting for the lease to lapse.

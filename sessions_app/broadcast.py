@@ -1,7 +1,7 @@
 """The only module that talks to the channel layer (STYLE: push from one place, after commit).
 
 Every transcript message carries the session's sequence number, so a browser can tell a
-gap or a duplicate and catch up from the database (case C17). Two more messages close
+gap or a duplicate and catch up from the database (docs/behaviour.md C17). Two more messages close
 sockets: a session deleted, a browser login ended (docs/live-page.md).
 """
 

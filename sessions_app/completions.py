@@ -1,4 +1,4 @@
-"""Streaming client for llama-server's ``POST /v1/chat/completions`` (SPEC §6, §9).
+"""Streaming client for llama-server's ``POST /v1/chat/completions`` (docs/behaviour.md §6, §9).
 
 Pure Python over plain data plus one seam (:class:`CompletionClient`, the only place that
 talks HTTP to ``llama-server`` for completions); no Django import.
@@ -8,9 +8,9 @@ talks HTTP to ``llama-server`` for completions); no Django import.
   :class:`TextDelta`, :class:`ReasoningDelta`, :class:`ToolCallFragment`, :class:`Finish`,
   :class:`Usage`.
 - :class:`CompletionClient` streams one completion and raises :class:`CompletionError`
-  in the server's own words when the server refuses or breaks off (cases C07, C11).
+  in the server's own words when the server refuses or breaks off (docs/behaviour.md C07, C11).
 - :class:`ToolCallAssembler` joins streamed ``tool_calls`` fragments into
-  :class:`ToolCall` values (SPEC §9, cases C01, C02, C04).
+  :class:`ToolCall` values (docs/behaviour.md §9, docs/behaviour.md C01, C02, C04).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ __all__ = [
     "parse_chunk",
 ]
 
-#: Wall-clock cap on one completion, in seconds (SPEC §6: "longer than 30 minutes").
+#: Wall-clock cap on one completion, in seconds (docs/behaviour.md §6: "longer than 30 minutes").
 DEFAULT_TIMEOUT = 1800.0
 
 #: Seconds allowed to open the TCP connection, capped by the overall timeout.
@@ -120,7 +120,7 @@ class Finish:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts and speeds of one completion (SPEC §6.7, case C11).
+    """Token counts and speeds of one completion (docs/behaviour.md §6.7, docs/behaviour.md C11).
 
     From the OpenAI ``usage`` object: ``prompt_tokens`` (the context held),
     ``completion_tokens``, ``cached_tokens`` (``usage.prompt_tokens_details.cached_tokens``).
@@ -155,7 +155,7 @@ class CompletionError(Exception):
 
     ``status`` is the HTTP status (or the ``error.code`` of an error sent inside the stream);
     ``n_prompt_tokens`` and ``n_ctx`` are the counts llama-server adds to an
-    ``exceed_context_size_error`` (case C07a); ``error_type`` is ``error.type``.
+    ``exceed_context_size_error`` (docs/behaviour.md C07a); ``error_type`` is ``error.type``.
     ``str(exc)`` is the sentence to show the user: the message, plus the counts when they
     were given and the message does not already state them, e.g.
     ``"... (request 9960 tokens, context 8192 tokens)"``.
@@ -193,7 +193,7 @@ class CompletionError(Exception):
 
     @classmethod
     def from_body(cls, status: int | None, body: str) -> CompletionError:
-        """The error for a refused request, read from its response body (SPEC §6.6).
+        """The error for a refused request, read from its response body (docs/behaviour.md §6.6).
 
         The message is ``error.message``, else ``message``, else the body text (trimmed,
         at most :data:`MAX_BODY_QUOTE` characters), else ``"HTTP <status>"``. llama-server
@@ -502,13 +502,13 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class CompletionClient:
-    """Streams completions from one llama-server (SPEC §6.4); the seam tests replace.
+    """Streams completions from one llama-server (docs/behaviour.md §6.4); the seam tests replace.
 
     ``base_url`` is the server root (``http://host:port``, no ``/v1``). ``http`` is an
     ``httpx.Client`` to use (tests may pass one with a mock transport); without it each
     :meth:`stream` opens its own client and closes it when the stream ends, so nothing
     needs closing. ``timeout`` is the wall-clock cap on one completion, in seconds
-    (SPEC §6: 30 minutes); it is also the read timeout, since llama-server sends nothing,
+    (docs/behaviour.md §6: 30 minutes); it is also the read timeout, since llama-server sends nothing,
     not even headers, while it processes a long prompt. ``api_key`` is the server's own
     key, sent as ``Authorization: Bearer …`` (docs/security.md).
     """
@@ -682,7 +682,7 @@ def _duration(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One assembled tool call (SPEC §9).
+    """One assembled tool call (docs/behaviour.md §9).
 
     ``arguments`` is the JSON text sent back to the model in the assistant message's
     ``tool_calls``: the received text byte for byte when it is a JSON object, ``"{}"``
@@ -700,7 +700,7 @@ class ToolCall:
     raw_arguments: str | None = None
 
     def parsed_arguments(self) -> dict[str, Any]:
-        """``arguments`` as a dict; ``{}`` when they are not a JSON object (SPEC §9: run as ``{}``)."""
+        """``arguments`` as a dict; ``{}`` when they are not a JSON object (docs/behaviour.md §9: run as ``{}``)."""
         decoded = _json_object(self.arguments)
         return decoded if decoded is not None else {}
 
@@ -736,7 +736,7 @@ class _PartialCall:
 
 
 class ToolCallAssembler:
-    """Joins streamed ``tool_calls`` fragments into calls (SPEC §9; cases C01, C02, C04).
+    """Joins streamed ``tool_calls`` fragments into calls (docs/behaviour.md §9; docs/behaviour.md C01, C02, C04).
 
     Rules, per fragment ``{"index"?, "id"?, "function": {"name"?, "arguments"?}}``:
 

@@ -1,4 +1,4 @@
-"""The new-session form (SPEC §12): machine, model by name, working directory, parameters."""
+"""The new-session form (docs/behaviour.md §12): machine, model by name, working directory, parameters."""
 
 from __future__ import annotations
 
@@ -36,14 +36,14 @@ class NewSessionForm(forms.Form):
     permission_mode = forms.ChoiceField(
         choices=AgentSession.PermissionMode.choices, initial=AgentSession.PermissionMode.MANUAL
     )
-    # Server parameters (llama-server flags, SPEC §5)
+    # Server parameters (llama-server flags, docs/behaviour.md §5)
     contextSize = forms.IntegerField(label="Context size (n_ctx)", required=False, min_value=128, max_value=4_194_304)
     gpuLayers = forms.IntegerField(label="GPU layers", required=False, min_value=0, max_value=1000)
     threads = forms.IntegerField(required=False, min_value=1, max_value=1024)
     speculative = forms.ChoiceField(
         choices=[("auto", "Auto (MTP head if present)"), ("off", "Off")], initial="auto"
     )
-    # Sampling parameters (ride on every request, SPEC §5)
+    # Sampling parameters (ride on every request, docs/behaviour.md §5)
     temperature = forms.FloatField(required=False, min_value=0.0, max_value=5.0)
     top_p = forms.FloatField(required=False, min_value=0.0, max_value=1.0)
     top_k = forms.IntegerField(required=False, min_value=0, max_value=100_000)

@@ -1,4 +1,4 @@
-"""A session's llama-server: start, ready, watch, stop, adopt (SPEC §4, §5).
+"""A session's llama-server: start, ready, watch, stop, adopt (docs/behaviour.md §4, §5).
 
 Wires :mod:`machines_app.llama_server` (no Django) to the database and the transcript.
 No database transaction is held across a process start, a health poll or a stop.
@@ -72,7 +72,7 @@ def _fail(session: AgentSession, message: str) -> None:
 
 
 def start_server(session_id: int) -> None:
-    """Start the session's llama-server and wait until it is ready (SPEC §5).
+    """Start the session's llama-server and wait until it is ready (docs/behaviour.md §5).
 
     A live recorded server (same pid and start time) is adopted instead of starting a
     second one. Every failure — a model the machine does not have, a server that exits or
@@ -189,7 +189,7 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
 
 def record_catalogue(session_id: int, server: Endpoint) -> None:
     """Read the tool catalogue — llama-server's ``GET /tools`` plus every enabled MCP
-    server, reached from the backend — and record it (SPEC §9). An MCP server that does
+    server, reached from the backend — and record it (docs/behaviour.md §9). An MCP server that does
     not answer is left out and the transcript says so; the session still starts."""
     mcp_servers = list(McpServer.objects.configs().values())
     catalogue, warnings = tools.load_catalogue(server.url, mcp_servers, api_key=server.api_key)
@@ -199,8 +199,8 @@ def record_catalogue(session_id: int, server: Endpoint) -> None:
 
 
 def _stop_process(session_id: int) -> bool:
-    """SIGTERM, a grace period, then SIGKILL, and only then clear the record (SPEC §5,
-    case C21). False when there was no server."""
+    """SIGTERM, a grace period, then SIGKILL, and only then clear the record (docs/behaviour.md §5,
+    docs/behaviour.md C21). False when there was no server."""
     record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
     if record is None:
         return False
@@ -235,7 +235,7 @@ def stop_orphan(machine_id: int, pid: int, start_time: str) -> None:
 
 def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:
     """Stop the session's server; status becomes ``exited``. A running turn ends (its open
-    questions closed as refusals); queued messages wait for a restart (SPEC §8, §10).
+    questions closed as refusals); queued messages wait for a restart (docs/behaviour.md §8, §10).
     ``by`` is who asked (``actions.by``), None when Corral itself stops it.
 
     The status changes first, so the turn that the stop breaks off does not hand the
@@ -249,7 +249,7 @@ def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = N
 
 def restart_server(session_id: int) -> None:
     """Stop the session's server (if any) and start one with the session's current model
-    and server parameters (SPEC §10 model change; a server-parameter change). The
+    and server parameters (docs/behaviour.md §10 model change; a server-parameter change). The
     conversation survives because it was never in the server; the prompt cache does not."""
     if _stop_process(session_id):
         record_event(session_id, Kind.SERVER_STOPPED, {"reason": "restart"})
@@ -257,7 +257,7 @@ def restart_server(session_id: int) -> None:
 
 
 def watch_servers() -> None:
-    """Check every ready server's process (SPEC §5 "keep watching"): one that died
+    """Check every ready server's process (docs/behaviour.md §5 "keep watching"): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can. A server whose
     machine was lost while it loaded (``unknown``, not ready) is checked too, so it is

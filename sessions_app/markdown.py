@@ -1,8 +1,8 @@
-"""Assistant text as sanitised HTML (SPEC §12).
+"""Assistant text as sanitised HTML (docs/behaviour.md §12).
 
 :func:`render_markdown` turns what a model wrote into HTML that is safe to put in the
 session page: "assistant text is rendered as sanitised Markdown (code blocks
-highlighted); nothing a model writes can run script in the page" (SPEC §12).
+highlighted); nothing a model writes can run script in the page" (docs/behaviour.md §12).
 
 Three layers, each sufficient on its own for the script-injection case:
 
@@ -209,7 +209,7 @@ _MD = _make_parser()
 
 
 def render_markdown(text: str | None) -> str:
-    """Markdown written by a model → sanitised HTML fragment (SPEC §12).
+    """Markdown written by a model → sanitised HTML fragment (docs/behaviour.md §12).
 
     Contract:
 

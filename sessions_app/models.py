@@ -1,4 +1,4 @@
-"""Agent sessions, their append-only transcripts and who is watching them (SPEC §2, §4, §7)."""
+"""Agent sessions, their append-only transcripts and who is watching them (docs/behaviour.md §2, §4, §7)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class AgentSession(models.Model):
     """A chat with one model served by one llama-server on one machine.
 
     Named so it is never confused with ``django.contrib.sessions``. The transcript is the
-    session's only memory (SPEC §7); the columns below hold only what must be claimed or
+    session's only memory (docs/behaviour.md §7); the columns below hold only what must be claimed or
     changed atomically (status, the turn flag and lease, the sequence counter).
     """
 
@@ -84,9 +84,9 @@ class AgentSession(models.Model):
     # Highest sequence number handed out; bumped with a row lock (see transcript append).
     last_seq = models.PositiveBigIntegerField(default=0)
     # A turn is in progress (set with the message that starts it, cleared with the queue
-    # check that finds nothing more: SPEC §10, atomically).
+    # check that finds nothing more: docs/behaviour.md §10, atomically).
     turn_active = models.BooleanField(default=False)
-    # Case C16: who is running a turn step, until when. A step is claimed with a
+    # docs/behaviour.md C16: who is running a turn step, until when. A step is claimed with a
     # conditional UPDATE; a second copy finds the lease held and leaves.
     lease_owner = models.CharField(max_length=64, blank=True)
     lease_expires = models.DateTimeField(null=True, blank=True)
@@ -125,10 +125,10 @@ class AgentSession(models.Model):
 
 
 class TranscriptEvent(models.Model):
-    """One append-only entry in a session's transcript (SPEC §2, §7).
+    """One append-only entry in a session's transcript (docs/behaviour.md §2, §7).
 
     ``seq`` is per session, starting at 1, without gaps; every pushed event carries it so a
-    browser can tell a gap and catch up (case C17). ``payload`` shapes per ``kind`` are
+    browser can tell a gap and catch up (docs/behaviour.md C17). ``payload`` shapes per ``kind`` are
     listed in :mod:`sessions_app.transcript`.
     """
 
@@ -172,7 +172,7 @@ class McpServerQuerySet(models.QuerySet):
 
 
 class McpServer(models.Model):
-    """An MCP server whose tools every session may call, reached from the backend (SPEC §9)."""
+    """An MCP server whose tools every session may call, reached from the backend (docs/behaviour.md §9)."""
 
     name = models.SlugField(
         max_length=40, unique=True, help_text="Prefix of its tools' names, e.g. 'exa' → exa__web_search."

@@ -1,4 +1,4 @@
-"""What the browser sees of a transcript: display items and live operations (SPEC §12).
+"""What the browser sees of a transcript: display items and live operations (docs/behaviour.md §12).
 
 Both the first paint and the live updates go through the same templates
 (``sessions_app/_item.html``), so a reloaded page and a live one look the same. HTML
@@ -68,7 +68,7 @@ def queued_item(payload: dict, viewer: Viewer = OWNER) -> dict:
 
 def tool_item(events: Iterable) -> dict:
     """One call's row from its events, in order: the call, whether it ran, the question
-    and its answer, the output (SPEC §12: questions appear on the tool's own row)."""
+    and its answer, the output (docs/behaviour.md §12: questions appear on the tool's own row)."""
     item: dict = {"type": "tool", "question_open": False, "answer": None, "output": None, "running": False}
     for event in events:
         payload = event.payload

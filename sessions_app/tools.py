@@ -1,4 +1,4 @@
-"""The tool catalogue of a session and the running of one tool call (SPEC §8, §9).
+"""The tool catalogue of a session and the running of one tool call (docs/behaviour.md §8, §9).
 
 Plain data in and out, no Django import. Two kinds of tools:
 
@@ -28,7 +28,7 @@ closing ``DELETE``). The SDK is async; each call runs in a fresh event loop
 (``anyio.run``), in a worker thread when the calling thread already runs a loop, so
 synchronous callers (Celery threads) and async ones alike may call these functions.
 
-Every call gets a result (SPEC §8): :func:`run_tool` never raises for a tool that cannot be
+Every call gets a result (docs/behaviour.md §8): :func:`run_tool` never raises for a tool that cannot be
 reached; it answers ``"The tool <name> could not be reached: <reason>."`` with ``ok=False``.
 """
 
@@ -75,7 +75,7 @@ __all__ = [
 #: Valid in OpenAI function names (``^[a-zA-Z0-9_-]{1,64}$``) and rare inside tool names.
 MCP_SEPARATOR = "__"
 
-#: The result of a call of a tool that is not in the catalogue (SPEC §8); ``.format(name=...)``.
+#: The result of a call of a tool that is not in the catalogue (docs/behaviour.md §8); ``.format(name=...)``.
 UNKNOWN_TOOL_RESULT = "There is no tool named {name}. Use only the tools listed in this request."
 
 #: Longest function name OpenAI-style chat templates accept.
@@ -349,7 +349,7 @@ def _run_builtin(
         )
     except httpx.TimeoutException:
         return _unreachable(entry, f"no answer within {_seconds(timeout)}")
-    except Exception as exc:  # connection refused, server gone, a bad base URL: never raise (SPEC §8)
+    except Exception as exc:  # connection refused, server gone, a bad base URL: never raise (docs/behaviour.md §8)
         return _unreachable(entry, _reason(exc, timeout))
     return _builtin_answer(response.status_code, response.content)
 
@@ -561,7 +561,7 @@ def load_catalogue(
     ``api_key``), then every MCP server's tools.
 
     Never raises. Returns ``(catalogue, warnings)``; each warning is a sentence for the
-    transcript (SPEC §9), e.g. ``"MCP server 'exa' did not answer (connection refused); its
+    transcript (docs/behaviour.md §9), e.g. ``"MCP server 'exa' did not answer (connection refused); its
     tools are left out."``. Built-ins that cannot be read are left out the same way. MCP
     servers are asked at the same time (one thread each, :func:`list_mcp_tools`). A tool whose
     name is already taken is left out with a warning (built-ins win).
@@ -627,7 +627,7 @@ def run_tool(
 
     Never raises for a tool that cannot be reached (connection refused, timeout after
     ``timeout`` seconds, server gone, HTTP error, MCP server no longer configured): the result
-    is ``"The tool <name> could not be reached: <reason>."`` with ``ok=False`` (SPEC §8).
+    is ``"The tool <name> could not be reached: <reason>."`` with ``ok=False`` (docs/behaviour.md §8).
     """
     args = dict(arguments) if isinstance(arguments, Mapping) else {}
     if entry.origin == ORIGIN_MCP:

@@ -1,15 +1,15 @@
-"""Folds over a session transcript (SPEC §7, §8, §10).
+"""Folds over a session transcript (docs/behaviour.md §7, §8, §10).
 
 The transcript is an append-only list of events; everything the agent loop and the page
 need to know about a session's conversation is *folded* from it by the pure functions in
 this module:
 
-- :func:`build_messages` — the chat messages sent to ``/v1/chat/completions`` (SPEC §7);
-- :func:`allowed_tools` — the permission gate (SPEC §8; the mode itself is the session's
+- :func:`build_messages` — the chat messages sent to ``/v1/chat/completions`` (docs/behaviour.md §7);
+- :func:`allowed_tools` — the permission gate (docs/behaviour.md §8; the mode itself is the session's
   ``permission_mode`` column, each change recorded as a ``settings`` event);
 - :func:`pending_queue`, :func:`open_turn`, :func:`pending_calls`,
   :func:`open_questions` and :func:`reply_cut_off` — queue / turn state
-  (SPEC §6, §8, §10);
+  (docs/behaviour.md §6, §8, §10);
 - :func:`actor` — who did a user action (docs/sharing.md).
 
 An *event* is any object with the attributes ``seq: int``, ``kind: str`` and
@@ -55,17 +55,17 @@ __all__ = [
 #: What joins a user message that got no reply to the next one (see ``_Fold.user``).
 USER_JOIN = "\n\n"
 
-#: The ``tool`` message content for a call that never got a ``tool_end`` (SPEC §7: a
+#: The ``tool`` message content for a call that never got a ``tool_end`` (docs/behaviour.md §7: a
 #: call with no result gets a fixed sentence saying it did not finish, never an
 #: invented outcome).
 UNFINISHED_TOOL_RESULT = (
     "This tool call did not finish (it was interrupted before it returned a result)."
 )
 
-#: Arguments sent back for a call whose stored arguments are empty or missing (SPEC §7).
+#: Arguments sent back for a call whose stored arguments are empty or missing (docs/behaviour.md §7).
 EMPTY_ARGUMENTS = "{}"
 
-#: Values of ``answered.payload["answer"]`` (SPEC §8).
+#: Values of ``answered.payload["answer"]`` (docs/behaviour.md §8).
 ANSWER_ALLOW_ONCE = "allow_once"
 ANSWER_ALLOW_ALWAYS = "allow_always"
 ANSWER_REFUSE = "refuse"
@@ -296,7 +296,7 @@ def check_payload(kind: str, payload: Mapping[str, Any]) -> Kind:
     return known
 
 
-# The kinds the conversation fold reads (SPEC §7); every other kind is invisible to
+# The kinds the conversation fold reads (docs/behaviour.md §7); every other kind is invisible to
 # build_messages, except ``turn_end``, which seals the tool batch in progress.
 _MESSAGE_TAKEN = Kind.MESSAGE_TAKEN
 _MESSAGE_QUEUED = Kind.MESSAGE_QUEUED
@@ -334,7 +334,7 @@ class EventLike(Protocol):
 class Event:
     """A transcript event outside the ORM (tests, the agent loop's in-memory additions).
 
-    ``payload`` is the kind-specific dict described in SPEC §6 to §10.
+    ``payload`` is the kind-specific dict described in docs/behaviour.md §6 to §10.
     """
 
     seq: int
@@ -385,7 +385,7 @@ def _text(value: Any) -> str:
     """A payload value as message text: strings as they are, ``None`` as ``""``.
 
     Anything else (a dict or list someone stored as a tool output, a number) is rendered
-    as compact, key-sorted JSON so that the result is deterministic (SPEC §7: content is
+    as compact, key-sorted JSON so that the result is deterministic (docs/behaviour.md §7: content is
     always a string).
     """
     if value is None:
@@ -401,7 +401,7 @@ def _text(value: Any) -> str:
 
 
 def _arguments(value: Any) -> str:
-    """Tool-call arguments as sent back to the model (SPEC §7).
+    """Tool-call arguments as sent back to the model (docs/behaviour.md §7).
 
     The stored JSON text is sent exactly as stored; empty (or whitespace-only) or
     missing arguments are sent as ``"{}"``. A non-string value (defensive: should not
@@ -556,10 +556,10 @@ def build_messages(
 ) -> list[dict[str, Any]]:
     """The chat messages for the next completion request, folded from the transcript.
 
-    Contract (SPEC §7, "the transcript is the memory"):
+    Contract (docs/behaviour.md §7, "the transcript is the memory"):
 
     - Pure function of ``events`` (read in ``seq`` order); nothing else is consulted.
-    - Only events after the **last** ``cleared`` event count (SPEC §10).
+    - Only events after the **last** ``cleared`` event count (docs/behaviour.md §10).
     - If ``system_prompt`` is not None it is the first message, ``{"role": "system"}``.
     - ``message_taken`` → ``{"role": "user", "content": text}``; but never two user
       messages in a row: a message that follows a turn which left no assistant message
@@ -582,11 +582,11 @@ def build_messages(
       Only ``tool_end`` events seen before the batch is closed (by text, a user message,
       a new run of calls or ``turn_end``) count; later ones are ignored.
     - ``content`` is always a ``str`` (``""`` when empty), never ``None`` or missing
-      (case C05). An assistant message with empty content and no tool calls is omitted.
+      (docs/behaviour.md C05). An assistant message with empty content and no tool calls is omitted.
     - Other kinds (status, error, usage, reasoning, settings, question, answered,
       message_queued, message_dropped, interrupted, turn_end, ...) add no messages.
 
-    Stability (SPEC §7, §13): a message, once the fold has moved past it, is never
+    Stability (docs/behaviour.md §7, §13): a message, once the fold has moved past it, is never
     changed by later events, and every dict is built with a fixed key order, so for
     a prefix ``events[:k]`` ending at a turn boundary, ``build_messages(events[:k])``
     equals the first messages of ``build_messages(events)`` and serialises
@@ -615,7 +615,7 @@ def build_messages(
 
 
 def allowed_tools(events: Iterable[EventLike]) -> frozenset[str]:
-    """Tool names the user chose to "Always allow" in this session (SPEC §8).
+    """Tool names the user chose to "Always allow" in this session (docs/behaviour.md §8).
 
     The set is folded from every ``answered`` event whose ``answer`` is
     ``"allow_always"`` (its ``tool`` names the tool). Allowances are per session:
@@ -651,7 +651,7 @@ def _still_open(events: Iterable[EventLike], opens: str, closed_by: Mapping[str,
 
 
 def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
-    """Queued messages still waiting, oldest first (SPEC §10).
+    """Queued messages still waiting, oldest first (docs/behaviour.md §10).
 
     A ``message_queued`` payload is pending until a ``message_taken`` names its id as
     ``queued_id`` or a ``message_dropped`` names its id. Returns copies of the queued
@@ -661,7 +661,7 @@ def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
 
 def open_turn(events: Iterable[EventLike]) -> bool:
-    """True when a turn was started and has not ended (SPEC §6, §10).
+    """True when a turn was started and has not ended (docs/behaviour.md §6, §10).
 
     That is: some ``message_taken`` comes after the last ``turn_end`` (or there is a
     ``message_taken`` and no ``turn_end`` at all).
@@ -690,7 +690,7 @@ def reply_cut_off(events: Iterable[EventLike]) -> bool:
 
 
 def pending_calls(events: Iterable[EventLike]) -> list[dict[str, Any]]:
-    """Tool calls of the open turn that have not returned yet (SPEC §6, §7, §9).
+    """Tool calls of the open turn that have not returned yet (docs/behaviour.md §6, §7, §9).
 
     Copies of the ``tool_start`` payloads of the current open turn, in start order,
     whose id has no ``tool_end`` in that turn. Empty when no turn is open. The agent
@@ -708,7 +708,7 @@ def pending_calls(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
 
 def open_questions(events: Iterable[EventLike]) -> list[dict[str, Any]]:
-    """Permission questions still waiting for an answer (SPEC §8).
+    """Permission questions still waiting for an answer (docs/behaviour.md §8).
 
     Copies of the ``question`` payloads, in the order asked (one per call id, the first
     asked), whose id has no ``answered`` event. Not reset by ``cleared``.
@@ -718,7 +718,7 @@ def open_questions(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
 def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     """The tool entries of the latest ``catalogue`` event (recorded when a server became
-    ready, SPEC §9); ``[]`` when none was recorded."""
+    ready, docs/behaviour.md §9); ``[]`` when none was recorded."""
     latest: list[dict[str, Any]] = []
     for event in _ordered(events):
         if event.kind == Kind.CATALOGUE:

@@ -1,8 +1,8 @@
 """A stand-in for llama-server for what the real one cannot do on demand.
 
 Used only where the real server cannot produce the behaviour at a chosen moment:
-``/health`` answering 503 for a while (case C09: a multi-GB load), and ignoring SIGTERM
-(case C21: seen to hang in "cleaning up before exit…"). It takes llama-server's command
+``/health`` answering 503 for a while (docs/behaviour.md C09: a multi-GB load), and ignoring SIGTERM
+(docs/behaviour.md C21: seen to hang in "cleaning up before exit…"). It takes llama-server's command
 line, listens where told, and serves /health, /tools and a scripted chat completion.
 
 It also stands in for the model side when a test needs the model to call a tool (a

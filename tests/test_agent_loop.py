@@ -1,4 +1,4 @@
-"""The agent loop and the permission gate (issue 3; SPEC §6.5, §7, §8, §9).
+"""The agent loop and the permission gate (issue 3; docs/behaviour.md §6.5, §7, §8, §9).
 
 Steps run in this process so each stage can be checked; the model side is scripted (a
 135M model will not call a tool on demand) while tools run on the REAL llama-server
@@ -70,7 +70,7 @@ def test_it_reads_the_catalogue_from_the_real_server_and_runs_a_call_in_the_work
     start = events_of(real_session, "tool_start")[0].payload
     assert start["origin"] == "machine" and start["input"] == {"path": "notes.txt"}
     second = model_side.requests[1]["messages"]
-    assert second[-2]["role"] == "assistant" and second[-2]["content"] == ""  # case C05
+    assert second[-2]["role"] == "assistant" and second[-2]["content"] == ""  # docs/behaviour.md C05
     assert second[-2]["tool_calls"][0]["function"] == {"name": "read_file", "arguments": '{"path": "notes.txt"}'}
     assert second[-1] == {"role": "tool", "tool_call_id": start["id"], "content": end["output"]}
     assert [d["function"]["name"] for d in model_side.requests[0]["tools"]] == [e["name"] for e in catalogue]
@@ -163,7 +163,7 @@ def test_it_stops_after_32_rounds_and_says_so(real_session, alice, model_side):
     assert len(events_of(real_session, "tool_end")) == agent.MAX_ROUNDS
     assert events_of(real_session, "error")[-1].payload["message"].startswith("Stopped after 32 tool calls in one turn")
     assert events_of(real_session, "turn_end")[0].payload["reason"] == "limit"
-    # case C04: empty arguments ran as {} and went back to the model as "{}"
+    # docs/behaviour.md C04: empty arguments ran as {} and went back to the model as "{}"
     assert model_side.requests[1]["messages"][-2]["tool_calls"][0]["function"]["arguments"] == "{}"
 
 

@@ -1,5 +1,5 @@
 """Tests for sessions_app.completions: SSE parsing, chunk → deltas, the streaming client
-against a scripted HTTP server, and the tool-call assembler (SPEC §6, §9; cases C01, C02,
+against a scripted HTTP server, and the tool-call assembler (docs/behaviour.md §6, §9; docs/behaviour.md C01, C02,
 C04, C07, C11). No Django needed: run with ``-p no:django``.
 """
 

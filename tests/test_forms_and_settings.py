@@ -1,4 +1,4 @@
-"""The new-session form, the model list, and session settings (SPEC §3, §5, §12)."""
+"""The new-session form, the model list, and session settings (docs/behaviour.md §3, §5, §12)."""
 
 from __future__ import annotations
 

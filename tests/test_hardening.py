@@ -1,5 +1,5 @@
-"""Faults found by trying to break Corral (each now a test). Names give the case where
-one applies (../shared/cases/CASES.md)."""
+"""Faults found by trying to break Corral (each now a test). Names give the failure where
+one applies (the list at the end of docs/behaviour.md)."""
 
 from __future__ import annotations
 

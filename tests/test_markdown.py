@@ -1,4 +1,4 @@
-"""Tests for sessions_app/markdown.py: assistant text as safe Markdown (SPEC §12)."""
+"""Tests for sessions_app/markdown.py: assistant text as safe Markdown (docs/behaviour.md §12)."""
 
 from __future__ import annotations
 

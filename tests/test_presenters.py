@@ -1,4 +1,4 @@
-"""What the page shows of a transcript (SPEC §12): first paint and live operations agree."""
+"""What the page shows of a transcript (docs/behaviour.md §12): first paint and live operations agree."""
 
 from __future__ import annotations
 

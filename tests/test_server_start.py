@@ -1,4 +1,4 @@
-"""Starting, watching and stopping llama-server (SPEC §5; cases C08, C09, C21).
+"""Starting, watching and stopping llama-server (docs/behaviour.md §5; docs/behaviour.md C08, C09, C21).
 
 The real llama-server is used for C08 (a bad flag, a taken port, a file that is not a
 model) and for the stop and watch paths; a stand-in only for a long 503 load (C09) and a

@@ -1,4 +1,4 @@
-"""The tool catalogue and tool calls (SPEC §8, §9) against a real llama-server and a real MCP server.
+"""The tool catalogue and tool calls (docs/behaviour.md §8, §9) against a real llama-server and a real MCP server.
 
 The MCP server is this file run as a script (``python tests/test_tools.py --serve-mcp PORT``):
 the ``mcp`` SDK's own ``MCPServer`` over streamable HTTP on 127.0.0.1.

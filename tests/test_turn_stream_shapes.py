@@ -1,4 +1,4 @@
-"""The turn loop against a scripted completion server (cases C07, C11; SPEC §6, §14).
+"""The turn loop against a scripted completion server (docs/behaviour.md C07, C11; docs/behaviour.md §6, §14).
 
 The real llama-server cannot overflow its context or break a stream on demand, so the
 server side of the stream is scripted here; the loop, the database and the transcript are
@@ -73,7 +73,7 @@ def test_case_c11_usage_after_the_last_choice_is_recorded_with_the_seed(session,
     assert usage["prompt_tokens"] == 120 and usage["cached_tokens"] == 100 and usage["completion_tokens"] == 2
     assert usage["cache_n"] == 100 and usage["predicted_per_second"] == 50.0
     assert usage["finish_reason"] == "stop"
-    # SPEC §14: no fixed seed → one drawn per request, sent, and recorded.
+    # docs/behaviour.md §14: no fixed seed → one drawn per request, sent, and recorded.
     assert server.requests[0]["seed"] == usage["seed"]
     assert server.requests[0]["temperature"] == 0.2 and server.requests[0]["max_tokens"] == 64
     assert kinds(events)[-2:] == ["turn_end", "status"]

@@ -1,4 +1,4 @@
-// Live transcript for the session page (SPEC §12, cases C17, C19).
+// Live transcript for the session page (docs/behaviour.md §12, docs/behaviour.md C17, C19).
 //
 // The socket is owned by this script, not by any element htmx may swap, so a swap never
 // closes it or opens a second one. Every server message is {seq, ops}; seq only grows.
