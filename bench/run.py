@@ -14,34 +14,19 @@ data directory with SQLite and an embedded Redis, unless DATABASE_URL / REDIS_UR
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-DATA = Path(tempfile.mkdtemp(prefix="corral-bench-"))
-os.environ.setdefault("CORRAL_DATA_DIR", str(DATA))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+from _setup import ROOT, boot  # bench/ is the script's own directory
+
+DATA = boot("corral-bench-")
 
 from project import queues  # noqa: E402
-from project.launcher import ensure_redis, prepare_data_dir  # noqa: E402
-
-prepare_data_dir()
-_redis = ensure_redis()
-if _redis is not None:
-    atexit.register(_redis.terminate)
-
-import django  # noqa: E402
-
-django.setup()
 
 import httpx  # noqa: E402
 from django.conf import settings  # noqa: E402

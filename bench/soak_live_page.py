@@ -25,25 +25,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-DATA = Path(tempfile.mkdtemp(prefix="corral-soak-"))
-os.environ.setdefault("CORRAL_DATA_DIR", str(DATA))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+from _setup import ROOT, boot  # bench/ is the script's own directory
 
-from project.launcher import ensure_redis  # noqa: E402
-
-ensure_redis()
-
-import django  # noqa: E402
-
-django.setup()
+DATA = boot("corral-soak-")
 
 import httpx  # noqa: E402
 from django.conf import settings  # noqa: E402
@@ -126,7 +114,9 @@ def main() -> None:
                             raw = ws.recv(timeout=1)
                         except TimeoutError:
                             continue
-                        received.append(json.loads(raw)["seq"])
+                        message = json.loads(raw)
+                        if "seq" in message:  # who-is-watching lists carry none
+                            received.append(message["seq"])
                     break
             except (ConnectionClosed, OSError) as exc:
                 reconnects += 1

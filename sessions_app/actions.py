@@ -319,12 +319,18 @@ def do_set_permission_mode(session: AgentSession, user, mode: str) -> None:
     Raises SessionError for an unknown mode or a bypass the user or owner may not have.
     """
     check_permission_mode(session_owner=session.owner, user=user, mode=mode)
+    _change_setting(session, user, "permission_mode", mode)
+
+
+def _change_setting(session: AgentSession, user, field: str, value: str) -> None:
+    """Set one column of the session and record it as a ``settings`` event naming ``user``;
+    nothing when it already has that value."""
     with transaction.atomic():
         current = locked(session.pk)
-        if current.permission_mode == mode:
+        if getattr(current, field) == value:
             return
-        AgentSession.objects.filter(pk=current.pk).update(permission_mode=mode)
-        append(current, Kind.SETTINGS, {"permission_mode": mode, "by": by(user)})
+        AgentSession.objects.filter(pk=current.pk).update(**{field: value})
+        append(current, Kind.SETTINGS, {field: value, "by": by(user)})
 
 
 GATE_BACK_ON_REASON = "{owner} may no longer run tools without asking, so the permission gate is back on."
@@ -365,9 +371,4 @@ def do_set_visibility(session: AgentSession, user, visibility: str) -> None:
     its user may do when it sees one (a watcher of a now private session is cut off)."""
     if visibility not in AgentSession.Visibility.values:
         raise SessionError("Choose private, the team may watch, or the team may act.")
-    with transaction.atomic():
-        current = locked(session.pk)
-        if current.visibility == visibility:
-            return
-        AgentSession.objects.filter(pk=current.pk).update(visibility=visibility)
-        append(current, Kind.SETTINGS, {"visibility": visibility, "by": by(user)})
+    _change_setting(session, user, "visibility", visibility)
