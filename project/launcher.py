@@ -25,6 +25,7 @@ not set, then pytest.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import signal
 import socket
@@ -188,9 +189,11 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
                          "-l info", 5),
         "worker-servers": (f"{celery} worker -Q {queues.SERVERS} -n {queues.SERVERS}@%%h -P threads "
                            f"-c {queues.SERVERS_CONCURRENCY} -l info", 10),
+        # Housekeeping runs every few seconds: at INFO its "received / succeeded" lines
+        # would bury everything else (the admin password printed once included).
         "worker-housekeeping": (f"{celery} worker -Q {queues.HOUSEKEEPING} -n {queues.HOUSEKEEPING}@%%h -P threads "
-                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l info", 10),
-        "beat": (f"{celery} beat -l info -s {data / 'celerybeat-schedule'}", 5),
+                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l warning", 10),
+        "beat": (f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}", 5),
     }
     head = (
         "[supervisord]\n"
@@ -216,8 +219,20 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     return head + body + group
 
 
+def _append_to_output() -> None:
+    """Make this process's stdout and stderr append-only (``O_APPEND`` on the open file
+    itself). supervisord and its programs reopen ``/dev/stdout`` with offsets of their own:
+    on ``./corral run > file`` the launcher's lines would otherwise overwrite theirs."""
+    for fd in (1, 2):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        except OSError:
+            pass  # not a file we may change (closed, a special device): nothing to protect
+
+
 def run(port: int) -> int:
     """``./corral run``: returns supervisord's exit status (0 after a clean stop)."""
+    _append_to_output()
     daphne_args = run_environment()
     turn_workers = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
     data = prepare_data_dir()
