@@ -241,19 +241,21 @@ class Step:
             messages, tools=catalogue.definitions(), sampling=sampling
         )
         pending = Fragments(self.record)
-        produced = False  # any text, reasoning or call: a reply with none is said to be empty
+        # Anything a person can see — text or reasoning that is not only white space — or a
+        # call that can run: a reply with none of it is said to be empty (an empty
+        # "<think></think>", a call the server never named).
+        produced = False
         try:
             for delta in stream:
                 if interrupted.is_set():
                     break
                 if isinstance(delta, TextDelta):
-                    produced = True
+                    produced = produced or not delta.text.isspace()
                     pending.add(Kind.ASSISTANT_TEXT, delta.text)
                 elif isinstance(delta, ReasoningDelta):
-                    produced = True
+                    produced = produced or not delta.text.isspace()
                     pending.add(Kind.REASONING, delta.text)
                 elif isinstance(delta, ToolCallFragment):
-                    produced = True
                     assembler.feed(delta.fragments)
                 elif isinstance(delta, Usage):
                     usage = delta
@@ -282,7 +284,7 @@ class Step:
             self.record(Kind.USAGE, payload)
         if interrupted.is_set():
             return TurnEnd.INTERRUPTED
-        if not produced:
+        if not produced and not assembler.calls():
             self.record(Kind.NOTICE, {"message": EMPTY_REPLY})
         calls = assembler.calls()
         if not calls:

@@ -72,6 +72,9 @@ INCOMPLETE_REPLY = (
 #: Inline reasoning tags some models write into ``content`` when the server does not split
 #: them out itself (``--reasoning-format none``, or a template the server does not know).
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: What may stand before ``<think>``: white space and a byte-order mark (U+FEFF), which
+#: some templates emit first and ``str.lstrip()`` keeps.
+_LEADING = " \t\r\n\ufeff"
 _EOL = re.compile(rb"\r\n|\r|\n")
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -450,7 +453,7 @@ class InlineReasoning:
         out: list[Delta] = []
         while True:
             if self.state == "start":
-                stripped = self.held.lstrip()
+                stripped = self.held.lstrip(_LEADING)
                 if stripped.startswith(THINK_OPEN):
                     self.held = stripped[len(THINK_OPEN) :]
                     self.state = "thinking"
@@ -473,7 +476,7 @@ class InlineReasoning:
                 self.state = "after"
                 continue
             if self.state == "after":
-                self.held = self.held.lstrip()
+                self.held = self.held.lstrip(_LEADING)
                 if not self.held:
                     return out
                 self.state = "answer"

@@ -156,6 +156,9 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
                 # staff status taken away): ask again on every beat.
                 if await self._recheck():
                     return
+                # A lost push is caught up at the next event's gap; when the lost one was
+                # the last (a turn's end, a status) no gap ever shows: look every beat.
+                await self._catch_up()
             except Exception:
                 # A busy database or Redis now and then must not end the heartbeat (the
                 # watcher would vanish from the list while still watching): try next beat.

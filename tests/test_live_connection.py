@@ -10,6 +10,7 @@ page's messages in Chromium.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import socket
 import threading
@@ -346,3 +347,29 @@ def test_the_page_says_why_it_stopped_following_and_offers_a_way_on(stack, page,
     other.click("button[type=submit]")
     other.wait_for_url(f"{stack.base_url}/sessions/{second.pk}/")
     other.wait_for_selector("#conn-state[data-state=live]")
+
+
+def test_a_lost_last_push_is_caught_up_without_a_later_event(alice, session, settings, monkeypatch):
+    """docs/behaviour.md C17: a gap shows at the next event — but when the push lost was the
+    last one (a turn's end, a status), no next event comes: the heartbeat catches up."""
+    settings.CORRAL_PRESENCE_SECONDS = 0.5
+    cookie, real = cookie_of(alice), broadcast.push_event
+
+    async def scenario() -> list[int]:
+        comm = communicator(f"/ws/sessions/{session.pk}/", cookie)
+        assert (await comm.connect(timeout=10))[0]
+        assert await quiet(comm)
+        monkeypatch.setattr(broadcast, "push_event", lambda *args, **kwargs: None)  # this push is lost
+        await database_sync_to_async(actions.record_event)(session.pk, "error", {"message": "the last one"})
+        monkeypatch.setattr(broadcast, "push_event", real)
+        seqs, end = [], asyncio.get_running_loop().time() + 5
+        while asyncio.get_running_loop().time() < end and not seqs:
+            if await comm.receive_nothing(0.3):
+                continue
+            message = await comm.receive_output()
+            if '"seq"' in message.get("text", ""):
+                seqs.append(json.loads(message["text"])["seq"])
+        await comm.disconnect()
+        return seqs
+
+    assert async_to_sync(scenario)() == [1]

@@ -264,3 +264,30 @@ def test_a_step_taken_over_mid_reply_stops_and_writes_nothing_more(session, alic
     assert fresh.turn_active and fresh.lease_owner == "someone-else"  # the turn is the new holder's
     text = "".join(e.payload["text"] for e in TranscriptEvent.objects.filter(session=session, kind="assistant_text"))
     assert "w39" not in text  # the stream was broken off, not read to its end
+
+
+# --- found by trying to break it (docs/behaviour.md C31, C32, C01) -----------------------------
+
+STOP = sse(chunk({}, finish_reason="stop"))
+
+
+def test_a_byte_order_mark_before_think_is_still_reasoning(session, alice, server):
+    server.will_answer(sse(chunk({"content": "\ufeff<think>plan</think>answer"})), STOP, DONE)
+    events = run_message(session, alice)
+    assert text_of(events, "reasoning") == "plan"
+    assert text_of(events) == "answer"
+
+
+@pytest.mark.parametrize("content", ["<think>\n\n</think>\n\n", "<think> </think>", "\n \n"])
+def test_a_blank_think_block_or_blank_text_is_an_empty_reply(session, alice, server, content):
+    server.will_answer(sse(chunk({"content": content})), STOP, DONE)
+    events = run_message(session, alice)
+    assert [e.payload["message"] for e in events if e.kind == "notice"] == [agent.EMPTY_REPLY]
+
+
+def test_a_tool_call_the_server_never_named_is_not_silence(session, alice, server):
+    server.will_answer(sse(chunk({"tool_calls": [{"index": 0, "id": "X", "type": "function",
+                                                  "function": {"arguments": "{}"}}]})),
+                       sse(chunk({}, finish_reason="tool_calls")), DONE)
+    events = run_message(session, alice)
+    assert [e.payload["message"] for e in events if e.kind == "notice"] == [agent.EMPTY_REPLY]
