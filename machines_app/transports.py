@@ -190,9 +190,14 @@ class LocalTransport(Transport):
             return f.read(nbytes)
 
     def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.chmod(log_path, 0o600)
+        Path(log_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            # A fresh file, never one someone prepared there (a link planted at the path is
+            # removed, not written through: docs/behaviour.md C43), owner-only from creation.
+            Path(log_path).unlink(missing_ok=True)
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise TransportError(f"could not open the log {log_path}: {exc.strerror or exc}") from exc
         try:
             # A session of its own: the server outlives a worker restart (adoption, docs/behaviour.md §5)
             # and stop can signal its whole process group.
@@ -449,7 +454,10 @@ class SSHTransport(Transport):
             "umask 077 && "
             f"mkdir -p -- {shlex.quote(posixpath.dirname(log_path))} && "
             f"cd -- {shlex.quote(cwd or '.')} && "
-            f"{{ setsid nohup {shlex.join(argv)} >> {shlex.quote(log_path)} 2>&1 < /dev/null & }} && "
+            # A fresh log, never one someone prepared (a planted link is removed, then
+            # noclobber creates the file anew).
+            f"rm -f -- {shlex.quote(log_path)} && set -C && "
+            f"{{ setsid nohup {shlex.join(argv)} > {shlex.quote(log_path)} 2>&1 < /dev/null & }} && "
             "echo $!"
         )
         status, output = self._run(script, timeout=30)

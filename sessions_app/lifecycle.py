@@ -34,10 +34,12 @@ Status = AgentSession.Status
 log = logging.getLogger(__name__)
 
 
-def log_path_for(session: AgentSession, transport: Transport) -> str:
-    """One append-only, owner-only log file per session, on the machine that runs its
-    server: a remote server writes its log there, read back by the tail (docs/ssh.md)."""
-    return posixpath.join(transport.private_dir(), f"session-{session.pk}.log")
+def log_path_for(session: AgentSession, transport: Transport, port: int) -> str:
+    """The owner-only log file of one start of the session's server, on the machine that
+    runs it (a remote server writes its log there, read back by the tail: docs/ssh.md).
+    One file per start (the port tells starts apart), so a failed start's last words are
+    its own, never an earlier run's (docs/behaviour.md C08)."""
+    return posixpath.join(transport.private_dir(), f"session-{session.pk}-{port}.log")
 
 
 def key_path_for(session: AgentSession, transport: Transport, port: int) -> str:
@@ -113,7 +115,7 @@ def start_server(session_id: int) -> None:
                 f"Machine '{session.machine.name}' has no file {model.path} any more; the model file has to be "
                 "on that machine (refresh the model list after copying it there)."
             )
-        log_path = log_path_for(session, transport)
+        log_path = log_path_for(session, transport, port)
         set_status(session.pk, Status.LOADING)
         api_key = new_api_key()
         transport.write_private(spec.api_key_file, api_key + "\n")

@@ -72,9 +72,14 @@ def _pings(client) -> bool:
 
 
 @pytest.fixture
-def private_stack(tmp_path, django_db_setup):
+def private_stack(tmp_path, django_db_setup, stack):
     """daphne + a Celery worker with beat, both on a Redis this test controls. The lease is
-    long: a slow machine must not make the step look dead (that is tested elsewhere)."""
+    long: a slow machine must not make the step look dead (that is tested elsewhere).
+
+    The suite's shared worker is paused meanwhile: it works on the same database through
+    another Redis, where this test's worker never answers its pings, so its housekeeping
+    would take this test's turn over as a dead worker's (one deployment has one broker)."""
+    stack.stop_worker()
     redis_server = PrivateRedis(tmp_path)
     redis_server.start()
     port = LocalTransport().free_port()
@@ -112,6 +117,7 @@ def private_stack(tmp_path, django_db_setup):
             os.killpg(proc.pid, signal.SIGKILL)
     if redis_server.proc.poll() is None:
         redis_server.kill()
+    stack.start_worker()
 
 
 def events_of(session, kind=None):

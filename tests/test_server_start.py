@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -224,3 +225,59 @@ def test_a_model_file_removed_after_discovery_is_refused_in_the_machines_terms(s
     error = TranscriptEvent.objects.filter(session=session, kind="error").last().payload["message"]
     assert "Machine 'shrinking' has no file" in error and "has to be on that machine" in error
     assert not ServerRecord.objects.filter(session=session).exists()
+
+
+# --- found by trying to break it: a start's log is its own (docs/behaviour.md C08, C43) --------
+
+
+def _machine_running(binary: str, models_dir) -> Machine:
+    machine = Machine.objects.create(name=f"m-{time.monotonic_ns()}", models_dir=str(models_dir),
+                                     llama_server_path=binary, workspace_roots="")
+    catalog.refresh_models(machine)
+    return machine
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / f"server-{time.monotonic_ns()}"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_last_words_of_a_failed_start_are_its_own(alice, real_models_dir, tmp_path):
+    counter = tmp_path / "n"
+    counter.write_text("0")
+    binary = _script(tmp_path, f"n=$(cat {counter}); n=$((n+1)); echo $n > {counter}; "
+                               "echo \"start $n: error: invalid argument: --flag$n\" >&2; exit 1")
+    machine = _machine_running(binary, real_models_dir)
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
+                                          working_dir=str(tmp_path), status="loading")
+    lifecycle.start_server(session.pk)
+    AgentSession.objects.filter(pk=session.pk).update(status="loading")
+    lifecycle.start_server(session.pk)
+    errors = [e.payload["message"] for e in TranscriptEvent.objects.filter(session=session, kind="error").order_by("seq")]
+    assert "--flag1" in errors[0]
+    assert "--flag2" in errors[1] and "--flag1" not in errors[1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_link_planted_at_the_log_path_is_not_written_through(alice, real_models_dir, tmp_path):
+    machine = _machine_running(_script(tmp_path, "echo 'SERVER OUTPUT LINE'; exit 1"), real_models_dir)
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
+                                          working_dir=str(tmp_path), status="loading")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    victim.chmod(0o644)
+    transport = LocalTransport()
+    Path(transport.private_dir()).mkdir(parents=True, exist_ok=True)
+    port = transport.free_port()  # the start is made to pick this port, where the link waits
+    link = Path(lifecycle.log_path_for(session, transport, port))
+    link.unlink(missing_ok=True)
+    link.symlink_to(victim)
+    from unittest import mock
+
+    with mock.patch("machines_app.transports.LocalTransport.free_port", return_value=port):
+        lifecycle.start_server(session.pk)
+    assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+    assert not link.is_symlink() and "SERVER OUTPUT LINE" in link.read_text()

@@ -61,7 +61,7 @@ def test_tools_run_on_the_remote_machine_in_a_hostile_working_directory(ssh_mach
     assert fresh(session).status == "idle", [e.payload for e in events_of(session, "error")]
     record = ServerRecord.objects.get(session=session)
     transport = transport_for(ssh_machine)
-    assert record.log_path == f"{transport.private_dir()}/session-{session.pk}.log"
+    assert record.log_path == f"{transport.private_dir()}/session-{session.pk}-{record.port}.log"
     assert stat.S_IMODE(Path(record.log_path).stat().st_mode) == 0o600
     assert not Path(lifecycle.key_path_for(session, transport, record.port)).exists()  # read at start, then removed
 
