@@ -748,7 +748,8 @@ class ToolCallAssembler:
     - otherwise ``index`` names the call; a fragment at a known index that brings a new,
       different id starts a new call there (servers that number every call 0);
     - without ``index`` a fragment extends the newest call, unless it carries a new
-      non-empty id, which starts a new call (C01);
+      non-empty id, which starts a new call (C01); an id-less fragment with an index no
+      call has yet continues the newest call when that one began without an index;
     - ``id`` and ``function.name`` are taken from the first fragment that has them;
       ``function.arguments`` pieces are concatenated in arrival order (a non-string value
       is serialised as JSON).
@@ -795,6 +796,12 @@ class ToolCallAssembler:
             known = self._by_index.get(index)
             if known is not None and (call_id is None or known.id in (None, call_id)):
                 return known
+            newest = self._calls[-1] if self._calls else None
+            if known is None and call_id is None and newest is not None and newest.index is None:
+                # C01 mixed: the call began without an index and its pieces now carry one.
+                newest.index = index
+                self._by_index[index] = newest
+                return newest
             return self._start(index)
         # C01: no index; a new id starts a new call (an id already seen was handled above).
         if self._calls and call_id is None:

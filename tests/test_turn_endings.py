@@ -291,3 +291,13 @@ def test_a_tool_call_the_server_never_named_is_not_silence(session, alice, serve
                        sse(chunk({}, finish_reason="tool_calls")), DONE)
     events = run_message(session, alice)
     assert [e.payload["message"] for e in events if e.kind == "notice"] == [agent.EMPTY_REPLY]
+
+
+def test_a_call_begun_without_an_index_keeps_its_indexed_pieces(session, alice, server):
+    server.will_answer(
+        sse(chunk({"tool_calls": [{"id": "X", "type": "function", "function": {"name": "web_search", "arguments": ""}}]})),
+        sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"q\": \"cats\"}"}}]})),
+        sse(chunk({}, finish_reason="tool_calls")), DONE)
+    events = run_message(session, alice)
+    [start] = [e.payload for e in events if e.kind == "tool_start"]
+    assert start["arguments"] == '{"q": "cats"}'
