@@ -39,6 +39,31 @@ def wait_for(predicate: Callable[[], object], timeout: float = 60.0, interval: f
         time.sleep(interval)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def flush_despite_a_busy_worker():
+    """Transactional tests empty the database with one TRUNCATE of every table when they
+    end, while the stack's worker and beat may still be in a transaction (a health watch,
+    a turn's recovery). PostgreSQL can then pick the TRUNCATE as a deadlock's victim; the
+    next test would start on the last one's rows. Try the flush again, as an operator
+    would: the worker's transaction is short."""
+    from django.db import OperationalError, connection
+
+    flush = type(connection.ops).execute_sql_flush
+
+    def execute_sql_flush(ops, sql_list):
+        for attempt in range(5):
+            try:
+                return flush(ops, sql_list)
+            except OperationalError as exc:
+                if "deadlock detected" not in str(exc) or attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
+    type(connection.ops).execute_sql_flush = execute_sql_flush
+    yield
+    type(connection.ops).execute_sql_flush = flush
+
+
 @pytest.fixture
 def alice(django_user_model):
     return django_user_model.objects.create_user("alice", password="alice-password-1")
