@@ -46,10 +46,6 @@ class Endpoint:
     url: str
     api_key: str = field(default="", repr=False)
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return auth_headers(self.api_key)
-
 
 class ServerStartError(Exception):
     """llama-server did not become ready. ``str()`` is the user-facing sentence, ending
