@@ -29,6 +29,7 @@ class ResolvedModel:
     path: str  # absolute path on the machine (for a split set: the first part)
     has_mtp: bool
     display_name: str
+    mmproj_path: str = ""  # absolute path of its vision projector there; "" without one
 
 
 def models_for(machine: Machine) -> QuerySet[ModelFile]:
@@ -84,6 +85,7 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
                     "has_chat_template": info.has_chat_template,
                     "has_mtp": info.has_mtp,
                     "has_vision": info.has_vision,
+                    "projector_key": _text(info.projector_key, "projector_key") if info.projector_key else "",
                     "split_count": info.split_count,
                     "missing_parts": list(info.missing_parts),
                     "error": _text(info.error, "error") if info.error else "",
@@ -117,4 +119,16 @@ def model_for_session(machine: Machine, key: str) -> ResolvedModel:
         root = transport_for(machine).expand_path(machine.models_dir)
     except TransportError as exc:
         raise ModelUnavailable(str(exc)) from None
-    return ResolvedModel(key=key, path=posixpath.join(root, key), has_mtp=model.has_mtp, display_name=model.display_name)
+    return ResolvedModel(
+        key=key, path=posixpath.join(root, key), has_mtp=model.has_mtp, display_name=model.display_name,
+        mmproj_path=posixpath.join(root, model.projector_key) if model.projector_key else "",
+    )
+
+
+def vision(machine: Machine, key: str) -> tuple[str, bool]:
+    """The model's display name (its key when the machine does not list it) and whether it
+    takes images: a vision projector was found beside it (docs/behaviour.md §16)."""
+    model = ModelFile.objects.filter(machine=machine, key=key).values_list("display_name", "projector_key").first()
+    if model is None:
+        return key, False
+    return model[0], bool(model[1])

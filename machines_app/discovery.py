@@ -14,7 +14,9 @@ Rules:
   part 1, or from the lowest present part when part 1 is missing.
 * Vision projectors: a file whose name starts with ``mmproj`` (any case), or whose
   ``general.architecture`` is ``clip``, is not a model; it sets ``has_vision`` on
-  every model in the same directory.
+  every model in the same directory, and ``projector_key`` to the projector's key (the
+  first by key when a directory holds several): the file llama-server is given with
+  ``--mmproj``.
 * Names: a model is shown by its ``general.name``; when two or more models share a
   name (compared ignoring case and surrounding spaces) each is shown as
   ``"<name> (<file name>)"``. Without a name it is shown by its file name without
@@ -96,6 +98,8 @@ class ModelInfo:
         has_chat_template: the file carries a chat template.
         has_mtp: the file carries a multi-token-prediction (NextN) head.
         has_vision: a vision projector (mmproj) lies in the same directory.
+        projector_key: that projector's key (the first by key when there are several),
+            None without one.
         split_count: number of parts (1 for a single file).
         missing_parts: 1-based part numbers absent from a split set; () when complete.
         error: why the file cannot be used (e.g. "not a GGUF file ..."); None when fine.
@@ -115,6 +119,7 @@ class ModelInfo:
     split_count: int
     missing_parts: tuple[int, ...]
     error: str | None
+    projector_key: str | None = None
 
     @property
     def is_complete(self) -> bool:
@@ -180,11 +185,11 @@ class _Candidate:
     error: str | None = None
 
 
-def _group(files: Iterable[tuple[str, int]]) -> tuple[list[_Candidate], set[str]]:
-    """Group the listing into candidates; also return the directories holding an mmproj file."""
+def _group(files: Iterable[tuple[str, int]]) -> tuple[list[_Candidate], dict[str, list[str]]]:
+    """Group the listing into candidates; also return the mmproj files by directory."""
     singles: list[_Candidate] = []
     splits: dict[tuple[str, str, int], dict[int, tuple[str, int]]] = {}
-    vision_dirs: set[str] = set()
+    vision_dirs: dict[str, list[str]] = {}
     seen: set[str] = set()
     for key, size in files:
         if key in seen:
@@ -192,7 +197,7 @@ def _group(files: Iterable[tuple[str, int]]) -> tuple[list[_Candidate], set[str]
         seen.add(key)
         directory, basename = posixpath.split(key)
         if _is_projector_name(basename):
-            vision_dirs.add(directory)
+            vision_dirs.setdefault(directory, []).append(key)
             continue
         split = split_key_parts(key)
         if split is None:
@@ -295,7 +300,7 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
     models: list[_Candidate] = []
     for candidate in candidates:
         if candidate.head is not None and candidate.head.architecture == "clip" and candidate.error is None:
-            vision_dirs.add(candidate.directory)
+            vision_dirs.setdefault(candidate.directory, []).append(candidate.key)
         else:
             models.append(candidate)
 
@@ -343,6 +348,7 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
                 has_chat_template=head.has_chat_template if head else False,
                 has_mtp=head.has_mtp if head else False,
                 has_vision=candidate.directory in vision_dirs,
+                projector_key=min(vision_dirs[candidate.directory]) if candidate.directory in vision_dirs else None,
                 split_count=candidate.split_count,
                 missing_parts=candidate.missing_parts,
                 error=candidate.error,

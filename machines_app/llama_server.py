@@ -55,8 +55,9 @@ class ServerStartError(Exception):
 @dataclass(frozen=True)
 class ServerSpec:
     """What to start: the binary, the model's absolute path there, the session's server
-    parameters (``contextSize``, ``gpuLayers``, ``threads``, ``speculative``) and the path
-    of the 0600 file on that machine holding the server's own API key."""
+    parameters (``contextSize``, ``gpuLayers``, ``threads``, ``speculative``), the path
+    of the 0600 file on that machine holding the server's own API key, and the model's
+    vision projector there (``""`` for none)."""
 
     binary: str
     model_path: str
@@ -64,6 +65,7 @@ class ServerSpec:
     params: dict
     has_mtp: bool = False
     api_key_file: str = ""
+    mmproj_path: str = ""
 
 
 def build_argv(spec: ServerSpec) -> list[str]:
@@ -86,6 +88,10 @@ def build_argv(spec: ServerSpec) -> list[str]:
             argv += [flag, str(int(value))]
     if spec.has_mtp and spec.params.get("speculative") != "off":
         argv += ["--spec-type", "draft-mtp"]
+    if spec.mmproj_path:
+        # The vision projector found beside the model (docs/behaviour.md §16): with it the
+        # server takes image_url content parts; without it, it refuses them.
+        argv += ["--mmproj", spec.mmproj_path]
     return argv
 
 

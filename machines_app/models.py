@@ -140,6 +140,9 @@ class ModelFile(models.Model):
     has_chat_template = models.BooleanField(default=False)
     has_mtp = models.BooleanField(default=False, help_text="<arch>.nextn_predict_layers > 0")
     has_vision = models.BooleanField(default=False, help_text="An mmproj file sits beside it.")
+    projector_key = models.CharField(
+        max_length=1000, blank=True, help_text="The mmproj file beside it (key), given to llama-server with --mmproj."
+    )
     split_count = models.PositiveIntegerField(default=1)
     missing_parts = models.JSONField(default=list, blank=True)
     error = models.TextField(blank=True)

@@ -9,12 +9,22 @@ from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooMany
 from django.http import HttpRequest, HttpResponse
 
 from sessions_app.actions import MAX_MESSAGE_CHARS
+from sessions_app.images import megabytes
 
 
 def too_large_message() -> str:
     limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE / (1024 * 1024)
     return (f"This is too large to send: the server takes at most {limit:g} MB in one request, "
-            f"and a message can be at most {MAX_MESSAGE_CHARS:,} characters.")
+            f"and a message can be at most {MAX_MESSAGE_CHARS:,} characters "
+            f"with at most {settings.CORRAL_IMAGE_MAX_COUNT} images of {megabytes(settings.CORRAL_IMAGE_MAX_BYTES)}.")
+
+
+def largest_request() -> int:
+    """The most a POST may carry in bytes: the form data Django reads into memory plus the
+    images a message may attach (Django spools files to disk without a limit of its own),
+    with 1 MB for the multipart framing."""
+    images = settings.CORRAL_IMAGE_MAX_COUNT * settings.CORRAL_IMAGE_MAX_BYTES
+    return settings.DATA_UPLOAD_MAX_MEMORY_SIZE + images + 1_000_000
 
 
 def request_too_large(get_response: Callable[[HttpRequest], HttpResponse]) -> Callable[[HttpRequest], HttpResponse]:
@@ -28,6 +38,12 @@ def request_too_large(get_response: Callable[[HttpRequest], HttpResponse]) -> Ca
 
     def middleware(request: HttpRequest) -> HttpResponse:
         if request.method == "POST":
+            try:
+                length = int(request.META.get("CONTENT_LENGTH") or 0)
+            except ValueError:
+                length = 0
+            if length > largest_request():
+                return HttpResponse(too_large_message(), status=413, content_type="text/plain; charset=utf-8")
             try:
                 request.POST  # noqa: B018  (read here, so the size check speaks first)
             except RequestDataTooBig:

@@ -235,6 +235,9 @@ CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
 # An open session page refreshes its "watching now" entry this often; an entry left by a
 # daphne that died expires after three missed refreshes (docs/sharing.md).
 CORRAL_PRESENCE_SECONDS = env_float("CORRAL_PRESENCE_SECONDS", 20.0, minimum=0.1)
+# Images a message may carry (docs/behaviour.md §16): the largest one in bytes, and how many.
+CORRAL_IMAGE_MAX_BYTES = env_int("CORRAL_IMAGE_MAX_BYTES", 10_000_000, minimum=1)
+CORRAL_IMAGE_MAX_COUNT = env_int("CORRAL_IMAGE_MAX_COUNT", 8, minimum=1, maximum=100)
 # Threads of the turns worker that ./corral run starts: how many turns stream at once on
 # this host; more wait in the queue, and their pages say how many are ahead.
 CORRAL_TURN_WORKERS = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 from django.core.exceptions import PermissionDenied
@@ -20,9 +21,9 @@ from machines_app import catalog
 from machines_app.access import machine_refusal
 from machines_app.models import ServerRecord
 
-from . import dispatch, transcript, turns
+from . import dispatch, images, transcript, turns
 from .events import append, change_status, load_events, locked, record_event
-from .models import Access, AgentSession
+from .models import Access, AgentSession, TranscriptEvent
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -142,7 +143,9 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
             raise SessionError(f"The session already uses {model.display_name}.")
         AgentSession.objects.filter(pk=current.pk).update(model_key=model_key)
         change_status(current, Status.LOADING)
-        append(current, Kind.SETTINGS, {"model_key": model_key, "model": model.display_name, "by": by(user)})
+        # takes_images: whether the composer offers attachments now (docs/behaviour.md §16).
+        append(current, Kind.SETTINGS, {"model_key": model_key, "model": model.display_name,
+                                        "takes_images": bool(model.mmproj_path), "by": by(user)})
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
 
 
@@ -197,15 +200,18 @@ MAX_MESSAGE_CHARS = 200_000
 _TEXT_CONTROLS = {"\t", "\n", "\r"}
 
 
-def check_message(text: str) -> str:
+def check_message(text: str, *, with_images: bool = False) -> str:
     """The message as it will be sent: ``text`` without surrounding white space.
 
-    Raises SessionError with one sentence per reason: nothing typed, longer than
+    Raises SessionError with one sentence per reason: nothing typed (and no image
+    attached: ``with_images`` lets the text be empty), longer than
     MAX_MESSAGE_CHARS characters, a control character (NUL and the like; tab and new
     lines are fine), or a slash command (not supported for llama.cpp sessions).
     """
     text = text.strip()
     if not text:
+        if with_images:
+            return ""
         raise SessionError("Type a message first.")
     if len(text) > MAX_MESSAGE_CHARS:
         raise SessionError(
@@ -223,19 +229,69 @@ def check_message(text: str) -> str:
     return text
 
 
-def do_send_message(session: AgentSession, user, text: str) -> None:
-    """Take a user's message: start a turn with it, or queue it behind the running one.
+def check_images(session: AgentSession, uploads: list[images.Upload]) -> list[transcript.ImageRef]:
+    """The references of the images a message carries, checked (docs/behaviour.md §16).
 
-    Raises SessionError for a message check_message refuses or a session whose server is
-    gone (docs/behaviour.md §4 ``exited``). A message sent while the model is ``loading`` is accepted
-    and waits (docs/behaviour.md §4).
+    Raises SessionError when the session's model has no vision projector ("<model name>
+    cannot take images"), when there are more than ``CORRAL_IMAGE_MAX_COUNT``, or with
+    :func:`images.check_image`'s sentence for a file that is not an image Corral takes.
     """
-    text = check_message(text)
+    if not uploads:
+        return []
+    name, takes_images = catalog.vision(session.machine, session.model_key)
+    if not takes_images:
+        raise SessionError(f"{name} cannot take images.")
+    if len(uploads) > images.max_count():
+        raise SessionError(f"A message can carry at most {images.max_count()} images; this one has {len(uploads)}.")
+    try:
+        return [images.check_image(upload) for upload in uploads]
+    except images.ImageRefused as exc:
+        raise SessionError(str(exc)) from None
+
+
+def do_send_message(session: AgentSession, user, text: str, uploads: list[images.Upload] | None = None) -> None:
+    """Take a user's message, with the images attached to it: start a turn with it, or
+    queue it behind the running one.
+
+    Raises SessionError for a message check_message refuses, images check_images refuses,
+    or a session whose server is gone (docs/behaviour.md §4 ``exited``). A message sent
+    while the model is ``loading`` is accepted and waits (docs/behaviour.md §4). Images are
+    stored before the message is recorded, so a recorded message never names a missing file.
+    """
+    uploads = uploads or []
+    text = check_message(text, with_images=bool(uploads))
+    refs = check_images(session, uploads)
+    try:
+        for upload, ref in zip(uploads, refs, strict=True):
+            images.store(upload, ref)
+    except OSError as exc:
+        raise SessionError(f"The image could not be stored on the server ({exc.strerror or exc}).") from None
     with transaction.atomic():
         session = locked(session.pk)
         if session.status == Status.EXITED:
             raise SessionError("This session's llama-server is not running. Restart the session to send messages.")
-        turns.take_message(session, text, by(user))
+        turns.take_message(session, text, by(user), refs)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def access_image(user, session_id: int, sha256: str) -> transcript.ImageRef:
+    """An image a message of the session carries, if ``user`` may watch the session
+    (docs/security.md): a hash alone opens nothing, so a member who knows the hash of an
+    image seen elsewhere cannot read it through a session that never carried it. 404
+    otherwise, as for the session itself."""
+    session = access_session(user, session_id)
+    if not _SHA256.fullmatch(sha256):
+        raise Http404("No such image")
+    carriers = TranscriptEvent.objects.filter(
+        session=session, kind__in=[Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED], payload__icontains=sha256
+    ).values_list("payload", flat=True)
+    for payload in carriers:
+        for ref in transcript.image_refs(payload):
+            if ref["sha256"] == sha256:
+                return ref
+    raise Http404("No such image")
 
 
 def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:

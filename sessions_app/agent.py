@@ -24,9 +24,10 @@ from collections.abc import Callable
 import httpx
 from django.db import connection
 
+from machines_app import catalog
 from machines_app.llama_server import Endpoint
 
-from . import actions, lifecycle, tools, transcript, turns
+from . import actions, images, lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -212,7 +213,10 @@ class Step:
         ``TurnEnd.DONE``, ``ERROR`` or ``INTERRUPTED``."""
         turns.step_status(self.session_id, self.owner, Status.RUNNING)
         catalogue = catalogue_of(events)
-        messages = transcript.build_messages(events)
+        # Images go as data URIs only to a model started with its projector
+        # (docs/behaviour.md §16); for any other they are said in words.
+        takes_images = catalog.vision(session.machine, session.model_key)[1]
+        messages = transcript.build_messages(events, image_url=images.data_uri if takes_images else None)
         fresh = AgentSession.objects.get(pk=self.session_id)  # sampling changes apply now
         sampling, seed = request_sampling(fresh.sampling)
         assembler = ToolCallAssembler()

@@ -155,9 +155,13 @@ class MessageForm(forms.Form):
 
     text = forms.Field(widget=forms.Textarea(attrs={"rows": 3}), required=False)
 
+    def __init__(self, *args, with_images: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.with_images = with_images  # images attached: the text may be empty
+
     def clean_text(self) -> str:
         try:
-            return check_message(self.cleaned_data["text"] or "")
+            return check_message(self.cleaned_data["text"] or "", with_images=self.with_images)
         except SessionError as exc:
             raise forms.ValidationError(str(exc)) from None
 

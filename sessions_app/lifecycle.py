@@ -108,12 +108,18 @@ def start_server(session_id: int) -> None:
             params=session.server_params,
             has_mtp=model.has_mtp,
             api_key_file=key_path,
+            mmproj_path=model.mmproj_path,
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.
             raise catalog.ModelUnavailable(
                 f"Machine '{session.machine.name}' has no file {model.path} any more; the model file has to be "
                 "on that machine (refresh the model list after copying it there)."
+            )
+        if model.mmproj_path and not transport.is_file(model.mmproj_path):
+            raise catalog.ModelUnavailable(
+                f"Machine '{session.machine.name}' has no vision projector {model.mmproj_path} any more; refresh "
+                "the model list there."
             )
         log_path = log_path_for(session, transport, port)
         set_status(session.pk, Status.LOADING)

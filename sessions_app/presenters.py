@@ -15,10 +15,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from django.template.loader import render_to_string
+from django.urls import reverse
 
+from . import images
 from .markdown import render_markdown
 from .models import Access, AgentSession
-from .transcript import Kind, actor
+from .transcript import Kind, actor, image_refs
 
 #: Kinds that neither show nor close a block.
 SILENT_KINDS = frozenset({Kind.STATUS, Kind.CATALOGUE})
@@ -55,12 +57,36 @@ def _username(payload) -> str:
     return who["username"] if who else ""
 
 
-def queued_item(payload: dict, viewer: Viewer = OWNER) -> dict:
-    """A pending bubble: the message, its author, and whether this viewer may withdraw it."""
+def image_items(session_id: int, payload) -> list[dict]:
+    """The thumbnails of a user message: each image's URL under its session (the only way
+    to fetch it, docs/security.md) and a text alternative (``image 1 of 2, PNG, 14 KB``)."""
+    refs = image_refs(payload)
+    return [
+        {
+            "url": reverse("session_image", args=[session_id, ref["sha256"],
+                                                  images.EXTENSIONS.get(ref["media_type"], "bin")]),
+            "alt": f"image {number} of {len(refs)}, {ref['media_type'].removeprefix('image/').upper()}, "
+                   f"{images.megabytes(ref['size'])}",
+        }
+        for number, ref in enumerate(refs, start=1)
+    ]
+
+
+def attach_context(takes_images: bool) -> dict:
+    """What the composer's attach control (``_attach.html``) shows: offered only when the
+    session's model takes images (docs/behaviour.md §16), with the limits."""
+    return {"takes_images": takes_images, "image_accept": images.ACCEPT, "image_limits": images.limits_sentence(),
+            "image_max_bytes": images.max_bytes(), "image_max_count": images.max_count()}
+
+
+def queued_item(payload: dict, viewer: Viewer = OWNER, session_id: int = 0) -> dict:
+    """A pending bubble: the message, its images, its author, and whether this viewer may
+    withdraw it."""
     author = actor(payload)
     return {
         "id": payload.get("id", ""),
         "text": payload.get("text", ""),
+        "images": image_items(session_id, payload),
         "author": author["username"] if author else "",
         "can_withdraw": viewer.access.may_withdraw(viewer.user_id, author["id"] if author else None),
     }
@@ -154,12 +180,13 @@ def usage_line(usage: dict) -> str:
     return " · ".join(parts)
 
 
-def event_item(event) -> dict | None:
+def event_item(event, session_id: int = 0) -> dict | None:
     """The display item of one non-block event, or None when it shows nothing by itself."""
     kind, payload, seq = event.kind, event.payload, event.seq
     dom_id = f"ev-{seq}"
     if kind == Kind.MESSAGE_TAKEN:
-        return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": _username(payload)}
+        return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": _username(payload),
+                "images": image_items(session_id, payload)}
     if kind == Kind.ERROR:
         return {"type": "error", "dom_id": dom_id, "message": payload.get("message", "")}
     if kind == Kind.NOTICE:
@@ -176,7 +203,8 @@ def event_item(event) -> dict | None:
     if kind == Kind.SERVER_READY:
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
     if kind == Kind.SETTINGS:
-        parts = ", ".join(f"{key} → {_setting(key, value)}" for key, value in payload.items() if key != "by")
+        parts = ", ".join(f"{key} → {_setting(key, value)}" for key, value in payload.items()
+                          if key not in ("by", "takes_images"))
         who = _username(payload)
         return {"type": "note", "dom_id": dom_id, "text": f"{who} changed settings: {parts}" if who else f"Settings: {parts}"}
     return None
@@ -207,7 +235,8 @@ def render_item(item: dict) -> str:
 
 
 def render_queued(session_id: int, payload: dict, viewer: Viewer = OWNER) -> str:
-    return render_to_string("sessions_app/_queued.html", {"q": queued_item(payload, viewer), "session_id": session_id})
+    return render_to_string("sessions_app/_queued.html",
+                            {"q": queued_item(payload, viewer, session_id), "session_id": session_id})
 
 
 def render_presence(usernames: list[str]) -> str:
@@ -325,13 +354,18 @@ class TranscriptView:
             ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
         if kind == Kind.SETTINGS and payload.get("visibility") and render:
             ops.append({"op": "value", "id": "visibility", "value": payload["visibility"]})
+        if kind == Kind.SETTINGS and "takes_images" in payload and render:
+            # The composer offers attachments only while the model takes images.
+            ops.append({"op": "replace", "id": "attach",
+                        "html": render_to_string("sessions_app/_attach.html",
+                                                 attach_context(bool(payload["takes_images"])))})
         if kind == Kind.SETTINGS and payload.get("model") and render:
             ops.append({"op": "replace", "id": "model-name",
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],
                                                                                    "key": payload.get("model_key", "")})})
         if kind in NOTE_KINDS:
             # Shown after the open block (if any) without closing it.
-            self._show(event_item(event), ops, render)
+            self._show(event_item(event, self.session_id), ops, render)
             return ops
         block_type = BLOCK_KINDS.get(kind)
         text = payload.get("text", "")
@@ -347,7 +381,7 @@ class TranscriptView:
             return ops
         if kind == Kind.MESSAGE_TAKEN and payload.get("queued_id") and render:
             ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
-        item = event_item(event)
+        item = event_item(event, self.session_id)
         if item is not None:
             self._show(item, ops, render)
         return ops

@@ -23,7 +23,7 @@ import Django.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, TypedDict, runtime_checkable
@@ -33,15 +33,19 @@ __all__ = [
     "ANSWER_ALLOW_ONCE",
     "ANSWER_REFUSE",
     "EMPTY_ARGUMENTS",
+    "IMAGE_MISSING",
+    "IMAGE_NOT_SHOWN",
     "UNFINISHED_TOOL_RESULT",
     "Actor",
     "Event",
     "EventLike",
+    "ImageRef",
     "InvalidEvent",
     "Kind",
     "TurnEnd",
     "check_payload",
     "actor",
+    "image_refs",
     "allowed_tools",
     "build_messages",
     "last_catalogue",
@@ -65,6 +69,13 @@ UNFINISHED_TOOL_RESULT = (
 #: Arguments sent back for a call whose stored arguments are empty or missing (docs/behaviour.md §7).
 EMPTY_ARGUMENTS = "{}"
 
+#: What a user message says in place of an image when the session's model has no vision
+#: projector (docs/behaviour.md §16: a conversation goes on after a change to such a model).
+IMAGE_NOT_SHOWN = "[An image was attached here; the current model cannot take images.]"
+
+#: What it says in place of an image whose stored file cannot be read any more.
+IMAGE_MISSING = "[An image was attached here; its stored file is missing.]"
+
 #: Values of ``answered.payload["answer"]`` (docs/behaviour.md §8).
 ANSWER_ALLOW_ONCE = "allow_once"
 ANSWER_ALLOW_ALWAYS = "allow_always"
@@ -76,6 +87,16 @@ class Actor(TypedDict):
 
     id: int | None
     username: str
+
+
+class ImageRef(TypedDict):
+    """An image a user message carries (docs/transcript.md): the SHA-256 of its bytes (64
+    lower-case hex digits, also its file name in the data directory), its media type
+    (``image/png``, ``image/jpeg``, ``image/webp`` or ``image/gif``) and its size in bytes."""
+
+    sha256: str
+    media_type: str
+    size: int
 
 
 class Kind(StrEnum):
@@ -128,6 +149,7 @@ class SettingsPayload(TypedDict, total=False):
     server_params: dict
     title: str
     visibility: str
+    takes_images: bool
     by: Actor
     reason: str
 
@@ -164,6 +186,7 @@ class _MessageQueuedPayloadRequired(TypedDict):
 
 class MessageQueuedPayload(_MessageQueuedPayloadRequired, total=False):
     by: Actor
+    images: list[ImageRef]
     author: str  # transcripts written before "by": the author's username
 
 
@@ -179,6 +202,7 @@ class _MessageTakenPayloadRequired(TypedDict):
 
 class MessageTakenPayload(_MessageTakenPayloadRequired, total=False):
     by: Actor | None
+    images: list[ImageRef]
     author: str  # transcripts written before "by"
 
 
@@ -400,6 +424,57 @@ def _text(value: Any) -> str:
         return str(value)
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def image_refs(payload: Any) -> list[ImageRef]:
+    """The well-formed image references of a ``message_taken`` / ``message_queued`` payload,
+    in order (docs/transcript.md); anything else in ``images`` is skipped, so an odd entry
+    never reaches a request or a page."""
+    if not isinstance(payload, Mapping):
+        return []
+    refs: list[ImageRef] = []
+    for item in payload.get("images") or ():
+        if not isinstance(item, Mapping):
+            continue
+        digest, media_type, size = item.get("sha256"), item.get("media_type"), item.get("size")
+        if (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _HEX
+                and isinstance(media_type, str) and media_type.startswith("image/")
+                and isinstance(size, int) and not isinstance(size, bool)):
+            refs.append({"sha256": digest, "media_type": media_type, "size": size})
+    return refs
+
+
+#: How the fold turns a stored image into the URL of an ``image_url`` content part: a
+#: ``data:`` URI of the stored bytes, or None when they cannot be read.
+ImageURL = Callable[[ImageRef], "str | None"]
+
+
+def _user_message(text: str, images: list[ImageRef], image_url: ImageURL | None) -> dict[str, Any]:
+    """One ``user`` message (docs/behaviour.md §7, §16).
+
+    Without images, ``content`` is the text. With images and a model that takes them
+    (``image_url`` given), ``content`` is OpenAI content parts: the text part (left out
+    when the text is empty), then one ``{"type": "image_url", "image_url": {"url"}}`` per
+    image in the order attached — llama-server places each image where its part stands.
+    Without ``image_url`` each image is the sentence :data:`IMAGE_NOT_SHOWN` after the
+    text, so a session whose model changed keeps its conversation.
+    """
+    if not images:
+        return {"role": "user", "content": text}
+    if image_url is None:
+        notes = [IMAGE_NOT_SHOWN] * len(images)
+        return {"role": "user", "content": USER_JOIN.join([text, *notes] if text else notes)}
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    for ref in images:
+        url = image_url(ref)
+        if url is None:
+            parts.append({"type": "text", "text": IMAGE_MISSING})
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+    return {"role": "user", "content": parts}
+
+
 def _arguments(value: Any) -> str:
     """Tool-call arguments as sent back to the model (docs/behaviour.md §7).
 
@@ -439,7 +514,11 @@ class _Fold:
     the batch's call ids to the first output seen for them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, image_url: ImageURL | None = None) -> None:
+        self.image_url = image_url
+        # The text and images of the last user message, kept so a message that joins it
+        # (see ``user``) rebuilds it whole.
+        self.last_user: tuple[str, list[ImageRef]] = ("", [])
         self.messages: list[dict[str, Any]] = []
         self.text: list[str] = []
         self.batch_content = ""
@@ -511,11 +590,16 @@ class _Fold:
         """
         self.close_all()
         text = _text(payload.get("text"))
+        images = image_refs(payload)
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "user":
-            last["content"] = f"{last['content']}{USER_JOIN}{text}" if last["content"] else text
-            return
-        self.messages.append({"role": "user", "content": text})
+            # Joined: one text, then the images of both messages in the order sent.
+            before, before_images = self.last_user
+            text = f"{before}{USER_JOIN}{text}" if before else text
+            images = before_images + images
+            self.messages.pop()
+        self.last_user = (text, images)
+        self.messages.append(_user_message(text, images, self.image_url))
 
     def assistant_text(self, payload: Mapping[str, Any]) -> None:
         """A text delta: after a tool batch it opens a new assistant message."""
@@ -552,7 +636,7 @@ class _Fold:
 
 
 def build_messages(
-    events: Iterable[EventLike], system_prompt: str | None = None
+    events: Iterable[EventLike], system_prompt: str | None = None, *, image_url: ImageURL | None = None
 ) -> list[dict[str, Any]]:
     """The chat messages for the next completion request, folded from the transcript.
 
@@ -564,6 +648,11 @@ def build_messages(
     - ``message_taken`` → ``{"role": "user", "content": text}``; but never two user
       messages in a row: a message that follows a turn which left no assistant message
       is joined to the unanswered one with :data:`USER_JOIN` (a blank line).
+    - A user message with ``images`` (docs/behaviour.md §16) has content parts: its text,
+      then one ``image_url`` part per image whose URL ``image_url(ref)`` gives (a
+      ``data:`` URI; :data:`IMAGE_MISSING` as a text part when it gives None). Without
+      ``image_url`` (a model with no vision projector) the content stays a string, each
+      image said as :data:`IMAGE_NOT_SHOWN`. Joined messages keep every image.
     - Consecutive ``assistant_text`` deltas form one
       ``{"role": "assistant", "content"}`` message, closed by the next user message or
       by a tool call. Text that arrives after a tool batch (i.e. after its results)
@@ -581,8 +670,8 @@ def build_messages(
       A call without a ``tool_end`` is kept and gets :data:`UNFINISHED_TOOL_RESULT`.
       Only ``tool_end`` events seen before the batch is closed (by text, a user message,
       a new run of calls or ``turn_end``) count; later ones are ignored.
-    - ``content`` is always a ``str`` (``""`` when empty), never ``None`` or missing
-      (docs/behaviour.md C05). An assistant message with empty content and no tool calls is omitted.
+    - ``content`` is always a ``str`` (``""`` when empty) or, for a user message with
+      images, a list of parts; never ``None`` or missing (docs/behaviour.md C05). An assistant message with empty content and no tool calls is omitted.
     - Other kinds (status, error, usage, reasoning, settings, question, answered,
       message_queued, message_dropped, interrupted, turn_end, ...) add no messages.
 
@@ -594,7 +683,7 @@ def build_messages(
     next message joins (the server has nothing cached after it worth keeping).
     This is what lets ``llama-server`` reuse its cached prompt prefix.
     """
-    fold = _Fold()
+    fold = _Fold(image_url)
     for event in _after_last_clear(_ordered(events)):
         kind = event.kind
         if kind == _MESSAGE_TAKEN:

@@ -70,18 +70,26 @@ def enqueue_step(session_id: int) -> None:
 # --- taking messages ------------------------------------------------------------------------
 
 
-def take_message(session: AgentSession, text: str, by: transcript.Actor) -> bool:
-    """Start a turn with ``text`` on a session locked by the caller, or queue it behind the
-    open turn (``message_queued``). ``by`` is its author. True when a turn started."""
+def take_message(
+    session: AgentSession, text: str, by: transcript.Actor, images: list[transcript.ImageRef] | None = None
+) -> bool:
+    """Start a turn with ``text`` (and the stored ``images`` it carries) on a session locked
+    by the caller, or queue it behind the open turn (``message_queued``). ``by`` is its
+    author. True when a turn started."""
     if session.turn_active:
-        append(session, Kind.MESSAGE_QUEUED, {"id": uuid.uuid4().hex, "text": text, "by": by})
+        payload = {"id": uuid.uuid4().hex, "text": text, "by": by}
+        append(session, Kind.MESSAGE_QUEUED, {**payload, "images": images} if images else payload)
         return False
-    _open(session, text, by, queued_id=None)
+    _open(session, text, by, queued_id=None, images=images)
     return True
 
 
-def _open(session: AgentSession, text: str, by: transcript.Actor | None, queued_id: str | None) -> None:
-    append(session, Kind.MESSAGE_TAKEN, {"text": text, "queued_id": queued_id, "by": by})
+def _open(
+    session: AgentSession, text: str, by: transcript.Actor | None, queued_id: str | None,
+    images: list[transcript.ImageRef] | None = None,
+) -> None:
+    payload = {"text": text, "queued_id": queued_id, "by": by}
+    append(session, Kind.MESSAGE_TAKEN, {**payload, "images": images} if images else payload)
     # The lease is handed back too, so the step queued for this message can claim it even
     # before a finishing step has let go of it.
     AgentSession.objects.filter(pk=session.pk).update(
@@ -98,7 +106,8 @@ def _take_next(session: AgentSession, events) -> bool:
         return False
     item = pending[0]
     # The message stays its author's, whoever's turn end took it off the queue.
-    _open(session, item.get("text", ""), transcript.actor(item), queued_id=item["id"])
+    _open(session, item.get("text", ""), transcript.actor(item), queued_id=item["id"],
+          images=transcript.image_refs(item))
     return True
 
 

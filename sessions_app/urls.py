@@ -11,6 +11,7 @@ urlpatterns = [
     path("sessions/<int:session_id>/", views.session_detail, name="session_detail"),
     path("sessions/<int:session_id>/waiting/", views.session_waiting, name="session_waiting"),
     path("sessions/<int:session_id>/send/", views.session_send, name="session_send"),
+    path("sessions/<int:session_id>/images/<str:sha256>.<str:ext>", views.session_image, name="session_image"),
     path("sessions/<int:session_id>/interrupt/", views.session_interrupt, name="session_interrupt"),
     path("sessions/<int:session_id>/clear/", views.session_clear, name="session_clear"),
     path("sessions/<int:session_id>/stop/", views.session_stop, name="session_stop"),

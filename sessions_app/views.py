@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import messages as flash
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseNotModified
 from django.shortcuts import redirect, render
 from django.template.response import TemplateResponse
 from django.views.decorators.http import require_GET, require_POST
@@ -12,12 +12,12 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machines_for
 
-from . import actions, presence, transcript, turns
+from . import actions, images, presence, transcript, turns
 from .consumers import CloseCode
 from .events import load_events
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession
-from .presenters import Viewer, build_items, queued_item
+from .presenters import Viewer, attach_context, build_items, queued_item
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
 
@@ -169,11 +169,12 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "can_act": viewer.access >= ACT,
         "can_manage": viewer.access >= MANAGE,
         "items": build_items(events, session.pk, viewer),
-        "queued": [queued_item(payload, viewer) for payload in transcript.pending_queue(events)],
+        "queued": [queued_item(payload, viewer, session.pk) for payload in transcript.pending_queue(events)],
         # This page's own socket is about to join the list.
         "watching": sorted({*presence.watching(session.pk), request.user.get_username()}),
         "last_seq": events[-1].seq if events else 0,
         "form": MessageForm(),
+        **attach_context(catalog.vision(session.machine, session.model_key)[1]),
         **_waiting_context(session),
         "close_codes": {code.name: code.value for code in CloseCode},
     }
@@ -192,20 +193,57 @@ def _waiting_context(session: AgentSession) -> dict:
 
 
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:
-    return render(request, "sessions_app/_composer.html", {"session": session, "form": form, "error": error})
+    context = {"session": session, "form": form, "error": error,
+               **attach_context(catalog.vision(session.machine, session.model_key)[1])}
+    return render(request, "sessions_app/_composer.html", context)
+
+
+def _uploads(request: HttpRequest) -> list[images.Upload]:
+    """The files attached as ``images``; one over the size limit is not read (its size is
+    enough to refuse it)."""
+    return [
+        images.Upload(upload.name or "", upload.read() if upload.size <= images.max_bytes() else b"", upload.size)
+        for upload in request.FILES.getlist("images")
+    ]
 
 
 @require_POST
 def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id, ACT)
-    form = MessageForm(request.POST)
+    uploads = _uploads(request)
+    form = MessageForm(request.POST, with_images=bool(uploads))
     if not form.is_valid():
         return _composer(request, session, form, form.errors["text"][0])
     try:
-        actions.do_send_message(session, request.user, form.cleaned_data["text"])
+        actions.do_send_message(session, request.user, form.cleaned_data["text"], uploads)
     except actions.SessionError as exc:
         return _composer(request, session, form, str(exc))
     return _composer(request, session, MessageForm())
+
+
+@require_GET
+def session_image(request: HttpRequest, session_id: int, sha256: str, ext: str) -> HttpResponse:
+    """An image a message of the session carries, to whom may watch the session
+    (docs/security.md); 404 for anyone else and for an image the session never carried.
+    Served as the stored kind (never sniffed: ``nosniff``), revalidated on each view so
+    access taken away is access gone."""
+    ref = actions.access_image(request.user, session_id, sha256)
+    if images.EXTENSIONS.get(ref["media_type"]) != ext:
+        return HttpResponse("No such image", status=404, content_type="text/plain; charset=utf-8")
+    etag = f'"{ref["sha256"]}"'
+    if request.headers.get("If-None-Match") == etag:
+        response = HttpResponseNotModified()
+    else:
+        data = images.read(ref)
+        if data is None:
+            return HttpResponse("This image's file is missing on the server.", status=404,
+                                content_type="text/plain; charset=utf-8")
+        response = HttpResponse(data, content_type=ref["media_type"])
+        response["Content-Disposition"] = f'inline; filename="{ref["sha256"][:12]}.{ext}"'
+    response["ETag"] = etag
+    response["Cache-Control"] = "private, no-cache"
+    response["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 def _act(request: HttpRequest, session_id: int, need: Access, action, *args) -> HttpResponse:

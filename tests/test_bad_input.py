@@ -198,7 +198,7 @@ def test_a_body_larger_than_the_server_takes_gets_a_sentence_not_a_bare_400(alic
     assert response.status_code == 413
     assert response.content.decode() == (
         "This is too large to send: the server takes at most 1 MB in one request, "
-        "and a message can be at most 200,000 characters."
+        "and a message can be at most 200,000 characters with at most 8 images of 10 MB."
     )
     assert not TranscriptEvent.objects.filter(session=session).exists()
 

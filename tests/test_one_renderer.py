@@ -29,6 +29,9 @@ def script(*specs) -> list[Event]:
     return [Event(seq=i + 1, kind=kind, payload=payload) for i, (kind, payload) in enumerate(specs)]
 
 
+IMAGE_A = {"sha256": "a" * 64, "media_type": "image/png", "size": 2048}
+IMAGE_B = {"sha256": "b" * 64, "media_type": "image/gif", "size": 300}
+
 CALL = {"id": "c1", "tool": "exec_shell_command", "arguments": '{"command": "ls"}', "input": {"command": "ls"},
         "origin": "machine", "writes": True, "display_name": "Shell"}
 
@@ -80,6 +83,17 @@ TRANSCRIPTS = {
         ("tool_end", {"id": "c2", "output": "The user refused this call.", "ok": False}),
         ("server_stopped", {"reason": "stopped"}),
         ("turn_end", {"reason": "stopped"}),
+    ),
+    "messages with images, queued and taken": script(
+        ("message_taken", {"text": "what is this?", "queued_id": None, "by": {"id": 1, "username": "alice"},
+                           "images": [IMAGE_A, IMAGE_B]}),
+        ("assistant_text", {"text": "A red square"}),
+        ("message_queued", {"id": "q1", "text": "", "by": {"id": 2, "username": "bob"}, "images": [IMAGE_B]}),
+        ("usage", {"seed": 2}),
+        ("turn_end", {"reason": "done"}),
+        ("message_taken", {"text": "", "queued_id": "q1", "by": {"id": 2, "username": "bob"}, "images": [IMAGE_B]}),
+        ("settings", {"model_key": "smol.gguf", "model": "SmolLM2", "takes_images": False}),
+        ("turn_end", {"reason": "done"}),
     ),
 }
 
@@ -141,6 +155,14 @@ def assert_one_renderer(events) -> None:
 @pytest.mark.parametrize("events", TRANSCRIPTS.values(), ids=TRANSCRIPTS.keys())
 def test_page_plus_live_equals_page_at_every_cut(events):
     assert_one_renderer(events)
+
+
+def test_thumbnails_are_part_of_what_both_ways_draw():
+    events = TRANSCRIPTS["messages with images, queued and taken"]
+    whole = page(events)
+    assert [img["src"].rsplit("/", 1)[1] for img in whole.select("#transcript .msg.user img.thumb")] == [
+        "a" * 64 + ".png", "b" * 64 + ".gif", "b" * 64 + ".gif"]
+    assert len(page(events[:3]).select("#queue img.thumb")) == 1  # the queued bubble shows it too
 
 
 @pytest.mark.django_db

@@ -1,0 +1,166 @@
+"""Images a user message carries (docs/behaviour.md §16): checked by their content, stored
+once under the data directory by content hash, read back for requests and for the page.
+
+Layout: ``<CORRAL_DATA_DIR>/images/<sha256>.<ext>`` (``ext`` from the checked format:
+``png``, ``jpg``, ``webp``, ``gif``), files 0600 in a 0700 directory. A file is written
+once — to a fresh temporary file, then renamed into place — and never through a link; a
+file whose bytes no longer hash to its name is treated as missing. Files are shared by
+every message (of any session) that attached the same bytes, so none is deleted with a
+session.
+
+Who may fetch an image is not decided here: the view serves one only through a session
+that references it (:func:`sessions_app.views.session_image`, docs/security.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+import stat
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+from PIL import Image, UnidentifiedImageError
+
+from .transcript import ImageRef
+
+#: Pillow's format name → (media type, file extension). SVG is not an image here: it is a
+#: document that can carry script, so it is refused like any other non-raster file.
+FORMATS = {
+    "PNG": ("image/png", "png"),
+    "JPEG": ("image/jpeg", "jpg"),
+    "WEBP": ("image/webp", "webp"),
+    "GIF": ("image/gif", "gif"),
+}
+EXTENSIONS = dict(FORMATS.values())  # media type → extension
+ACCEPT = ",".join(EXTENSIONS)  # the file picker's ``accept``
+KINDS = "PNG, JPEG, WebP or GIF"
+
+
+class ImageRefused(Exception):
+    """An upload that is not an image Corral takes; the message says why, naming the file."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One attached file as the browser sent it: its name (for messages only), its bytes
+    and its size in bytes (``None``: ``len(data)``; a file too large is not read at all)."""
+
+    name: str
+    data: bytes
+    size: int | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.data) if self.size is None else self.size
+
+
+def max_bytes() -> int:
+    """``CORRAL_IMAGE_MAX_BYTES``: the largest image a message may carry."""
+    return settings.CORRAL_IMAGE_MAX_BYTES
+
+
+def max_count() -> int:
+    """``CORRAL_IMAGE_MAX_COUNT``: how many images one message may carry."""
+    return settings.CORRAL_IMAGE_MAX_COUNT
+
+
+def megabytes(size: int) -> str:
+    """A size as people read it: ``10 MB``, ``1.5 MB``, ``300 KB``."""
+    if size >= 1_000_000:
+        return f"{size / 1_000_000:.1f}".removesuffix(".0") + " MB"
+    return f"{max(1, round(size / 1000))} KB"
+
+
+def limits_sentence() -> str:
+    """The composer's line about what may be attached."""
+    return f"Up to {max_count()} images ({KINDS}), {megabytes(max_bytes())} each."
+
+
+def check_image(upload: Upload) -> ImageRef:
+    """The reference of ``upload`` if it is an image Corral takes; raises
+    :class:`ImageRefused` with a sentence naming the file otherwise.
+
+    Taken: PNG, JPEG, WebP and GIF, judged by the bytes (Pillow reads and verifies them),
+    never by the name or the type the browser claimed, at most :func:`max_bytes` long and
+    not a decompression bomb (Pillow's ``MAX_IMAGE_PIXELS``).
+    """
+    name = upload.name or "The attached file"
+    if upload.length > max_bytes():
+        raise ImageRefused(f"{name} is {megabytes(upload.length)}; an image can be at most {megabytes(max_bytes())}.")
+    if not upload.data:
+        raise ImageRefused(f"{name} is empty.")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(upload.data)) as image:
+                kind = image.format
+                image.verify()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise ImageRefused(f"{name} has too many pixels to be taken as an image.") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError):
+        kind = None
+    if kind not in FORMATS:
+        raise ImageRefused(f"{name} is not a {KINDS} image.")
+    media_type, _ = FORMATS[kind]
+    return {"sha256": hashlib.sha256(upload.data).hexdigest(), "media_type": media_type, "size": len(upload.data)}
+
+
+def image_dir() -> Path:
+    return Path(settings.DATA_DIR) / "images"
+
+
+def path_for(ref: ImageRef) -> Path:
+    """Where the bytes of ``ref`` are kept (whether or not they are there)."""
+    return image_dir() / f"{ref['sha256']}.{EXTENSIONS.get(ref['media_type'], 'bin')}"
+
+
+def store(upload: Upload, ref: ImageRef) -> None:
+    """Keep the bytes of a checked image, once: a regular file already holding them is
+    left alone; anything else at that name (a link, a half-written file) is replaced by
+    a rename, which never writes through a link. Raises ``OSError`` when the data
+    directory cannot be written."""
+    path = path_for(ref)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if read(ref) is not None:
+        return
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")  # O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(upload.data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+
+
+def read(ref: ImageRef) -> bytes | None:
+    """The stored bytes of ``ref``, or None when the file is missing, is not a regular
+    file (a link is not followed) or no longer hashes to its name."""
+    try:
+        fd = os.open(path_for(ref), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as source:
+        if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):
+            return None
+        data = source.read()
+    return data if hashlib.sha256(data).hexdigest() == ref["sha256"] else None
+
+
+def data_uri(ref: ImageRef) -> str | None:
+    """The image as the URL of an OpenAI ``image_url`` content part (``data:<media
+    type>;base64,<bytes>``, what llama-server's multimodal chat accepts), or None when its
+    file cannot be read. The same bytes always give the same text, so a request's prefix
+    stays byte-identical turn after turn (docs/behaviour.md §13)."""
+    data = read(ref)
+    if data is None:
+        return None
+    return f"data:{ref['media_type']};base64,{base64.b64encode(data).decode('ascii')}"
