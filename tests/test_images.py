@@ -281,6 +281,18 @@ def test_the_composer_offers_attachments_only_for_a_model_with_a_projector(alice
 
 
 @pytest.mark.django_db
+def test_the_model_pickers_say_which_models_take_images(alice, machine):
+    client = logged_in(alice)
+    new = BeautifulSoup(client.get(f"/sessions/new/?machine={machine.pk}").content, "html.parser")
+    options = {o["value"]: o.get_text() for o in new.select("#id_model_key option")}
+    assert "takes images" in options["gemma.gguf"] and "takes images" not in options["smol.gguf"]
+    page = BeautifulSoup(client.get(f"/sessions/{make_session(alice, machine, 'smol.gguf').pk}/").content,
+                         "html.parser")
+    options = {o["value"]: o.get_text() for o in page.select("#switch-model option")}
+    assert "takes images" in options["gemma.gguf"] and "takes images" not in options["smol.gguf"]
+
+
+@pytest.mark.django_db
 def test_a_model_change_offers_or_withdraws_attachments_on_open_pages(alice, machine):
     session = make_session(alice, machine, "smol.gguf")
     actions.do_change_model(session, alice, "gemma.gguf")
@@ -344,17 +356,23 @@ def test_only_who_may_watch_the_session_can_fetch_its_image(alice, bob, charlie_
     assert owner["Cache-Control"] == "private, no-cache"
     assert logged_in(charlie_staff).get(url).status_code == 200
 
-    # Bob attaches the very same picture in a session of his own: he knows its hash, but
-    # Alice's private session still does not open to him.
+    # Bob learnt the hash of Alice's image. Neither her private session nor his own, which
+    # never carried it, serves it to him, though the file is on the server.
     bobs = make_session(bob, machine, "gemma.gguf")
-    send(logged_in(bob), bobs, "same picture", ("mine.png", PNG))
-    assert logged_in(bob).get(f"/sessions/{bobs.pk}/images/{PNG_REF['sha256']}.png").status_code == 200
+    send(logged_in(bob), bobs, "my picture", ("mine.gif", GIF))
+    assert images.read(PNG_REF) == PNG and images.read(GIF_REF) == GIF
     assert logged_in(bob).get(url).status_code == 404
+    assert logged_in(bob).get(f"/sessions/{bobs.pk}/images/{PNG_REF['sha256']}.png").status_code == 404
+    assert logged_in(bob).get(f"/sessions/{bobs.pk}/images/{GIF_REF['sha256']}.gif").content == GIF
     assert Client().get(url).status_code in (302, 404)  # not logged in: never the image
     assert Client().get(url).content != PNG
 
-    # An image the session never carried is not served through it, whoever asks.
+    # Nor does Alice get Bob's through hers: an image is served only by a session carrying it.
     assert logged_in(alice).get(f"/sessions/{alices.pk}/images/{GIF_REF['sha256']}.gif").status_code == 404
+    # The same picture in a session of Bob's own opens it there, and only there.
+    send(logged_in(bob), bobs, "same picture", ("copy.png", PNG))
+    assert logged_in(bob).get(f"/sessions/{bobs.pk}/images/{PNG_REF['sha256']}.png").content == PNG
+    assert logged_in(bob).get(url).status_code == 404
     assert logged_in(alice).get(f"/sessions/{alices.pk}/images/{PNG_REF['sha256']}.svg").status_code == 404
     assert logged_in(alice).get(f"/sessions/{alices.pk}/images/..%2F..%2Fsecret_key.png").status_code == 404
 
