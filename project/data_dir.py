@@ -9,6 +9,8 @@ Layout under ``CORRAL_DATA_DIR`` (default ``<repo>/data``)::
     secret_key        Django's SECRET_KEY when the SECRET_KEY variable is not set (0600)
     logs/             one llama-server log per session
     static/           STATIC_ROOT (WhiteNoise warns when it is missing)
+    images/           images attached to messages, <sha256>.<ext> (0700; sessions_app.images
+                      creates it on first use)
     corral.sqlite3    the default database
 """
 
