@@ -117,6 +117,20 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     bobs.wait_for_selector("#conn-state[data-state=live]")
     assert bobs.locator("#composer").count() == 0  # watching only
 
+    # Over the size limit: said at once, and refused by the server in the same words if
+    # sent anyway; the text stays in the box.
+    huge = image_bytes("PNG", (1, 2, 3)) + b"\0" * 10_500_000
+    page.set_input_files("#id_images", files=[{"name": "huge.png", "mimeType": "image/png", "buffer": huge}])
+    too_big = f"huge.png is {len(huge) / 1e6:.1f} MB; an image can be at most 10 MB."
+    expect(page.locator("#composer-error")).to_have_text(too_big)
+    page.fill("#id_text", "Look at this")
+    page.press("#id_text", "Enter")
+    expect(page.locator("#attached li")).to_have_count(0)  # the composer came back from the server
+    expect(page.locator("#composer-error")).to_have_text(too_big)
+    expect(page.locator("#id_text")).to_have_value("Look at this")
+    assert not TranscriptEvent.objects.filter(session=session, kind="message_taken").exists()
+    page.fill("#id_text", "")
+
     red, green = image_bytes("PNG", (220, 20, 20)), image_bytes("GIF", (20, 200, 20))
     page.set_input_files("#id_images", files=[{"name": "red.png", "mimeType": "image/png", "buffer": red}])
     pasted = page.evaluate(PASTE, ["#id_text", "image/gif", "green.gif", base64.b64encode(green).decode(), "paste"])
