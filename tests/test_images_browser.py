@@ -179,3 +179,62 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     taken = TranscriptEvent.objects.filter(session=session, kind="message_taken").order_by("seq")
     assert [len(e.payload["images"]) for e in taken] == [2, 1]
     bobs.screenshot(path=str(stack.data_dir / "browser-images-bob.png"))
+
+
+@pytest.fixture
+def two_dir_machine(db, tmp_path):
+    """SmolLM2 with a projector beside it, Gemma in a directory of its own without one."""
+    from machines_app.demo_models import packaged_model_paths
+
+    paths = packaged_model_paths()
+    models = tmp_path / "two-dirs"
+    for directory, source in (("smol", paths["smollm2"]), ("gemma", paths["gemma3"])):
+        (models / directory).mkdir(parents=True)
+        (models / directory / source.name).symlink_to(source)
+    writer = GGUFWriter(str(models / "smol" / "mmproj-smol-f16.gguf"), "clip")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    machine = Machine.objects.create(name="two-dirs", models_dir=str(models),
+                                     llama_server_path=fake_server(tmp_path), workspace_roots="")
+    catalog.refresh_models(machine)
+    return machine
+
+
+def test_a_model_switch_offers_or_withdraws_attachments_on_every_open_page(stack, page, two_dir_machine, alice, bob,
+                                                                          tmp_path):
+    from sessions_app import actions
+
+    smol = two_dir_machine.model_files.get(architecture="llama")
+    gemma = two_dir_machine.model_files.exclude(pk=smol.pk).get()
+    assert smol.projector_key and not gemma.projector_key
+    session = in_thread(lambda: actions.do_create_session(
+        alice, machine=two_dir_machine, model_key=smol.key, working_dir=str(tmp_path), server_params={},
+        sampling={}, permission_mode="manual", title="Switching"))
+    in_thread(lambda: actions.do_set_visibility(session, alice, "team_act"))
+
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(f"{stack.base_url}/sessions/{session.pk}/")
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    bobs = page.context.browser.new_context().new_page()
+    log_in(bobs, stack, "bob", "bob-password-1")
+    bobs.goto(f"{stack.base_url}/sessions/{session.pk}/")
+    bobs.wait_for_selector("#conn-state[data-state=live]")
+    for someone in (page, bobs):
+        expect(someone.locator("#composer #id_images")).to_have_count(1)
+
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.click("details.settings > summary")
+    page.select_option("#switch-model", gemma.key)
+    page.click(".model-switch button[type=submit]")
+    for someone in (page, bobs):
+        expect(someone.locator("#composer #attach")).to_have_count(1)
+        expect(someone.locator("#composer #id_images")).to_have_count(0)
+    page.wait_for_selector("#status-badge[data-status=idle]")
+
+    page.select_option("#switch-model", smol.key)
+    page.click(".model-switch button[type=submit]")
+    for someone in (page, bobs):
+        expect(someone.locator("#composer #id_images")).to_have_count(1)
