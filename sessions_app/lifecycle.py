@@ -10,7 +10,6 @@ import logging
 import posixpath
 
 import httpx
-
 from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone

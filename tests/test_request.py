@@ -27,7 +27,7 @@ from sessions_app import actions, agent, export, lifecycle, presenters
 from sessions_app.models import AgentSession, DeploymentSettings, TranscriptEvent
 from sessions_app.transcript import Event
 
-from .conftest import fake_server, model_key, wait_for
+from .conftest import fake_server, model_key
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
 
@@ -271,7 +271,8 @@ def test_the_admin_sets_a_template_checked_on_the_machine(local_machine, admin_c
     assert response.status_code == 302, response.content.decode()[:3000]
     model.refresh_from_db()
     assert (model.chat_template, model.system_prompt, model.chat_template_caps) == ("gemma", "Be kind.", {})
-    assert model.template_label == "built-in chat template 'gemma'"
+    html = client.get(f"/sessions/new/?machine={local_machine.pk}").content.decode()
+    assert "Gemma 3 270m — 270M Q4_K_M (built-in chat template &#x27;gemma&#x27;)" in html  # the picker says which
 
 
 def test_a_missing_template_file_stops_the_start_with_a_clear_error(local_machine, alice, tmp_path):
@@ -309,6 +310,42 @@ def test_gemma_with_the_built_in_gemma_template_replies(local_machine, alice, tm
     reply = "".join(e.payload["text"] for e in events_of(session, "assistant_text"))
     assert reply.strip(), [(e.kind, e.payload) for e in TranscriptEvent.objects.filter(session=session)]
     assert events_of(session, "usage")[-1].payload["prompt_tokens"] > 5
+
+
+GEMMA_JINJA = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else 'user' }}\n"
+    "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.django_db(transaction=True)  # the step's interrupt watcher reads the session from its own connection
+def test_a_template_file_is_checked_and_used_on_the_ssh_machine(ssh_machine, admin_client, alice, tmp_path):
+    model = ModelFile.objects.get(machine=ssh_machine, architecture="gemma3")
+    url = f"/admin/machines_app/modelfile/{model.pk}/change/"
+    path = tmp_path / "gemma.jinja"
+    response = admin_client.post(url, {"system_prompt": "", "chat_template": "", "chat_template_file": str(path)})
+    assert f"There is no file {path} on {ssh_machine.name}." in response.content.decode()  # asked over SFTP
+    path.write_text(GEMMA_JINJA)
+    response = admin_client.post(url, {"system_prompt": "", "chat_template": "", "chat_template_file": str(path)})
+    assert response.status_code == 302, response.content.decode()[:3000]
+
+    html = logged_in(alice).get(f"/sessions/new/?machine={ssh_machine.pk}").content.decode()
+    assert f"Gemma 3 270m — 270M Q4_K_M (chat template file {path})" in html  # the picker says which template
+
+    session = AgentSession.objects.create(
+        owner=alice, machine=ssh_machine, model_key=model.key, working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, sampling={"max_tokens": 16, "temperature": 0}, status="loading",
+    )
+    lifecycle.start_server(session.pk)
+    assert AgentSession.objects.get(pk=session.pk).status == "idle", events_of(session, "error")
+    ready = events_of(session, "server_ready")[-1].payload
+    assert ready["chat_template"] == str(path) and ready["jinja"] is True
+    assert ready["chat_template_caps"]["supports_tools"] is False  # this template takes no tools
+    record = ServerRecord.objects.get(session=session)
+    assert "--chat-template-file" in record_argv(record)
+    turn(session, alice, "What is the capital of France?")
+    assert not events_of(session, "error"), [e.payload for e in events_of(session, "error")]
+    assert "".join(e.payload["text"] for e in events_of(session, "assistant_text")).strip()
 
 
 def record_argv(record: ServerRecord) -> list[str]:
@@ -397,6 +434,8 @@ def test_both_exports_of_a_session(alice, bob, tmp_path):
     stored = TranscriptEvent.objects.filter(session=session).order_by("seq")
     assert [(e.seq, e.kind, e.payload) for e in again] == [(e.seq, e.kind, e.payload) for e in stored]
 
+    page = client.get(f"/sessions/{session.pk}/").content.decode()
+    assert f'href="/sessions/{session.pk}/export.md"' in page and f'href="/sessions/{session.pk}/export.jsonl"' in page
     markdown = client.get(f"/sessions/{session.pk}/export.md").content.decode()
     assert markdown.startswith("# Flock\n")
     assert "**alice:**\n\nWhat is in notes.txt?" in markdown
@@ -407,6 +446,8 @@ def test_both_exports_of_a_session(alice, bob, tmp_path):
     assert "*context 120 tokens · reply 9 tokens · seed 7*" in markdown
 
     assert logged_in(bob).get(f"/sessions/{session.pk}/export.md").status_code == 404  # private: not his to see
+    AgentSession.objects.filter(pk=session.pk).update(visibility="team_watch")
+    assert logged_in(bob).get(f"/sessions/{session.pk}/export.md").status_code == 200  # whoever may watch
     assert client.get(f"/sessions/{session.pk}/export.html").status_code == 404
 
 
