@@ -223,6 +223,43 @@ def test_an_empty_field_sends_nothing_and_a_set_field_wins(sampled_machine, alic
     assert usage["sampling_from"]["top_k"] == "model"
 
 
+@pytest.mark.django_db(transaction=True)  # the step's interrupt watcher reads the session from its own connection
+def test_the_real_server_applies_the_files_own_default_to_a_session_that_sets_none(
+    real_models_dir, llama_server_bin, alice, tmp_path
+):
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    # The real SmolLM2, copied with sampling defaults of its own.
+    reader = gguf.GGUFReader(real_models_dir / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    models = tmp_path / "models"
+    models.mkdir()
+    writer = gguf.GGUFWriter(models / "smol-sampled.gguf", arch=reader.get_field("general.architecture").contents(),
+                             endianess=reader.endianess)
+    alignment = reader.get_field(gguf.Keys.General.ALIGNMENT)
+    if alignment is not None:
+        writer.data_alignment = alignment.contents()
+    copy_with_new_metadata(reader, writer, {
+        "general.sampling.temp": MetadataDetails(GGUFValueType.FLOAT32, 0.25),
+        "general.sampling.top_k": MetadataDetails(GGUFValueType.INT32, 20),
+    }, [])
+    machine = Machine.objects.create(name="local", models_dir=str(models), llama_server_path=llama_server_bin,
+                                     workspace_roots="")
+    catalog.refresh_models(machine)
+    session = AgentSession.objects.create(
+        owner=alice, machine=machine, model_key="smol-sampled.gguf", working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, sampling={"max_tokens": 8}, status="loading",
+    )
+    lifecycle.start_server(session.pk)
+    ready = events_of(session, "server_ready")[-1].payload
+    assert ready["sampling_defaults"]["temperature"] == 0.25 and ready["sampling_defaults"]["top_k"] == 20
+
+    turn(session, alice, "Name one colour.")
+    usage = events_of(session, "usage")[-1].payload
+    assert usage["sampling"]["temperature"] == 0.25 and usage["sampling_from"]["temperature"] == "model"
+    assert usage["sampling_from"]["top_p"] == "server"  # the file says nothing of it: llama-server's own
+
+
 def test_sampling_in_force_takes_the_session_then_the_model_then_the_server():
     values, sources = agent.sampling_in_force(
         {"temperature": 0.9, "seed": 3}, {"temperature": 0.25, "top_k": 20}, {"temperature": 0.8, "top_k": 40, "top_p": 0.95}
