@@ -106,6 +106,16 @@ def test_the_system_prompt_in_force_is_the_sessions_then_the_model_files_then_th
     assert session.system_prompt_in_force() == "The session's own."
 
 
+def test_an_admin_sets_the_deployments_default_system_prompt(admin_client, alice, tmp_path):
+    response = admin_client.get("/admin/sessions_app/deploymentsettings/")
+    assert response.status_code == 302 and response.url == "/admin/sessions_app/deploymentsettings/1/change/"
+    response = admin_client.post(response.url, {"system_prompt": "You answer for the farm."})
+    assert response.status_code == 302
+    machine = Machine.objects.create(name="m", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir="/")
+    assert session.system_prompt_in_force() == "You answer for the farm."
+
+
 def test_the_system_prompt_goes_first_keeps_the_prefix_and_a_change_applies_next_request(sampled_machine, alice, tmp_path):
     client = logged_in(alice)
     response = client.post("/sessions/new/", {
@@ -258,6 +268,17 @@ def test_the_real_server_applies_the_files_own_default_to_a_session_that_sets_no
     usage = events_of(session, "usage")[-1].payload
     assert usage["sampling"]["temperature"] == 0.25 and usage["sampling_from"]["temperature"] == "model"
     assert usage["sampling_from"]["top_p"] == "server"  # the file says nothing of it: llama-server's own
+
+
+def test_case_c13_odd_sampling_keys_are_left_out():
+    from machines_app.gguf import GGUFHead
+
+    head = GGUFHead(version=3, tensor_count=0, metadata={
+        "general.sampling.temp": float("nan"), "general.sampling.top_k": "forty", "general.sampling.top_p": True,
+        "general.sampling.min_p": float("inf"), "general.sampling.penalty_repeat": 1.100000023841858,
+        "general.sampling.sequence": "top_k;top_p",
+    })
+    assert head.sampling_defaults == {"repeat_penalty": 1.1}  # float32 read back as the number written
 
 
 def test_sampling_in_force_takes_the_session_then_the_model_then_the_server():
