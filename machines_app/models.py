@@ -6,7 +6,6 @@ from django.db import models
 from django.utils import timezone
 
 from . import ssh
-
 from .workspaces import parse_roots, validate_workspace_roots
 
 

@@ -206,6 +206,23 @@ def test_discovery_reads_the_sampling_defaults_and_the_forms_show_them_as_placeh
     assert 'value="0.5"' in input_tag(html, "top_p")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_placeholders_follow_the_machine_and_model_chosen_in_the_browser(
+    stack, page, local_machine, sampled_machine, alice
+):
+    from .test_browser import log_in
+
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(stack.base_url + "/sessions/new/")
+    assert page.get_attribute("#id_temperature", "placeholder") is None  # the local machine's models have none
+    page.fill("#id_top_p", "0.5")
+    page.select_option("#id_machine", value=str(sampled_machine.pk))
+    page.wait_for_selector('#id_temperature[placeholder="model default: 0.25"]')
+    assert page.input_value("#id_top_p") == "0.5"  # what was typed stays
+    page.select_option("#id_machine", value=str(local_machine.pk))
+    page.wait_for_selector("#id_temperature:not([placeholder])")
+
+
 def test_an_empty_field_sends_nothing_and_a_set_field_wins(sampled_machine, alice, tmp_path):
     client = logged_in(alice)
     response = client.post("/sessions/new/", {
