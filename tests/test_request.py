@@ -27,7 +27,7 @@ from sessions_app import actions, agent, export, lifecycle, presenters
 from sessions_app.models import AgentSession, DeploymentSettings, TranscriptEvent
 from sessions_app.transcript import Event
 
-from .conftest import fake_server, model_key
+from .conftest import fake_server, model_key, wait_for
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
 
@@ -50,11 +50,12 @@ def requests_seen(session) -> list[dict]:
 
 
 def turn(session, user, text: str) -> None:
-    """Send ``text`` and run the turn in this process, against the session's server."""
+    """Send ``text`` and run the turn in this process, against the session's server (or let
+    the suite's worker run it, when a stack is up and takes the step first)."""
     ended = len(events_of(session, "turn_end"))
     actions.do_send_message(AgentSession.objects.get(pk=session.pk), user, text)
     agent.run_turn_step(session.pk)
-    assert len(events_of(session, "turn_end")) == ended + 1, "the turn did not end"
+    wait_for(lambda: len(events_of(session, "turn_end")) == ended + 1, 180, what="the turn to end")
 
 
 def write_sampled_gguf(path: Path) -> None:
