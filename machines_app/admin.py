@@ -146,7 +146,7 @@ class MachineAdmin(admin.ModelAdmin):
 
 
 class ModelFileForm(forms.ModelForm):
-    """What an admin sets on a discovered model file (docs/behaviour.md §16): its default
+    """What an admin sets on a discovered model file (docs/behaviour.md §17): its default
     system prompt and the chat template its server uses — a llama.cpp built-in name or a
     Jinja file that must exist on the file's machine (checked there, like model paths)."""
 

@@ -29,7 +29,7 @@ class ResolvedModel:
     path: str  # absolute path on the machine (for a split set: the first part)
     has_mtp: bool
     display_name: str
-    chat_template: str = ""  # a built-in template name an admin set (docs/behaviour.md §16)
+    chat_template: str = ""  # a built-in template name an admin set (docs/behaviour.md §17)
     chat_template_file: str = ""  # or a template file, as an absolute path on the machine
 
 

@@ -93,7 +93,7 @@ def build_argv(spec: ServerSpec) -> list[str]:
 
 
 def chat_template_flags(spec: ServerSpec) -> list[str]:
-    """The chat template flags (docs/behaviour.md §16): none for the file's own template.
+    """The chat template flags (docs/behaviour.md §17): none for the file's own template.
 
     A template file is Jinja (``--chat-template-file``). A built-in name needs
     ``--no-jinja`` before it: with Jinja on (llama-server's default) ``--chat-template``
@@ -127,7 +127,7 @@ PROPS_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_
 
 @dataclass(frozen=True)
 class ServerProps:
-    """What ``GET /props`` says about a ready server (docs/behaviour.md §16):
+    """What ``GET /props`` says about a ready server (docs/behaviour.md §17):
     ``chat_template_caps`` as reported (``supports_tools``, ``supports_system_role``, …;
     {} when the server did not say) and the sampling defaults in force for a request that
     sets none (``default_generation_settings.params``, the file's ``general.sampling.*``

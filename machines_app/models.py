@@ -145,13 +145,13 @@ class ModelFile(models.Model):
     sampling_defaults = models.JSONField(
         default=dict, blank=True,
         help_text="The file's general.sampling.* keys, by request name (temperature, top_k, …): llama-server "
-        "applies them to a request that does not set its own (docs/behaviour.md §16).",
+        "applies them to a request that does not set its own (docs/behaviour.md §17).",
     )
     # Set by an admin, kept across refreshes (a refresh updates the row in place by key).
     system_prompt = models.TextField(
         blank=True,
         help_text="Default system prompt for sessions on this model file; wins over the deployment default, "
-        "a session's own prompt wins over it (docs/behaviour.md §16).",
+        "a session's own prompt wins over it (docs/behaviour.md §17).",
     )
     chat_template = models.CharField(
         max_length=50, blank=True,
@@ -165,7 +165,7 @@ class ModelFile(models.Model):
     )
     # What llama-server reported for the template in GET /props after the last start
     # (chat_template_caps: supports_tools, supports_system_role, …); {} until a first start
-    # or after the template was changed (docs/behaviour.md §16).
+    # or after the template was changed (docs/behaviour.md §17).
     chat_template_caps = models.JSONField(default=dict, blank=True, editable=False)
 
     class Meta:

@@ -152,7 +152,7 @@ def do_update_settings(
     session: AgentSession, user, *, title: str, sampling: dict, server_params: dict, system_prompt: str | None = None
 ) -> bool:
     """Rename the session and change its parameters. Sampling and the system prompt take
-    effect on the next request (docs/behaviour.md §16; None leaves the prompt as it is);
+    effect on the next request (docs/behaviour.md §17; None leaves the prompt as it is);
     server parameters need a restart (returns True when they changed)."""
     with transaction.atomic():
         current = locked(session.pk)
@@ -215,7 +215,7 @@ def _refuse_controls(text: str, what: str) -> None:
 
 def check_system_prompt(text: str) -> str:
     """A session's system prompt as stored: without surrounding white space ('' = the
-    model file's or the deployment's default, docs/behaviour.md §16). Raises SessionError
+    model file's or the deployment's default, docs/behaviour.md §17). Raises SessionError
     for a control character, as for a message."""
     text = text.strip()
     _refuse_controls(text, "The system prompt")

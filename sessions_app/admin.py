@@ -12,7 +12,7 @@ class AgentSessionAdmin(admin.ModelAdmin):
     list_filter = ("status", "visibility", "machine")
     search_fields = ("title", "model_key", "owner__username")
     # Who owns a session, where it runs, where its tools act, whether the gate asks and who
-    # else may see it, and its system prompt (each change a settings event: docs/behaviour.md §16),
+    # else may see it, and its system prompt (each change a settings event: docs/behaviour.md §17),
     # are set through the product only, where they are checked and
     # recorded (docs/access.md, docs/sharing.md).
     readonly_fields = (

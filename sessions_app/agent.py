@@ -64,7 +64,7 @@ FRAGMENT_FLUSH_EVERY = 0.05  # seconds: how long streamed text may wait to be st
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
-#: The sampling values a usage line reports as in force (docs/behaviour.md §16), besides the seed.
+#: The sampling values a usage line reports as in force (docs/behaviour.md §17), besides the seed.
 REPORTED_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")
 
 #: ``factory(base_url, http=httpx.Client, api_key=str)`` → a completion client using that
@@ -83,7 +83,7 @@ def request_sampling(sampling: dict) -> tuple[dict, int]:
 
 def sampling_in_force(sent: dict, model_defaults: dict, server_defaults: dict) -> tuple[dict, dict]:
     """Which sampling values a request ran with and where each came from (docs/behaviour.md
-    §16): what the session sent > the model file's ``general.sampling.*`` defaults >
+    §17): what the session sent > the model file's ``general.sampling.*`` defaults >
     llama-server's own. ``server_defaults`` is what ``GET /props`` reported at the start
     (``default_generation_settings.params``: it already includes the file's defaults,
     which llama-server applies itself). Returns ``(values, sources)``, sources being
@@ -234,7 +234,7 @@ class Step:
         turns.step_status(self.session_id, self.owner, Status.RUNNING)
         catalogue = catalogue_of(events)
         fresh = AgentSession.objects.get(pk=self.session_id)  # sampling and prompt changes apply now
-        # docs/behaviour.md §16: the prompt in force is the first message of every request; an
+        # docs/behaviour.md §17: the prompt in force is the first message of every request; an
         # unchanged prompt keeps the request's prefix byte-identical (the prompt cache).
         messages = transcript.build_messages(events, system_prompt=fresh.system_prompt_in_force())
         sampling, seed = request_sampling(fresh.sampling)

@@ -1,4 +1,4 @@
-"""A session's transcript as a file to download (docs/behaviour.md §17).
+"""A session's transcript as a file to download (docs/behaviour.md §18).
 
 Two shapes, both pure functions of the stored events (no ORM here):
 

@@ -48,7 +48,7 @@ class NewSessionForm(forms.Form):
         help_text="The first message of every request. Empty: the model file's default, else the deployment's.",
     )
     # Sampling parameters (ride on every request, docs/behaviour.md §5); an empty one is not
-    # sent, so llama-server applies the model file's default, else its own (§16).
+    # sent, so llama-server applies the model file's default, else its own (§17).
     temperature = forms.FloatField(required=False, min_value=0.0, max_value=5.0)
     top_p = forms.FloatField(required=False, min_value=0.0, max_value=1.0)
     top_k = forms.IntegerField(required=False, min_value=0, max_value=100_000)
@@ -147,7 +147,7 @@ class NewSessionForm(forms.Form):
 
 
 def show_model_defaults(form: forms.Form, model: ModelFile | None) -> None:
-    """Show what an empty field leaves in force (docs/behaviour.md §16): each sampling field's
+    """Show what an empty field leaves in force (docs/behaviour.md §17): each sampling field's
     placeholder is the model file's own default ("model default: 0.6", from its
     ``general.sampling.*`` keys) and the system prompt's is the prompt that would apply."""
     defaults = model.sampling_defaults if model is not None else {}

@@ -203,7 +203,7 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
 
 def server_facts(session_id: int, model: ModelFile | None, server: Endpoint) -> dict:
     """What a ready server says about its chat template and sampling defaults
-    (``GET /props``, docs/behaviour.md §16), for its ``server_ready`` event. The template's
+    (``GET /props``, docs/behaviour.md §17), for its ``server_ready`` event. The template's
     capabilities are also kept on the model file, so the picker knows them before the next
     start. A server that does not answer /props still starts; the transcript says so."""
     facts: dict = {

@@ -77,7 +77,7 @@ class AgentSession(models.Model):
     server_params = models.JSONField(default=dict, blank=True, help_text="contextSize, gpuLayers, threads, speculative")
     sampling = models.JSONField(default=dict, blank=True, help_text="temperature, top_p, top_k, max_tokens, seed")
     system_prompt = models.TextField(
-        blank=True, help_text="Empty: the model file's default, else the deployment's (docs/behaviour.md §16)."
+        blank=True, help_text="Empty: the model file's default, else the deployment's (docs/behaviour.md §17)."
     )
     permission_mode = models.CharField(max_length=20, choices=PermissionMode.choices, default=PermissionMode.MANUAL)
     title = models.CharField(max_length=200, blank=True)
@@ -129,7 +129,7 @@ class AgentSession(models.Model):
         return Access.NONE
 
     def system_prompt_in_force(self) -> str | None:
-        """The system prompt of the next request (docs/behaviour.md §16): the session's own,
+        """The system prompt of the next request (docs/behaviour.md §17): the session's own,
         else its model file's default, else the deployment's; None when all are empty
         (then the request has no system message)."""
         if self.system_prompt:
@@ -147,7 +147,7 @@ class DeploymentSettings(models.Model):
     system_prompt = models.TextField(
         blank=True,
         help_text="System prompt of every session whose own prompt and model file's default are empty "
-        "(docs/behaviour.md §16). Applies from each session's next request.",
+        "(docs/behaviour.md §17). Applies from each session's next request.",
     )
 
     class Meta:

@@ -139,7 +139,7 @@ def _setting(key: str, value) -> str:
 def usage_line(usage: dict) -> str:
     """A ``usage`` payload as one line: ``"context 812 tokens · cached 790 · reply 41 tokens ·
     38.2 tok/s · seed 7 · temperature 0.25 (model), top_k 40 (server) · finish: length"``
-    (the sampling values in force and where each came from, docs/behaviour.md §16); parts
+    (the sampling values in force and where each came from, docs/behaviour.md §17); parts
     the server did not report are left out, and so are their separators."""
     parts = []
     if usage.get("prompt_tokens") is not None:
@@ -225,7 +225,7 @@ def render_presence(usernames: list[str]) -> str:
     return render_to_string("sessions_app/_presence.html", {"watching": usernames})
 
 
-#: chat_template_caps (GET /props) → what the header calls it (docs/behaviour.md §16).
+#: chat_template_caps (GET /props) → what the header calls it (docs/behaviour.md §17).
 TEMPLATE_CAPS = (("supports_tools", "tools"), ("supports_system_role", "system role"),
                  ("supports_preserve_reasoning", "reasoning"))
 

@@ -148,7 +148,7 @@ class _ServerReadyPayloadRequired(TypedDict):
 
 
 class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
-    # What llama-server said about itself in GET /props once ready (docs/behaviour.md §16).
+    # What llama-server said about itself in GET /props once ready (docs/behaviour.md §17).
     chat_template: str  # "" the file's own; a built-in name; or the template file's path
     chat_template_caps: dict  # chat_template_caps as reported: supports_tools, supports_system_role, …
     jinja: bool  # False when started with a built-in template (legacy engine: no tools in a request)
@@ -248,7 +248,7 @@ class UsagePayload(TypedDict, total=False):
     prompt_per_second: float
     seed: int
     finish_reason: str | None
-    sampling: dict  # the values in force (docs/behaviour.md §16)
+    sampling: dict  # the values in force (docs/behaviour.md §17)
     sampling_from: dict  # name → "session" | "model" | "server"
 
 
@@ -740,7 +740,7 @@ def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
 def last_server_ready(events: Iterable[EventLike]) -> dict[str, Any]:
     """A copy of the latest ``server_ready`` payload (what the running server reported about
-    its chat template and sampling defaults, docs/behaviour.md §16); ``{}`` when none."""
+    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none."""
     latest: dict[str, Any] = {}
     for event in _ordered(events):
         if event.kind == Kind.SERVER_READY:

@@ -113,7 +113,7 @@ def model_options(request: HttpRequest) -> HttpResponse:
 def model_defaults(request: HttpRequest) -> HttpResponse:
     """The new-session form's system prompt and sampling fields, redrawn for the model now
     chosen (htmx): what the person typed is kept, the placeholders are that model's
-    defaults (docs/behaviour.md §16). Only machines open to the user are read."""
+    defaults (docs/behaviour.md §17). Only machines open to the user are read."""
     names = ("machine", "model_key", "system_prompt", *NewSessionForm.SAMPLING_FIELDS)
     initial = {name: request.GET[name] for name in names if request.GET.get(name)}
     return render(request, "sessions_app/_model_defaults.html", {"form": NewSessionForm(user=request.user, initial=initial)})
@@ -199,7 +199,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
 
 @require_GET
 def session_export(request: HttpRequest, session_id: int, fmt: str) -> HttpResponse:
-    """The transcript as a download (docs/behaviour.md §17): ``jsonl`` (one stored event a
+    """The transcript as a download (docs/behaviour.md §18): ``jsonl`` (one stored event a
     line) or ``md`` (what a person reads). Whoever may watch the session may export it."""
     if fmt not in ("jsonl", "md"):
         raise Http404("There is no such export format.")

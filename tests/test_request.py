@@ -1,6 +1,6 @@
 """Issue 12 (images aside) and issue 14 item 1: the request — system prompt, the model
 file's sampling defaults, chat templates and their capabilities — and export
-(docs/behaviour.md §16, §17).
+(docs/behaviour.md §17, §18).
 
 Real llama-server where it matters (prompt_tokens, /props, a reply with a built-in
 template, the browser); the stand-in only to read back the exact request bodies Corral

@@ -28,11 +28,11 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='modelfile',
             name='sampling_defaults',
-            field=models.JSONField(blank=True, default=dict, help_text="The file's general.sampling.* keys, by request name (temperature, top_k, …): llama-server applies them to a request that does not set its own (docs/behaviour.md §16)."),
+            field=models.JSONField(blank=True, default=dict, help_text="The file's general.sampling.* keys, by request name (temperature, top_k, …): llama-server applies them to a request that does not set its own (docs/behaviour.md §17)."),
         ),
         migrations.AddField(
             model_name='modelfile',
             name='system_prompt',
-            field=models.TextField(blank=True, help_text="Default system prompt for sessions on this model file; wins over the deployment default, a session's own prompt wins over it (docs/behaviour.md §16)."),
+            field=models.TextField(blank=True, help_text="Default system prompt for sessions on this model file; wins over the deployment default, a session's own prompt wins over it (docs/behaviour.md §17)."),
         ),
     ]

@@ -14,7 +14,7 @@ class Migration(migrations.Migration):
             name='DeploymentSettings',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('system_prompt', models.TextField(blank=True, help_text="System prompt of every session whose own prompt and model file's default are empty (docs/behaviour.md §16). Applies from each session's next request.")),
+                ('system_prompt', models.TextField(blank=True, help_text="System prompt of every session whose own prompt and model file's default are empty (docs/behaviour.md §17). Applies from each session's next request.")),
             ],
             options={
                 'verbose_name': 'deployment settings',
@@ -24,6 +24,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='agentsession',
             name='system_prompt',
-            field=models.TextField(blank=True, help_text="Empty: the model file's default, else the deployment's (docs/behaviour.md §16)."),
+            field=models.TextField(blank=True, help_text="Empty: the model file's default, else the deployment's (docs/behaviour.md §17)."),
         ),
     ]
