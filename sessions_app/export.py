@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -70,13 +70,24 @@ def _fence(text: str, info: str = "") -> str:
     return f"{fence}{info}\n{text}\n{fence}"
 
 
-def _image_refs(images: Any) -> list[str]:
-    """Markdown references for a user message's ``images`` (each a URL string or an object
-    with ``url``, and maybe ``name``); never the image data itself."""
+#: ``image_url(ref)`` → where a stored image of a user message can be fetched (the page's
+#: own image address), or None when it has none.
+ImageLink = Callable[[dict], "str | None"]
+
+
+def _image_refs(images: Any, image_url: ImageLink | None) -> list[str]:
+    """Markdown references for a user message's ``images``, never the image data itself.
+    An entry is a URL, an object with ``url`` (and maybe ``name``), or a stored image's
+    reference (``sha256``, ``media_type``), linked through ``image_url``; one with no
+    address is named in words."""
     refs = []
     for image in images if isinstance(images, list) else []:
         url = image if isinstance(image, str) else image.get("url") if isinstance(image, dict) else None
+        if url is None and isinstance(image, dict) and image_url is not None:
+            url = image_url(image)
         if not isinstance(url, str) or not url or url.startswith("data:"):
+            if isinstance(image, dict) and isinstance(image.get("sha256"), str):
+                refs.append(f"*[an image, {image.get('media_type', '')} {image['sha256'][:12]}]*")
             continue
         name = image.get("name") if isinstance(image, dict) else None
         alt = re.sub(r"[\[\]\n]", " ", name) if isinstance(name, str) and name else "image"
@@ -99,9 +110,10 @@ def _usage_line(payload: dict) -> str:
     return " · ".join(parts)
 
 
-def to_markdown(events: Iterable[EventLike], *, title: str = "") -> str:
+def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: ImageLink | None = None) -> str:
     """The conversation as Markdown, folded from ``events`` in seq order (see the module
-    docstring). Streamed fragments of one reply or one reasoning run are joined."""
+    docstring). Streamed fragments of one reply or one reasoning run are joined; a user
+    message's stored images are linked through ``image_url``."""
     out: list[str] = [f"# {title}"] if title else []
     run_kind: str | None = None  # the reply text or reasoning being joined
     run: list[str] = []
@@ -127,7 +139,7 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "") -> str:
         close_run()
         if kind == Kind.MESSAGE_TAKEN:
             text = str(payload.get("text") or "")
-            refs = _image_refs(payload.get("images"))
+            refs = _image_refs(payload.get("images"), image_url)
             body = "\n\n".join([text, *refs]) if refs else text
             out.append(f"**{_who(payload, 'User')}:**\n\n{body}")
         elif kind == Kind.TOOL_START:

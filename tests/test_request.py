@@ -535,6 +535,13 @@ def test_the_markdown_export_links_images_of_a_user_message():
     assert "Look\n\n![image](</media/a.png>)\n\n![b](<https://x/b c.jpg>)" in markdown
     assert "base64" not in markdown  # a reference, never the data
 
+    # A stored image (its reference: sha256, media type, size) links through the page's address for it.
+    stored = {"sha256": "ab" * 32, "media_type": "image/png", "size": 68}
+    events = [Event(1, "message_taken", {"text": "See", "queued_id": None, "images": [stored]})]
+    linked = export.to_markdown(events, image_url=lambda ref: f"https://corral/sessions/1/images/{ref['sha256']}.png")
+    assert f"See\n\n![image](<https://corral/sessions/1/images/{'ab' * 32}.png>)" in linked
+    assert f"*[an image, image/png {'ab' * 6}]*" in export.to_markdown(events)  # no address: named in words
+
 
 def test_read_jsonl_names_the_line_of_a_bad_event():
     with pytest.raises(export.InvalidEvent, match="line 2: notice payload: missing"):
