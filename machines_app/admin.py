@@ -4,7 +4,9 @@ from django.db.models import Count
 
 from . import actions as machine_actions
 from . import ssh
+from .llama_server import BUILTIN_CHAT_TEMPLATES
 from .models import Machine, ModelFile, ServerRecord
+from .transports import TransportError, transport_for
 
 
 class MachineForm(forms.ModelForm):
@@ -143,15 +145,64 @@ class MachineAdmin(admin.ModelAdmin):
             self.message_user(request, f"{machine.name} ({machine.host_entry}): host key re-pinned, {old} → {new}.")
 
 
+class ModelFileForm(forms.ModelForm):
+    """What an admin sets on a discovered model file (docs/behaviour.md §17): its default
+    system prompt and the chat template its server uses — a llama.cpp built-in name or a
+    Jinja file that must exist on the file's machine (checked there, like model paths)."""
+
+    chat_template = forms.ChoiceField(
+        required=False, choices=[("", "— the file's own —"), *((n, n) for n in BUILTIN_CHAT_TEMPLATES)],
+        help_text=ModelFile._meta.get_field("chat_template").help_text,
+    )
+
+    class Meta:
+        model = ModelFile
+        fields = ["system_prompt", "chat_template", "chat_template_file"]
+
+    def clean(self):
+        data = super().clean()
+        path = (data.get("chat_template_file") or "").strip()
+        data["chat_template_file"] = path
+        if path and data.get("chat_template"):
+            self.add_error("chat_template_file", "Choose a built-in template or a template file, not both.")
+            return data
+        if not path:
+            return data
+        if not (path.startswith("/") or path == "~" or path.startswith("~/")) or "\x00" in path:
+            self.add_error("chat_template_file", "Give an absolute path on the machine, or one under ~ (~/x.jinja).")
+            return data
+        transport = transport_for(self.instance.machine)
+        try:
+            found = transport.is_file(transport.expand_path(path))
+        except TransportError as exc:
+            self.add_error("chat_template_file", f"Could not check the file on {self.instance.machine.name}: {exc}")
+            return data
+        if not found:
+            self.add_error("chat_template_file", f"There is no file {path} on {self.instance.machine.name}.")
+        return data
+
+
 @admin.register(ModelFile)
 class ModelFileAdmin(admin.ModelAdmin):
+    form = ModelFileForm
     list_display = (
         "display_name", "machine", "key", "architecture", "size_label", "quantization", "context_length",
-        "has_chat_template", "has_mtp", "has_vision", "is_complete",
+        "has_chat_template", "template", "has_mtp", "has_vision", "is_complete",
     )
     list_filter = ("machine", "architecture", "has_mtp", "has_vision")
     search_fields = ("display_name", "key", "name")
-    readonly_fields = [f.name for f in ModelFile._meta.fields]
+    readonly_fields = [
+        f.name for f in ModelFile._meta.fields if f.name not in ModelFileForm.Meta.fields
+    ] + ["chat_template_caps"]
+
+    def save_model(self, request, obj, form, change):
+        if {"chat_template", "chat_template_file"} & set(form.changed_data):
+            obj.chat_template_caps = {}  # they were the old template's; the next start reports the new one's
+        super().save_model(request, obj, form, change)
+
+    @admin.display(description="chat template")
+    def template(self, obj):
+        return obj.chat_template_file or obj.chat_template or ("the file's" if obj.has_chat_template else "none")
 
     def has_add_permission(self, request):
         return False  # model files are discovered, not typed in

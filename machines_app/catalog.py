@@ -30,6 +30,8 @@ class ResolvedModel:
     has_mtp: bool
     display_name: str
     mmproj_path: str = ""  # absolute path of its vision projector there; "" without one
+    chat_template: str = ""  # a built-in template name an admin set (docs/behaviour.md §17)
+    chat_template_file: str = ""  # or a template file, as an absolute path on the machine
 
 
 def models_for(machine: Machine) -> QuerySet[ModelFile]:
@@ -89,6 +91,7 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
                     "split_count": info.split_count,
                     "missing_parts": list(info.missing_parts),
                     "error": _text(info.error, "error") if info.error else "",
+                    "sampling_defaults": info.sampling_defaults,
                 },
             )
             keep.append(obj.pk)
@@ -115,13 +118,16 @@ def model_for_session(machine: Machine, key: str) -> ResolvedModel:
         )
     if model.problem:
         raise ModelUnavailable(f"Model '{model.display_name}' on '{machine.name}' cannot be started: {model.problem}.")
+    transport = transport_for(machine)
     try:
-        root = transport_for(machine).expand_path(machine.models_dir)
+        root = transport.expand_path(machine.models_dir)
+        template_file = transport.expand_path(model.chat_template_file) if model.chat_template_file else ""
     except TransportError as exc:
         raise ModelUnavailable(str(exc)) from None
     return ResolvedModel(
         key=key, path=posixpath.join(root, key), has_mtp=model.has_mtp, display_name=model.display_name,
         mmproj_path=posixpath.join(root, model.projector_key) if model.projector_key else "",
+        chat_template=model.chat_template, chat_template_file=template_file,
     )
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .gguf import GGUFError, GGUFHead, NeedMoreBytes, parse_head
 
@@ -96,6 +96,8 @@ class ModelInfo:
             :class:`machines_app.gguf.GGUFHead`; context_length is in tokens.
         file_size: bytes on disk; for split sets the sum of the parts present.
         has_chat_template: the file carries a chat template.
+        sampling_defaults: the file's ``general.sampling.*`` values by request name
+            (:attr:`machines_app.gguf.GGUFHead.sampling_defaults`).
         has_mtp: the file carries a multi-token-prediction (NextN) head.
         has_vision: a vision projector (mmproj) lies in the same directory.
         projector_key: that projector's key (the first by key when there are several),
@@ -120,6 +122,7 @@ class ModelInfo:
     missing_parts: tuple[int, ...]
     error: str | None
     projector_key: str | None = None
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def is_complete(self) -> bool:
@@ -352,6 +355,7 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
                 split_count=candidate.split_count,
                 missing_parts=candidate.missing_parts,
                 error=candidate.error,
+                sampling_defaults=head.sampling_defaults if head else {},
             )
         )
     result.sort(key=lambda m: (m.display_name.casefold(), m.key))

@@ -23,13 +23,15 @@ The ``split.*`` keys are the ones written by llama.cpp's ``gguf-split`` tool.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
-from gguf import GGUF_MAGIC, GGUFValueType, LlamaFileType
+from gguf import GGUF_MAGIC, GGUFValueType, Keys, LlamaFileType
 
 __all__ = [
     "ARRAY_SUMMARY_THRESHOLD",
+    "SAMPLING_KEYS",
     "ArraySummary",
     "GGUFError",
     "GGUFHead",
@@ -39,6 +41,25 @@ __all__ = [
 
 #: Arrays longer than this are stored as an :class:`ArraySummary`, not as values.
 ARRAY_SUMMARY_THRESHOLD = 64
+
+#: The model file's own sampling defaults (``general.sampling.*``, names from the gguf
+#: package) → the request parameter of llama-server's ``/v1/chat/completions`` that sets the
+#: same value. llama-server applies these keys itself to a request that does not set them
+#: (llama.cpp ``common_init_sampler_from_model``); ``general.sampling.sequence`` (the sampler
+#: order) has no numeric value and is left out.
+SAMPLING_KEYS: dict[str, str] = {
+    Keys.General.SAMPLING_TEMP: "temperature",
+    Keys.General.SAMPLING_TOP_K: "top_k",
+    Keys.General.SAMPLING_TOP_P: "top_p",
+    Keys.General.SAMPLING_MIN_P: "min_p",
+    Keys.General.SAMPLING_PENALTY_REPEAT: "repeat_penalty",
+    Keys.General.SAMPLING_PENALTY_LAST_N: "repeat_last_n",
+    Keys.General.SAMPLING_XTC_PROBABILITY: "xtc_probability",
+    Keys.General.SAMPLING_XTC_THRESHOLD: "xtc_threshold",
+    Keys.General.SAMPLING_MIROSTAT: "mirostat",
+    Keys.General.SAMPLING_MIROSTAT_TAU: "mirostat_tau",
+    Keys.General.SAMPLING_MIROSTAT_ETA: "mirostat_eta",
+}
 
 _MAGIC = GGUF_MAGIC.to_bytes(4, "little")  # b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
@@ -201,6 +222,21 @@ class GGUFHead:
             return False
         layers = self._int(f"{arch}.nextn_predict_layers")
         return layers is not None and layers > 0
+
+    @property
+    def sampling_defaults(self) -> dict[str, int | float]:
+        """The file's ``general.sampling.*`` values by request parameter name (see
+        :data:`SAMPLING_KEYS`), e.g. ``{"temperature": 0.6, "top_k": 20}``. Floats are
+        stored as float32, so they are rounded to 6 significant digits (0.25 stays 0.25,
+        0.6 reads 0.6, not 0.6000000238). Keys of another type, and values that are not
+        finite numbers, are left out (docs/behaviour.md C13: odd metadata never breaks a listing)."""
+        found: dict[str, int | float] = {}
+        for key, name in SAMPLING_KEYS.items():
+            value = self.metadata.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                continue  # NaN and infinities too: no request could carry them
+            found[name] = float(f"{value:.6g}") if isinstance(value, float) else value
+        return found
 
     @property
     def split_no(self) -> int | None:

@@ -66,6 +66,8 @@ class ServerSpec:
     has_mtp: bool = False
     api_key_file: str = ""
     mmproj_path: str = ""
+    chat_template: str = ""  # a llama.cpp built-in template name an admin set
+    chat_template_file: str = ""  # or a Jinja template file's absolute path on that machine
 
 
 def build_argv(spec: ServerSpec) -> list[str]:
@@ -92,7 +94,72 @@ def build_argv(spec: ServerSpec) -> list[str]:
         # The vision projector found beside the model (docs/behaviour.md §16): with it the
         # server takes image_url content parts; without it, it refuses them.
         argv += ["--mmproj", spec.mmproj_path]
+    argv += chat_template_flags(spec)
     return argv
+
+
+def chat_template_flags(spec: ServerSpec) -> list[str]:
+    """The chat template flags (docs/behaviour.md §17): none for the file's own template.
+
+    A template file is Jinja (``--chat-template-file``). A built-in name needs
+    ``--no-jinja`` before it: with Jinja on (llama-server's default) ``--chat-template``
+    takes its value as the Jinja text itself, so ``gemma`` would become a template that
+    prints "gemma". The legacy engine that reads the name takes no tools; the agent leaves
+    them out of such a server's requests.
+    """
+    if spec.chat_template_file:
+        return ["--chat-template-file", spec.chat_template_file]
+    if spec.chat_template:
+        return ["--no-jinja", "--chat-template", spec.chat_template]
+    return []
+
+
+#: llama.cpp's built-in chat templates, as the bundled ``llama-server --help`` lists them
+#: under ``--chat-template`` (tests/test_request.py checks this against the binary).
+BUILTIN_CHAT_TEMPLATES = (
+    "bailing", "bailing-think", "bailing2", "chatglm3", "chatglm4", "chatml", "command-r", "deepseek",
+    "deepseek-ocr", "deepseek2", "deepseek3", "exaone-moe", "exaone3", "exaone4", "falcon3", "gemma",
+    "gigachat", "glmedge", "gpt-oss", "granite", "granite-4.0", "granite-4.1", "grok-2", "hunyuan-dense",
+    "hunyuan-moe", "hunyuan-vl", "kimi-k2", "llama2", "llama2-sys", "llama2-sys-bos", "llama2-sys-strip",
+    "llama3", "llama4", "megrez", "minicpm", "mistral-v1", "mistral-v3", "mistral-v3-tekken", "mistral-v7",
+    "mistral-v7-tekken", "monarch", "openchat", "orion", "pangu-embedded", "phi3", "phi4", "rwkv-world",
+    "seed_oss", "smolvlm", "solar-open", "vicuna", "vicuna-orca", "yandex", "zephyr",
+)
+
+#: The sampling values ``sampling_defaults_of`` keeps from /props, by the request's names.
+PROPS_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "repeat_penalty": "repeat_penalty"}
+
+
+@dataclass(frozen=True)
+class ServerProps:
+    """What ``GET /props`` says about a ready server (docs/behaviour.md §17):
+    ``chat_template_caps`` as reported (``supports_tools``, ``supports_system_role``, …;
+    {} when the server did not say) and the sampling defaults in force for a request that
+    sets none (``default_generation_settings.params``, the file's ``general.sampling.*``
+    already applied), by request name."""
+
+    chat_template_caps: dict
+    sampling_defaults: dict
+
+
+def read_props(base_url: str, api_key: str = "", timeout: float = 10.0) -> ServerProps:
+    """``GET /props`` of a ready server, with its key. Raises ``httpx.HTTPError`` when it
+    does not answer; an answer of an unexpected shape gives empty fields."""
+    response = httpx.get(f"{base_url}/props", headers=auth_headers(api_key), timeout=timeout)
+    response.raise_for_status()
+    body = response.json()
+    body = body if isinstance(body, dict) else {}
+    caps = body.get("chat_template_caps")
+    caps = {str(k): v for k, v in caps.items() if isinstance(v, bool)} if isinstance(caps, dict) else {}
+    settings = body.get("default_generation_settings")
+    params = settings.get("params") if isinstance(settings, dict) else None
+    params = params if isinstance(params, dict) else {}
+    defaults = {
+        name: params[key] for name, key in PROPS_SAMPLING.items()
+        if isinstance(params.get(key), int | float) and not isinstance(params.get(key), bool)
+    }
+    return ServerProps(chat_template_caps=caps, sampling_defaults=defaults)
 
 
 def failure_message(headline: str, log_tail: str) -> str:
@@ -146,7 +213,11 @@ def wait_until_ready(
 
 
 __all__ = [
+    "BUILTIN_CHAT_TEMPLATES",
     "SERVER_FLAGS",
+    "ServerProps",
+    "chat_template_flags",
+    "read_props",
     "Endpoint",
     "ServerSpec",
     "ServerStartError",

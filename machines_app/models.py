@@ -6,7 +6,6 @@ from django.db import models
 from django.utils import timezone
 
 from . import ssh
-
 from .workspaces import parse_roots, validate_workspace_roots
 
 
@@ -146,6 +145,31 @@ class ModelFile(models.Model):
     split_count = models.PositiveIntegerField(default=1)
     missing_parts = models.JSONField(default=list, blank=True)
     error = models.TextField(blank=True)
+    sampling_defaults = models.JSONField(
+        default=dict, blank=True,
+        help_text="The file's general.sampling.* keys, by request name (temperature, top_k, …): llama-server "
+        "applies them to a request that does not set its own (docs/behaviour.md §17).",
+    )
+    # Set by an admin, kept across refreshes (a refresh updates the row in place by key).
+    system_prompt = models.TextField(
+        blank=True,
+        help_text="Default system prompt for sessions on this model file; wins over the deployment default, "
+        "a session's own prompt wins over it (docs/behaviour.md §17).",
+    )
+    chat_template = models.CharField(
+        max_length=50, blank=True,
+        help_text="A llama.cpp built-in chat template (--chat-template NAME), for a file that has none or a "
+        "wrong one. Built-in templates cannot take tools.",
+    )
+    chat_template_file = models.CharField(
+        max_length=1000, blank=True,
+        help_text="Or a Jinja chat template file on this machine (--chat-template-file): an absolute path or "
+        "one in the home directory there (~/templates/x.jinja).",
+    )
+    # What llama-server reported for the template in GET /props after the last start
+    # (chat_template_caps: supports_tools, supports_system_role, …); {} until a first start
+    # or after the template was changed (docs/behaviour.md §17).
+    chat_template_caps = models.JSONField(default=dict, blank=True, editable=False)
 
     class Meta:
         ordering = ["display_name", "key"]
@@ -167,6 +191,23 @@ class ModelFile(models.Model):
             parts = ", ".join(str(n) for n in self.missing_parts)
             return f"split model is incomplete: part(s) {parts} of {self.split_count} missing"
         return ""
+
+    @property
+    def template_label(self) -> str:
+        """Which chat template a server for this file uses, in the picker's words."""
+        if self.chat_template_file:
+            return f"chat template file {self.chat_template_file}"
+        if self.chat_template:
+            return f"built-in chat template '{self.chat_template}'"
+        if self.has_chat_template:
+            return "the file's own chat template"
+        return "no chat template: replies may be poor"
+
+    @property
+    def cannot_call_tools(self) -> bool:
+        """llama-server said, at a start, that this file's template takes no tools
+        (GET /props → chat_template_caps.supports_tools false); False while unknown."""
+        return self.chat_template_caps.get("supports_tools") is False
 
 
 class ServerRecord(models.Model):

@@ -74,7 +74,7 @@ def by(user) -> transcript.Actor:
 
 def do_create_session(
     owner, *, machine, model_key: str, working_dir: str, server_params: dict, sampling: dict,
-    permission_mode: str, title: str = "",
+    permission_mode: str, title: str = "", system_prompt: str = "",
 ) -> AgentSession:
     """Create a session and start its llama-server in the background (docs/behaviour.md §5).
 
@@ -96,13 +96,15 @@ def do_create_session(
             sampling=sampling,
             permission_mode=permission_mode,
             title=title,
+            system_prompt=system_prompt,
             status=Status.LOADING,
         )
         record_event(
             session.pk,
             Kind.SETTINGS,
             {"model_key": model_key, "permission_mode": permission_mode, "sampling": sampling,
-             "server_params": server_params, "by": by(owner)},
+             "server_params": server_params, **({"system_prompt": system_prompt} if system_prompt else {}),
+             "by": by(owner)},
         )
         dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
     return session
@@ -149,14 +151,19 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
 
 
-def do_update_settings(session: AgentSession, user, *, title: str, sampling: dict, server_params: dict) -> bool:
-    """Rename the session and change its parameters. Sampling takes effect on the next
-    request; server parameters need a restart (returns True when they changed)."""
+def do_update_settings(
+    session: AgentSession, user, *, title: str, sampling: dict, server_params: dict, system_prompt: str | None = None
+) -> bool:
+    """Rename the session and change its parameters. Sampling and the system prompt take
+    effect on the next request (docs/behaviour.md §17; None leaves the prompt as it is);
+    server parameters need a restart (returns True when they changed)."""
     with transaction.atomic():
         current = locked(session.pk)
         changes: dict = {}
         if title != current.title:
             changes["title"] = title
+        if system_prompt is not None and system_prompt != current.system_prompt:
+            changes["system_prompt"] = system_prompt
         if sampling != current.sampling:
             changes["sampling"] = sampling
         if server_params != current.server_params:
@@ -200,6 +207,24 @@ MAX_MESSAGE_CHARS = 200_000
 _TEXT_CONTROLS = {"\t", "\n", "\r"}
 
 
+def _refuse_controls(text: str, what: str) -> None:
+    for index, char in enumerate(text):
+        if unicodedata.category(char) == "Cc" and char not in _TEXT_CONTROLS:
+            raise SessionError(
+                f"{what} contains a control character (U+{ord(char):04X} at character {index + 1:,}), "
+                "which cannot be sent; remove it and send again."
+            )
+
+
+def check_system_prompt(text: str) -> str:
+    """A session's system prompt as stored: without surrounding white space ('' = the
+    model file's or the deployment's default, docs/behaviour.md §17). Raises SessionError
+    for a control character, as for a message."""
+    text = text.strip()
+    _refuse_controls(text, "The system prompt")
+    return text
+
+
 def check_message(text: str, *, with_images: bool = False) -> str:
     """The message as it will be sent: ``text`` without surrounding white space.
 
@@ -217,12 +242,7 @@ def check_message(text: str, *, with_images: bool = False) -> str:
         raise SessionError(
             f"This message is {len(text):,} characters long; a message can be at most {MAX_MESSAGE_CHARS:,}."
         )
-    for index, char in enumerate(text):
-        if unicodedata.category(char) == "Cc" and char not in _TEXT_CONTROLS:
-            raise SessionError(
-                f"This message contains a control character (U+{ord(char):04X} at character {index + 1:,}), "
-                "which cannot be sent; remove it and send again."
-            )
+    _refuse_controls(text, "This message")
     if text.startswith("/"):
         command = text.split()[0]
         raise SessionError(f"{command}: compact and slash commands are not supported for llama.cpp sessions.")

@@ -1,6 +1,8 @@
 from django.contrib import admin
+from django.shortcuts import redirect
+from django.urls import reverse
 
-from .models import AgentSession, McpServer, TranscriptEvent
+from .models import AgentSession, DeploymentSettings, McpServer, TranscriptEvent
 from .transcript import actor
 
 
@@ -10,10 +12,11 @@ class AgentSessionAdmin(admin.ModelAdmin):
     list_filter = ("status", "visibility", "machine")
     search_fields = ("title", "model_key", "owner__username")
     # Who owns a session, where it runs, where its tools act, whether the gate asks and who
-    # else may see it are set through the product only, where they are checked and
+    # else may see it, and its system prompt (each change a settings event: docs/behaviour.md §17),
+    # are set through the product only, where they are checked and
     # recorded (docs/access.md, docs/sharing.md).
     readonly_fields = (
-        "owner", "machine", "working_dir", "permission_mode", "visibility",
+        "owner", "machine", "working_dir", "permission_mode", "visibility", "system_prompt",
         "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at", "transcript",
     )
 
@@ -54,3 +57,18 @@ class TranscriptEventAdmin(admin.ModelAdmin):
 class McpServerAdmin(admin.ModelAdmin):
     list_display = ("name", "url", "enabled")
     list_filter = ("enabled",)
+
+
+@admin.register(DeploymentSettings)
+class DeploymentSettingsAdmin(admin.ModelAdmin):
+    """The one row of deployment-wide defaults: the admin's list links straight to it."""
+
+    def has_add_permission(self, request):
+        return not DeploymentSettings.objects.exists()
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def changelist_view(self, request, extra_context=None):
+        settings_row = DeploymentSettings.load()
+        return redirect(reverse("admin:sessions_app_deploymentsettings_change", args=[settings_row.pk]))

@@ -26,6 +26,7 @@ from django.db import connection
 
 from machines_app import catalog
 from machines_app.llama_server import Endpoint
+from machines_app.models import ModelFile
 
 from . import actions, images, lifecycle, tools, transcript, turns
 from .completions import (
@@ -63,7 +64,9 @@ EMPTY_REPLY = "The model returned an empty reply."
 FRAGMENT_FLUSH_EVERY = 0.05  # seconds: how long streamed text may wait to be stored and pushed
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
+#: The sampling values a usage line reports as in force (docs/behaviour.md §17), besides the seed.
+REPORTED_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")
 
 #: ``factory(base_url, http=httpx.Client, api_key=str)`` → a completion client using that
 #: HTTP client and sending the server's key.
@@ -77,6 +80,24 @@ def request_sampling(sampling: dict) -> tuple[dict, int]:
     if "seed" not in params:
         params["seed"] = secrets.randbelow(2**31)
     return params, int(params["seed"])
+
+
+def sampling_in_force(sent: dict, model_defaults: dict, server_defaults: dict) -> tuple[dict, dict]:
+    """Which sampling values a request ran with and where each came from (docs/behaviour.md
+    §17): what the session sent > the model file's ``general.sampling.*`` defaults >
+    llama-server's own. ``server_defaults`` is what ``GET /props`` reported at the start
+    (``default_generation_settings.params``: it already includes the file's defaults,
+    which llama-server applies itself). Returns ``(values, sources)``, sources being
+    ``"session"``, ``"model"`` or ``"server"`` per name; names no source knows are left out."""
+    values: dict = {}
+    sources: dict = {}
+    for name in REPORTED_SAMPLING:
+        for source, known in (("session", sent), ("model", model_defaults), ("server", server_defaults)):
+            value = known.get(name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                values[name], sources[name] = value, source
+                break
+    return values, sources
 
 
 def catalogue_of(events) -> tools.Catalogue:
@@ -213,12 +234,26 @@ class Step:
         ``TurnEnd.DONE``, ``ERROR`` or ``INTERRUPTED``."""
         turns.step_status(self.session_id, self.owner, Status.RUNNING)
         catalogue = catalogue_of(events)
+        fresh = AgentSession.objects.get(pk=self.session_id)  # sampling and prompt changes apply now
+        # docs/behaviour.md §17: the prompt in force is the first message of every request; an
+        # unchanged prompt keeps the request's prefix byte-identical (the prompt cache).
         # Images go as data URIs only to a model started with its projector
         # (docs/behaviour.md §16); for any other they are said in words.
         takes_images = catalog.vision(session.machine, session.model_key)[1]
-        messages = transcript.build_messages(events, image_url=images.data_uri if takes_images else None)
-        fresh = AgentSession.objects.get(pk=self.session_id)  # sampling changes apply now
+        messages = transcript.build_messages(
+            events,
+            system_prompt=fresh.system_prompt_in_force(),
+            image_url=images.data_uri if takes_images else None,
+        )
         sampling, seed = request_sampling(fresh.sampling)
+        ready = transcript.last_server_ready(events)
+        model = ModelFile.objects.filter(machine_id=fresh.machine_id, key=fresh.model_key).first()
+        in_force, sources = sampling_in_force(
+            sampling, model.sampling_defaults if model else {}, ready.get("sampling_defaults") or {}
+        )
+        # A server started with a built-in template runs llama.cpp's legacy template engine,
+        # which refuses any request with tools ("tools param requires --jinja flag").
+        definitions = catalogue.definitions() if ready.get("jinja", True) else []
         assembler = ToolCallAssembler()
         usage: Usage | None = None
         finish_reason = None
@@ -242,7 +277,7 @@ class Step:
         watcher = threading.Thread(target=watch_interrupt, name=f"interrupt-{self.session_id}", daemon=True)
         watcher.start()
         stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
-            messages, tools=catalogue.definitions(), sampling=sampling
+            messages, tools=definitions, sampling=sampling
         )
         pending = Fragments(self.record)
         # Anything a person can see — text or reasoning that is not only white space — or a
@@ -284,7 +319,8 @@ class Step:
             watcher.join(2)
         if usage is not None or finish_reason is not None:
             payload = usage.as_payload() if usage is not None else {}
-            payload.update({"seed": seed, "finish_reason": finish_reason})
+            payload.update({"seed": seed, "finish_reason": finish_reason, "sampling": in_force,
+                            "sampling_from": sources})
             self.record(Kind.USAGE, payload)
         if interrupted.is_set():
             return TurnEnd.INTERRUPTED

@@ -7,12 +7,12 @@ from django import forms
 from machines_app import catalog
 from machines_app.access import machines_for
 from machines_app.discovery import InvalidModelKey, validate_key
-from machines_app.models import Machine
+from machines_app.models import Machine, ModelFile
 from machines_app.transports import TransportError
 from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
-from .actions import SessionError, check_message, check_permission_mode, may_bypass
-from .models import AgentSession
+from .actions import SessionError, check_message, check_permission_mode, check_system_prompt, may_bypass
+from .models import AgentSession, DeploymentSettings
 
 
 class NewSessionForm(forms.Form):
@@ -43,15 +43,22 @@ class NewSessionForm(forms.Form):
     speculative = forms.ChoiceField(
         choices=[("auto", "Auto (MTP head if present)"), ("off", "Off")], initial="auto"
     )
-    # Sampling parameters (ride on every request, docs/behaviour.md §5)
+    system_prompt = forms.CharField(
+        required=False, max_length=100_000, widget=forms.Textarea(attrs={"rows": 3}),
+        help_text="The first message of every request. Empty: the model file's default, else the deployment's.",
+    )
+    # Sampling parameters (ride on every request, docs/behaviour.md §5); an empty one is not
+    # sent, so llama-server applies the model file's default, else its own (§17).
     temperature = forms.FloatField(required=False, min_value=0.0, max_value=5.0)
     top_p = forms.FloatField(required=False, min_value=0.0, max_value=1.0)
     top_k = forms.IntegerField(required=False, min_value=0, max_value=100_000)
+    min_p = forms.FloatField(required=False, min_value=0.0, max_value=1.0)
+    repeat_penalty = forms.FloatField(required=False, min_value=0.0, max_value=10.0)
     max_tokens = forms.IntegerField(required=False, min_value=1, max_value=4_194_304)
     seed = forms.IntegerField(required=False, min_value=0, max_value=2**32 - 1)
 
     SERVER_FIELDS = ("contextSize", "gpuLayers", "threads", "speculative")
-    SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+    SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
 
     def __init__(self, *args, user, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -73,6 +80,8 @@ class NewSessionForm(forms.Form):
             preferred = next((m for m in usable if m.has_chat_template), usable[0] if usable else None)
             if preferred is not None:
                 self.initial["model_key"] = preferred.key
+        key = self.data.get("model_key") if self.is_bound else self.initial.get("model_key")
+        show_model_defaults(self, next((m for m in self.model_choices if m.key == key), None))
 
     def _chosen_machine(self) -> Machine | None:
         """The machine whose models the picker lists: the one asked for when it is a
@@ -93,6 +102,12 @@ class NewSessionForm(forms.Form):
         except InvalidModelKey as exc:
             raise forms.ValidationError(str(exc)) from None
         return key
+
+    def clean_system_prompt(self) -> str:
+        try:
+            return check_system_prompt(self.cleaned_data["system_prompt"])
+        except SessionError as exc:
+            raise forms.ValidationError(str(exc)) from None
 
     def clean_permission_mode(self) -> str:
         mode = self.cleaned_data["permission_mode"]
@@ -129,6 +144,25 @@ class NewSessionForm(forms.Form):
 
     def sampling(self) -> dict:
         return {k: self.cleaned_data[k] for k in self.SAMPLING_FIELDS if self.cleaned_data.get(k) is not None}
+
+
+def show_model_defaults(form: forms.Form, model: ModelFile | None) -> None:
+    """Show what an empty field leaves in force (docs/behaviour.md §17): each sampling field's
+    placeholder is the model file's own default ("model default: 0.6", from its
+    ``general.sampling.*`` keys) and the system prompt's is the prompt that would apply."""
+    defaults = model.sampling_defaults if model is not None else {}
+    for name in form.SAMPLING_FIELDS:
+        widget = form.fields[name].widget
+        if name in defaults:
+            widget.attrs["placeholder"] = f"model default: {defaults[name]}"
+        else:
+            widget.attrs.pop("placeholder", None)
+    fallback = (model.system_prompt if model is not None else "") or DeploymentSettings.load().system_prompt
+    widget = form.fields["system_prompt"].widget
+    if fallback:
+        widget.attrs["placeholder"] = fallback
+    else:
+        widget.attrs.pop("placeholder", None)
 
 
 class MachineChoiceForm(forms.Form):
@@ -175,9 +209,12 @@ class SessionSettingsForm(forms.Form):
     gpuLayers = NewSessionForm.base_fields["gpuLayers"]
     threads = NewSessionForm.base_fields["threads"]
     speculative = NewSessionForm.base_fields["speculative"]
+    system_prompt = NewSessionForm.base_fields["system_prompt"]
     temperature = NewSessionForm.base_fields["temperature"]
     top_p = NewSessionForm.base_fields["top_p"]
     top_k = NewSessionForm.base_fields["top_k"]
+    min_p = NewSessionForm.base_fields["min_p"]
+    repeat_penalty = NewSessionForm.base_fields["repeat_penalty"]
     max_tokens = NewSessionForm.base_fields["max_tokens"]
     seed = NewSessionForm.base_fields["seed"]
 
@@ -185,8 +222,14 @@ class SessionSettingsForm(forms.Form):
     SAMPLING_FIELDS = NewSessionForm.SAMPLING_FIELDS
     server_params = NewSessionForm.server_params
     sampling = NewSessionForm.sampling
+    clean_system_prompt = NewSessionForm.clean_system_prompt
+
+    def __init__(self, *args, session: AgentSession, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        show_model_defaults(self, ModelFile.objects.filter(machine_id=session.machine_id, key=session.model_key).first())
 
     @classmethod
     def for_session(cls, session: AgentSession) -> SessionSettingsForm:
-        initial = {"title": session.title, "speculative": "auto", **session.server_params, **session.sampling}
-        return cls(initial=initial)
+        initial = {"title": session.title, "speculative": "auto", "system_prompt": session.system_prompt,
+                   **session.server_params, **session.sampling}
+        return cls(initial=initial, session=session)

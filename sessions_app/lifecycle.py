@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import posixpath
 
+import httpx
 from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
@@ -20,6 +21,7 @@ from machines_app.llama_server import (
     ServerStartError,
     build_argv,
     new_api_key,
+    read_props,
     wait_until_ready,
 )
 from machines_app.models import Machine, ModelFile, ServerRecord
@@ -109,6 +111,8 @@ def start_server(session_id: int) -> None:
             has_mtp=model.has_mtp,
             api_key_file=key_path,
             mmproj_path=model.mmproj_path,
+            chat_template=model.chat_template,
+            chat_template_file=model.chat_template_file,
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.
@@ -120,6 +124,11 @@ def start_server(session_id: int) -> None:
             raise catalog.ModelUnavailable(
                 f"Machine '{session.machine.name}' has no vision projector {model.mmproj_path} any more; refresh "
                 "the model list there."
+            )
+        if model.chat_template_file and not transport.is_file(model.chat_template_file):
+            raise catalog.ModelUnavailable(
+                f"Machine '{session.machine.name}' has no chat template file {model.chat_template_file}, which an "
+                f"admin set for {model.display_name}; copy it there or change the model file's template."
             )
         log_path = log_path_for(session, transport, port)
         set_status(session.pk, Status.LOADING)
@@ -184,15 +193,39 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
         pass  # the machine went away just now: the watch will say so
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
+    endpoint = _endpoint(transport, record)
     record_event(
-        session.pk, Kind.SERVER_READY, {"model_key": record.model_key, "model": model.display_name if model else record.model_key}
+        session.pk, Kind.SERVER_READY,
+        {"model_key": record.model_key, "model": model.display_name if model else record.model_key,
+         **server_facts(session.pk, model, endpoint)},
     )
-    record_catalogue(session.pk, _endpoint(transport, record))
+    record_catalogue(session.pk, endpoint)
     set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
         dispatch.enqueue_on_commit(dispatch.RUN_TURN, session.pk)
     else:
         turns.resume_queue(session.pk)
+
+
+def server_facts(session_id: int, model: ModelFile | None, server: Endpoint) -> dict:
+    """What a ready server says about its chat template and sampling defaults
+    (``GET /props``, docs/behaviour.md §17), for its ``server_ready`` event. The template's
+    capabilities are also kept on the model file, so the picker knows them before the next
+    start. A server that does not answer /props still starts; the transcript says so."""
+    facts: dict = {
+        "chat_template": (model.chat_template_file or model.chat_template) if model else "",
+        "jinja": not (model and model.chat_template and not model.chat_template_file),
+    }
+    try:
+        props = read_props(server.url, server.api_key)
+    except (httpx.HTTPError, ValueError) as exc:
+        record_error(session_id, f"llama-server did not say what its chat template can do (GET /props: {exc}).")
+        return facts
+    facts["chat_template_caps"] = props.chat_template_caps
+    facts["sampling_defaults"] = props.sampling_defaults
+    if model is not None and props.chat_template_caps:
+        ModelFile.objects.filter(pk=model.pk).update(chat_template_caps=props.chat_template_caps)
+    return facts
 
 
 def record_catalogue(session_id: int, server: Endpoint) -> None:

@@ -9,6 +9,8 @@ from django.db import models
 from django.db.models import Q
 from django.urls import reverse
 
+from machines_app.models import ModelFile
+
 from .tools import McpServerConfig
 
 
@@ -74,6 +76,9 @@ class AgentSession(models.Model):
     working_dir = models.CharField(max_length=1000)
     server_params = models.JSONField(default=dict, blank=True, help_text="contextSize, gpuLayers, threads, speculative")
     sampling = models.JSONField(default=dict, blank=True, help_text="temperature, top_p, top_k, max_tokens, seed")
+    system_prompt = models.TextField(
+        blank=True, help_text="Empty: the model file's default, else the deployment's (docs/behaviour.md §17)."
+    )
     permission_mode = models.CharField(max_length=20, choices=PermissionMode.choices, default=PermissionMode.MANUAL)
     title = models.CharField(max_length=200, blank=True)
     visibility = models.CharField(max_length=20, choices=Visibility.choices, default=Visibility.PRIVATE)
@@ -122,6 +127,42 @@ class AgentSession(models.Model):
         if self.visibility == self.Visibility.TEAM_WATCH:
             return Access.WATCH
         return Access.NONE
+
+    def system_prompt_in_force(self) -> str | None:
+        """The system prompt of the next request (docs/behaviour.md §17): the session's own,
+        else its model file's default, else the deployment's; None when all are empty
+        (then the request has no system message)."""
+        if self.system_prompt:
+            return self.system_prompt
+        model = ModelFile.objects.filter(machine_id=self.machine_id, key=self.model_key).only("system_prompt").first()
+        if model is not None and model.system_prompt:
+            return model.system_prompt
+        return DeploymentSettings.load().system_prompt or None
+
+
+class DeploymentSettings(models.Model):
+    """Deployment-wide defaults an admin sets in the admin pages: one row (pk 1), made on
+    first read."""
+
+    system_prompt = models.TextField(
+        blank=True,
+        help_text="System prompt of every session whose own prompt and model file's default are empty "
+        "(docs/behaviour.md §17). Applies from each session's next request.",
+    )
+
+    class Meta:
+        verbose_name = verbose_name_plural = "deployment settings"
+
+    def __str__(self) -> str:
+        return "Deployment settings"
+
+    def save(self, *args, **kwargs) -> None:
+        self.pk = 1
+        super().save(*args, **kwargs)
+
+    @classmethod
+    def load(cls) -> DeploymentSettings:
+        return cls.objects.get_or_create(pk=1)[0]
 
 
 class TranscriptEvent(models.Model):

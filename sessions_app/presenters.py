@@ -152,6 +152,9 @@ class Block:
 
 def _setting(key: str, value) -> str:
     """A settings value as a person reads it: ``{"top_k": 40}`` → ``top_k=40``."""
+    if key == "system_prompt":
+        text = " ".join(str(value).split())
+        return f"“{text[:77]}…”" if len(text) > 80 else (f"“{text}”" if text else "the default")
     if key == "visibility" and value in AgentSession.Visibility.values:
         return AgentSession.Visibility(value).label.lower()
     if isinstance(value, dict):
@@ -161,8 +164,9 @@ def _setting(key: str, value) -> str:
 
 def usage_line(usage: dict) -> str:
     """A ``usage`` payload as one line: ``"context 812 tokens · cached 790 · reply 41 tokens ·
-    38.2 tok/s · seed 7 · finish: length"``; parts the server did not report are left out,
-    and so are their separators."""
+    38.2 tok/s · seed 7 · temperature 0.25 (model), top_k 40 (server) · finish: length"``
+    (the sampling values in force and where each came from, docs/behaviour.md §17); parts
+    the server did not report are left out, and so are their separators."""
     parts = []
     if usage.get("prompt_tokens") is not None:
         parts.append(f"context {usage['prompt_tokens']} tokens")
@@ -175,6 +179,12 @@ def usage_line(usage: dict) -> str:
         parts.append(f"{speed:.1f} tok/s")
     if usage.get("seed") is not None:
         parts.append(f"seed {usage['seed']}")
+    in_force = usage.get("sampling")
+    if isinstance(in_force, dict) and in_force:
+        sources = usage.get("sampling_from") if isinstance(usage.get("sampling_from"), dict) else {}
+        parts.append(", ".join(
+            f"{name} {value}" + (f" ({sources[name]})" if sources.get(name) else "") for name, value in in_force.items()
+        ))
     if usage.get("finish_reason") and usage["finish_reason"] != "stop":
         parts.append(f"finish: {usage['finish_reason']}")
     return " · ".join(parts)
@@ -244,6 +254,32 @@ def render_presence(usernames: list[str]) -> str:
     return render_to_string("sessions_app/_presence.html", {"watching": usernames})
 
 
+#: chat_template_caps (GET /props) → what the header calls it (docs/behaviour.md §17).
+TEMPLATE_CAPS = (("supports_tools", "tools"), ("supports_system_role", "system role"),
+                 ("supports_preserve_reasoning", "reasoning"))
+
+
+def template_info(ready: dict, remembered: dict | None = None) -> dict:
+    """What the page says about the model's chat template, from the latest ``server_ready``
+    payload (``ready``) or, before a server has said, the caps remembered on the model file.
+
+    ``{"known": bool, "caps": [(label, bool), …], "cannot_call_tools": bool}``: a template
+    cannot take tools when llama-server reported ``supports_tools`` false, or the server
+    runs a built-in template (``jinja`` false: a request with tools is refused).
+    """
+    caps = ready.get("chat_template_caps") or remembered or {}
+    no_jinja = ready.get("jinja") is False
+    return {
+        "known": bool(caps) or no_jinja,
+        "caps": [(label, bool(caps.get(key))) for key, label in TEMPLATE_CAPS if key in caps],
+        "cannot_call_tools": no_jinja or caps.get("supports_tools") is False,
+    }
+
+
+def render_template_info(template: dict) -> str:
+    return render_to_string("sessions_app/_template_caps.html", {"template": template})
+
+
 def render_status(status: str) -> str:
     return render_to_string("sessions_app/_status.html", {"status": status})
 
@@ -283,6 +319,7 @@ class TranscriptView:
         # shown), so a long reply is not joined again at every fragment.
         self.items: dict[str, dict | Block] = {}
         self.calls: dict[str, list] = {}  # call id → the call's events seen so far
+        self.ready: dict = {}  # the latest server_ready payload: the template the tool list speaks of
 
     def prime(self, events: Iterable) -> None:
         for event in events:
@@ -319,10 +356,13 @@ class TranscriptView:
             if render:
                 ops.append({"op": "status", Kind.STATUS: payload.get("status"), "html": render_status(payload["status"])})
             return ops
+        if kind == Kind.SERVER_READY:
+            self.ready = dict(payload)
         if kind == Kind.CATALOGUE:
             if render:
                 html = render_to_string("sessions_app/_tool_list.html",
-                                        {"tools": payload.get("tools", []), "machine_name": self.machine_name})
+                                        {"tools": payload.get("tools", []), "machine_name": self.machine_name,
+                                         "template": template_info(self.ready)})
                 ops.append({"op": "replace", "id": "tool-list", "html": html})
             return ops
         if kind in SILENT_KINDS:
@@ -384,4 +424,7 @@ class TranscriptView:
         item = event_item(event, self.session_id)
         if item is not None:
             self._show(item, ops, render)
+        if kind == Kind.SERVER_READY and render:  # the header says what the new server's template can do
+            ops.append({"op": "replace", "id": "template-caps",
+                        "html": render_template_info(template_info(self.ready))})
         return ops

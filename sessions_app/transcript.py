@@ -49,6 +49,7 @@ __all__ = [
     "allowed_tools",
     "build_messages",
     "last_catalogue",
+    "last_server_ready",
     "open_questions",
     "open_turn",
     "pending_calls",
@@ -147,6 +148,7 @@ class SettingsPayload(TypedDict, total=False):
     permission_mode: str
     sampling: dict
     server_params: dict
+    system_prompt: str
     title: str
     visibility: str
     takes_images: bool
@@ -162,9 +164,17 @@ class StatusPayload(_StatusPayloadRequired, total=False):
     by: Actor
 
 
-class ServerReadyPayload(TypedDict):
+class _ServerReadyPayloadRequired(TypedDict):
     model_key: str
     model: str
+
+
+class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
+    # What llama-server said about itself in GET /props once ready (docs/behaviour.md §17).
+    chat_template: str  # "" the file's own; a built-in name; or the template file's path
+    chat_template_caps: dict  # chat_template_caps as reported: supports_tools, supports_system_role, …
+    jinja: bool  # False when started with a built-in template (legacy engine: no tools in a request)
+    sampling_defaults: dict  # default_generation_settings.params: temperature, top_k, top_p, min_p, …
 
 
 class CataloguePayload(TypedDict):
@@ -262,6 +272,8 @@ class UsagePayload(TypedDict, total=False):
     prompt_per_second: float
     seed: int
     finish_reason: str | None
+    sampling: dict  # the values in force (docs/behaviour.md §17)
+    sampling_from: dict  # name → "session" | "model" | "server"
 
 
 class MessagePayload(TypedDict):
@@ -812,4 +824,14 @@ def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     for event in _ordered(events):
         if event.kind == Kind.CATALOGUE:
             latest = list(_payload(event).get("tools", []))
+    return latest
+
+
+def last_server_ready(events: Iterable[EventLike]) -> dict[str, Any]:
+    """A copy of the latest ``server_ready`` payload (what the running server reported about
+    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none."""
+    latest: dict[str, Any] = {}
+    for event in _ordered(events):
+        if event.kind == Kind.SERVER_READY:
+            latest = dict(_payload(event))
     return latest

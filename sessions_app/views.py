@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from django.contrib import messages as flash
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest, HttpResponse, HttpResponseNotModified
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotModified
 from django.shortcuts import redirect, render
 from django.template.response import TemplateResponse
+from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
 from machines_app import catalog
 from machines_app.access import machines_for
 
-from . import actions, images, presence, transcript, turns
+from . import actions, export, images, presence, transcript, turns
 from .consumers import CloseCode
 from .events import load_events
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession
-from .presenters import Viewer, attach_context, build_items, queued_item
+from .presenters import Viewer, attach_context, build_items, queued_item, template_info
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
 
@@ -86,6 +87,7 @@ def session_new(request: HttpRequest) -> HttpResponse:
                 sampling=form.sampling(),
                 permission_mode=data["permission_mode"],
                 title=data["title"],
+                system_prompt=data["system_prompt"],
             )
         except actions.SessionError as exc:  # the access changed between the form's check and now
             form.add_error(None, str(exc))
@@ -106,6 +108,16 @@ def model_options(request: HttpRequest) -> HttpResponse:
     machine = form.cleaned_data["machine"]
     return render(request, "sessions_app/_model_options.html",
                   {"models": list(catalog.models_for(machine)), "machine": machine})
+
+
+@require_GET
+def model_defaults(request: HttpRequest) -> HttpResponse:
+    """The new-session form's system prompt and sampling fields, redrawn for the model now
+    chosen (htmx): what the person typed is kept, the placeholders are that model's
+    defaults (docs/behaviour.md §17). Only machines open to the user are read."""
+    names = ("machine", "model_key", "system_prompt", *NewSessionForm.SAMPLING_FIELDS)
+    initial = {name: request.GET[name] for name in names if request.GET.get(name)}
+    return render(request, "sessions_app/_model_defaults.html", {"form": NewSessionForm(user=request.user, initial=initial)})
 
 
 @require_POST
@@ -145,6 +157,7 @@ def _session_context(session: AgentSession) -> dict:
     current = next((m for m in models if m.key == session.model_key), None)
     record = ServerRecord.objects.filter(session=session).first()
     return {
+        "model_file": current,
         "model_name": current.display_name if current else session.model_key,
         "machine_models": models,
         "restart_needed": record is not None and record.server_params != session.server_params,
@@ -156,10 +169,15 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
     viewer = Viewer(request.user.pk, session.access_for(request.user))
     events = load_events(session.pk)
+    session_context = _session_context(session)
+    model_file = session_context["model_file"]
     context = {
-        **_session_context(session),
+        **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
         "tools": transcript.last_catalogue(events),
+        "template": template_info(
+            transcript.last_server_ready(events), remembered=model_file.chat_template_caps if model_file else None
+        ),
         "machine_name": session.machine.name,
         "session": session,
         "session_id": session.pk,
@@ -179,6 +197,27 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "close_codes": {code.name: code.value for code in CloseCode},
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
+
+
+@require_GET
+def session_export(request: HttpRequest, session_id: int, fmt: str) -> HttpResponse:
+    """The transcript as a download (docs/behaviour.md §18): ``jsonl`` (one stored event a
+    line) or ``md`` (what a person reads). Whoever may watch the session may export it."""
+    if fmt not in ("jsonl", "md"):
+        raise Http404("There is no such export format.")
+    session = actions.access_session(request.user, session_id)
+    events = load_events(session.pk)
+    if fmt == "jsonl":
+        response = HttpResponse("".join(export.to_jsonl(events)), content_type="application/x-ndjson; charset=utf-8")
+    else:
+        def image_url(ref: dict) -> str:
+            path = reverse("session_image", args=[session.pk, ref["sha256"], images.EXTENSIONS.get(ref["media_type"], "bin")])
+            return request.build_absolute_uri(path)
+
+        text = export.to_markdown(events, title=session.display_title, image_url=image_url)
+        response = HttpResponse(text, content_type="text/markdown; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="session-{session.pk}.{fmt}"'
+    return response
 
 
 @require_GET
@@ -302,13 +341,13 @@ def session_sharing(request: HttpRequest, session_id: int) -> HttpResponse:
 @require_POST
 def session_settings(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id, MANAGE)
-    form = SessionSettingsForm(request.POST)
+    form = SessionSettingsForm(request.POST, session=session)
     if not form.is_valid():
         return render(request, "sessions_app/_settings.html", {"session": session, "settings_form": form,
                                                                **_session_context(session)})
     restart = actions.do_update_settings(
         session, request.user, title=form.cleaned_data["title"], sampling=form.sampling(),
-        server_params=form.server_params(),
+        server_params=form.server_params(), system_prompt=form.cleaned_data["system_prompt"],
     )
     session.refresh_from_db()
     context = {"session": session, "settings_form": form, "saved": True, "restart_asked": restart,

@@ -38,6 +38,8 @@ def logged_in(user) -> Client:
         ("post", "/sessions/{pk}/stop/"),
         ("post", "/sessions/{pk}/restart/"),
         ("post", "/sessions/{pk}/queue/abc/drop/"),
+        ("get", "/sessions/{pk}/export.jsonl"),
+        ("get", "/sessions/{pk}/export.md"),
     ],
 )
 def test_it_hides_alices_session_from_bob(alices_session, bob, method, path):
@@ -55,7 +57,10 @@ def test_it_lists_only_your_own_sessions_but_all_for_staff(alices_session, bob, 
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("path", ["/", "/sessions/new/", "/sessions/1/", "/sessions/models/?machine=1"])
+@pytest.mark.parametrize(
+    "path", ["/", "/sessions/new/", "/sessions/1/", "/sessions/models/?machine=1", "/sessions/1/export.jsonl",
+             "/sessions/models/defaults/?machine=1"],
+)
 def test_it_sends_strangers_to_the_login_page(path):
     response = Client().get(path)
     assert response.status_code == 302 and response.url.startswith("/login/")

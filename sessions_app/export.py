@@ -1,0 +1,172 @@
+"""A session's transcript as a file to download (docs/behaviour.md §18).
+
+Two shapes, both pure functions of the stored events (no ORM here):
+
+- :func:`to_jsonl` — JSON Lines, one stored event a line, in the event vocabulary of
+  docs/transcript.md: ``{"seq": int, "kind": str, "payload": {...}, "created_at": ISO 8601
+  or null}``. :func:`read_jsonl` reads such a file back into :class:`~.transcript.Event`
+  objects, checking every payload against its kind, so an export is a faithful copy that
+  the folds can read again.
+- :func:`to_markdown` — what a person reads: who said what, the model's replies, its
+  reasoning folded away in a ``<details>``, each tool call with its input and output,
+  errors and notices; status and usage bookkeeping is left out but for each reply's usage
+  line. Images in a user message are linked, never inlined.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
+from typing import Any
+
+from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload
+
+__all__ = ["read_jsonl", "to_jsonl", "to_markdown"]
+
+
+def _created_at(event: EventLike) -> str | None:
+    when = getattr(event, "created_at", None)
+    return when.isoformat() if isinstance(when, datetime) else None
+
+
+def to_jsonl(events: Iterable[EventLike]) -> Iterator[str]:
+    """One line per event (with its ``\\n``), in the order given (callers pass seq order).
+    Non-ASCII text is written as is (UTF-8); keys keep the stored payload's order."""
+    for event in events:
+        line = {"seq": event.seq, "kind": event.kind, "payload": event.payload, "created_at": _created_at(event)}
+        yield json.dumps(line, ensure_ascii=False) + "\n"
+
+
+def read_jsonl(text: str) -> list[Event]:
+    """The events of a :func:`to_jsonl` file. Raises :class:`InvalidEvent` naming the line
+    for a line that is not JSON, lacks ``seq``/``kind``/``payload``, or whose payload does
+    not fit its kind."""
+    events = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            seq, kind, payload = entry["seq"], entry["kind"], entry["payload"]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidEvent(f"line {number}: not an exported event ({exc})") from None
+        if not isinstance(seq, int) or not isinstance(payload, dict):
+            raise InvalidEvent(f"line {number}: seq must be a number and payload an object")
+        try:
+            check_payload(kind, payload)
+        except InvalidEvent as exc:
+            raise InvalidEvent(f"line {number}: {exc}") from None
+        events.append(Event(seq=seq, kind=kind, payload=payload))
+    return events
+
+
+def _fence(text: str, info: str = "") -> str:
+    """``text`` in a code fence longer than any run of backticks inside it (CommonMark),
+    so a tool's output can never close its own block."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{info}\n{text}\n{fence}"
+
+
+#: ``image_url(ref)`` → where a stored image of a user message can be fetched (the page's
+#: own image address), or None when it has none.
+ImageLink = Callable[[dict], "str | None"]
+
+
+def _image_refs(images: Any, image_url: ImageLink | None) -> list[str]:
+    """Markdown references for a user message's ``images``, never the image data itself.
+    An entry is a URL, an object with ``url`` (and maybe ``name``), or a stored image's
+    reference (``sha256``, ``media_type``), linked through ``image_url``; one with no
+    address is named in words."""
+    refs = []
+    for image in images if isinstance(images, list) else []:
+        url = image if isinstance(image, str) else image.get("url") if isinstance(image, dict) else None
+        if url is None and isinstance(image, dict) and image_url is not None:
+            url = image_url(image)
+        if not isinstance(url, str) or not url or url.startswith("data:"):
+            if isinstance(image, dict) and isinstance(image.get("sha256"), str):
+                refs.append(f"*[an image, {image.get('media_type', '')} {image['sha256'][:12]}]*")
+            continue
+        name = image.get("name") if isinstance(image, dict) else None
+        alt = re.sub(r"[\[\]\n]", " ", name) if isinstance(name, str) and name else "image"
+        refs.append(f"![{alt}](<{url.replace('>', '%3E')}>)")
+    return refs
+
+
+def _who(payload: Any, default: str) -> str:
+    who = actor(payload)
+    return who["username"] if who else default
+
+
+def _usage_line(payload: dict) -> str:
+    parts = []
+    for key, label in (("prompt_tokens", "context"), ("completion_tokens", "reply")):
+        if isinstance(payload.get(key), int):
+            parts.append(f"{label} {payload[key]} tokens")
+    if payload.get("seed") is not None:
+        parts.append(f"seed {payload['seed']}")
+    return " · ".join(parts)
+
+
+def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: ImageLink | None = None) -> str:
+    """The conversation as Markdown, folded from ``events`` in seq order (see the module
+    docstring). Streamed fragments of one reply or one reasoning run are joined; a user
+    message's stored images are linked through ``image_url``."""
+    out: list[str] = [f"# {title}"] if title else []
+    run_kind: str | None = None  # the reply text or reasoning being joined
+    run: list[str] = []
+    calls: dict[str, dict] = {}
+
+    def close_run() -> None:
+        nonlocal run_kind, run
+        text = "".join(run)
+        if run_kind == Kind.ASSISTANT_TEXT and text.strip():
+            out.append(f"**Model:**\n\n{text.strip()}")
+        elif run_kind == Kind.REASONING and text.strip():
+            out.append(f"<details><summary>Reasoning</summary>\n\n{_fence(text.strip())}\n\n</details>")
+        run_kind, run = None, []
+
+    for event in sorted(events, key=lambda e: e.seq):
+        kind, payload = event.kind, event.payload if isinstance(event.payload, dict) else {}
+        if kind in (Kind.ASSISTANT_TEXT, Kind.REASONING):
+            if kind != run_kind:
+                close_run()
+                run_kind = kind
+            run.append(str(payload.get("text") or ""))
+            continue
+        close_run()
+        if kind == Kind.MESSAGE_TAKEN:
+            text = str(payload.get("text") or "")
+            refs = _image_refs(payload.get("images"), image_url)
+            body = "\n\n".join([text, *refs]) if refs else text
+            out.append(f"**{_who(payload, 'User')}:**\n\n{body}")
+        elif kind == Kind.TOOL_START:
+            calls[str(payload.get("id"))] = payload
+            arguments = payload.get("input")
+            shown = json.dumps(arguments, ensure_ascii=False, indent=2) if arguments else payload.get("arguments") or "{}"
+            name = payload.get("display_name") or payload.get("tool") or "?"
+            out.append(f"**Tool call** `{payload.get('tool', '')}` ({name}), input:\n\n{_fence(str(shown), 'json')}")
+        elif kind == Kind.TOOL_END:
+            call = calls.get(str(payload.get("id")), {})
+            outcome = "output" if payload.get("ok", True) else "failed"
+            out.append(f"**Tool {outcome}** `{call.get('tool', payload.get('id', ''))}`:\n\n"
+                       f"{_fence(str(payload.get('output') or ''))}")
+        elif kind == Kind.ANSWERED:
+            out.append(f"*{_who(payload, 'Corral')} answered {payload.get('answer', '')} for "
+                       f"`{payload.get('tool') or ''}`.*")
+        elif kind == Kind.ERROR:
+            out.append(f"> **Error:** {payload.get('message', '')}")
+        elif kind == Kind.NOTICE:
+            out.append(f"> **Note:** {payload.get('message', '')}")
+        elif kind == Kind.USAGE and (line := _usage_line(payload)):
+            out.append(f"*{line}*")
+        elif kind == Kind.CLEARED:
+            out.append(f"---\n\n*Conversation cleared by {_who(payload, 'someone')}; the model saw nothing above.*")
+        elif kind == Kind.INTERRUPTED:
+            out.append(f"*Interrupted by {_who(payload, 'someone')}.*")
+        elif kind == Kind.SERVER_READY:
+            out.append(f"*llama-server ready with {payload.get('model', '')}.*")
+    close_run()
+    return "\n\n".join(out) + "\n"
