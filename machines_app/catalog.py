@@ -29,6 +29,20 @@ class ResolvedModel:
     path: str  # absolute path on the machine (for a split set: the first part)
     has_mtp: bool
     display_name: str
+    context_length: int | None = None  # <arch>.context_length: the context it was trained with
+
+
+def context_refusal(model: ResolvedModel, context_size: int | None) -> str | None:
+    """Why ``context_size`` (tokens, the ``-c`` of llama-server) cannot be asked of
+    ``model``, or None when it can: above the length it was trained with (its GGUF
+    ``<arch>.context_length``) llama.cpp either fails to start or answers badly. An
+    unknown trained length (docs/behaviour.md C13) or no size chosen (the model's own) is fine."""
+    if context_size is None or model.context_length is None or context_size <= model.context_length:
+        return None
+    return (
+        f"{model.display_name} was trained with a context of {model.context_length:,} tokens: choose at most "
+        f"{model.context_length:,} (or leave it empty)."
+    )
 
 
 def models_for(machine: Machine) -> QuerySet[ModelFile]:
@@ -117,4 +131,5 @@ def model_for_session(machine: Machine, key: str) -> ResolvedModel:
         root = transport_for(machine).expand_path(machine.models_dir)
     except TransportError as exc:
         raise ModelUnavailable(str(exc)) from None
-    return ResolvedModel(key=key, path=posixpath.join(root, key), has_mtp=model.has_mtp, display_name=model.display_name)
+    return ResolvedModel(key=key, path=posixpath.join(root, key), has_mtp=model.has_mtp, display_name=model.display_name,
+                         context_length=model.context_length)

@@ -48,8 +48,52 @@ class Endpoint:
 
 
 class ServerStartError(Exception):
-    """llama-server did not become ready. ``str()`` is the user-facing sentence, ending
-    with the server's last log lines ("It last said: …")."""
+    """llama-server did not become ready. ``str()`` is the headline with the server's last
+    log lines ("It last said: …"); ``sentence`` is what a person reads first (what failed,
+    what to try: :func:`explain_start_failure`) and ``log_tail`` the raw lines, shown
+    folded below it."""
+
+    def __init__(self, headline: str, log_tail: str = "") -> None:
+        super().__init__(failure_message(headline, log_tail))
+        self.headline = headline
+        self.log_tail = log_tail.strip()
+
+    @property
+    def sentence(self) -> str:
+        return explain_start_failure(self.headline, self.log_tail)
+
+
+#: Phrases of llama.cpp's start-up log, and the sentence a person reads for each (the
+#: first that matches wins). The log is llama.cpp's (common/arg.cpp, tools/server,
+#: src/llama-model-loader.cpp, ggml allocators), so these follow its wording.
+START_FAILURES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("invalid argument", "unknown argument", "error while handling argument"),
+     "llama-server refused one of its settings. Check the session's server settings (context size, GPU layers, "
+     "threads), then restart."),
+    (("couldn't bind", "address already in use"),
+     "llama-server could not listen on its port (another program holds it). Restart to try another port."),
+    (("out of memory", "failed to allocate", "unable to allocate", "cudamalloc failed", "failed to create context",
+      "not enough memory"),
+     "llama-server ran out of memory while loading the model. Try a smaller context size or fewer GPU layers, "
+     "then restart."),
+    (("failed to open gguf", "model loading error", "failed to load model", "error loading model",
+      "gguf_init_from_file"),
+     "llama-server could not load the model file: it may be incomplete, or not a model this llama.cpp can run. "
+     "Pick another model, or copy the file again."),
+)
+
+
+def explain_start_failure(headline: str, log_tail: str) -> str:
+    """One plain sentence for a failed start: what failed and what to try, read from the
+    server's last log lines (:data:`START_FAILURES`); the headline's own words when the
+    log says nothing known (a timeout, a cancelled start, a silent exit)."""
+    said = log_tail.lower()
+    for phrases, sentence in START_FAILURES:
+        if any(phrase in said for phrase in phrases):
+            return sentence
+    if "did not become ready" in headline:
+        return f"{headline}: a very large model may need longer, or the server is stuck. Look at its log, then restart."
+    return f"{headline}. Look at its last words below, then restart, or pick another model."
 
 
 @dataclass(frozen=True)
@@ -95,6 +139,19 @@ def failure_message(headline: str, log_tail: str) -> str:
     return f"{headline}. It last said:\n{tail}" if tail else f"{headline}."
 
 
+def read_n_ctx(base_url: str, api_key: str = "") -> int | None:
+    """The context size (tokens) of the running server's slot, as ``GET /props`` reports
+    it in ``default_generation_settings.n_ctx`` (one slot: ``-np 1``, so the whole ``-c``);
+    None when the server does not say (an older build, a stand-in, an error)."""
+    try:
+        response = httpx.get(f"{base_url}/props", headers=auth_headers(api_key), timeout=5.0)
+        response.raise_for_status()
+        n_ctx = response.json().get("default_generation_settings", {}).get("n_ctx")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None
+
+
 def wait_until_ready(
     transport: Transport,
     proc: ProcessId,
@@ -119,11 +176,9 @@ def wait_until_ready(
             if not transport.process_alive(proc):
                 # The log may still be flushing the last lines.
                 time.sleep(0.2)
-                raise ServerStartError(
-                    failure_message("llama-server exited while starting", transport.log_tail(log_path))
-                )
+                raise ServerStartError("llama-server exited while starting", transport.log_tail(log_path))
             if should_stop is not None and should_stop():
-                raise ServerStartError("llama-server start was cancelled.")
+                raise ServerStartError("llama-server start was cancelled")
             try:
                 response = http.get(f"{base_url}/health")
                 if response.status_code == 200:
@@ -132,9 +187,7 @@ def wait_until_ready(
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise ServerStartError(
-                    failure_message(
-                        f"llama-server did not become ready within {int(timeout)} s", transport.log_tail(log_path)
-                    )
+                    f"llama-server did not become ready within {int(timeout)} s", transport.log_tail(log_path)
                 )
             time.sleep(HEALTH_INTERVAL)
 
@@ -147,7 +200,9 @@ __all__ = [
     "TransportError",
     "auth_headers",
     "build_argv",
+    "explain_start_failure",
     "failure_message",
     "new_api_key",
+    "read_n_ctx",
     "wait_until_ready",
 ]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+from django.conf import settings
 from django.db import connection
 
 from machines_app.llama_server import Endpoint
@@ -69,10 +70,14 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 ClientFactory = Callable[..., CompletionClient]
 
 
-def request_sampling(sampling: dict) -> tuple[dict, int]:
+def request_sampling(sampling: dict, default_max_tokens: int | None = None) -> tuple[dict, int]:
     """The sampling parameters for one request and the seed it uses (docs/behaviour.md §14: a session
-    without a fixed seed draws one per request, recorded with the usage)."""
+    without a fixed seed draws one per request, recorded with the usage). A session without
+    a ``max_tokens`` gets ``default_max_tokens`` (the deployment's
+    ``CORRAL_DEFAULT_MAX_TOKENS``): a reply never runs on until the context is full."""
     params = {k: sampling[k] for k in SAMPLING_KEYS if sampling.get(k) not in (None, "")}
+    if "max_tokens" not in params and default_max_tokens is not None:
+        params["max_tokens"] = default_max_tokens
     if "seed" not in params:
         params["seed"] = secrets.randbelow(2**31)
     return params, int(params["seed"])
@@ -155,8 +160,8 @@ class Step:
     def record(self, kind: str, payload: dict) -> None:
         turns.record_for_step(self.session_id, self.owner, kind, payload)
 
-    def error(self, message: str) -> None:
-        self.record(Kind.ERROR, {"message": message})
+    def error(self, message: str, *, context_exceeded: bool = False) -> None:
+        self.record(Kind.ERROR, {"message": message, **({"context_exceeded": True} if context_exceeded else {})})
 
     def finish(self, reason: TurnEnd) -> None:
         turns.finish_turn(self.session_id, reason, owner=self.owner)
@@ -182,7 +187,7 @@ class Step:
             self.error(WORKER_LOST_REPLY)
             self.finish(TurnEnd.INTERRUPTED)
             return
-        server = lifecycle.server_endpoint(session) if session.status not in (Status.EXITED,) else None
+        server = lifecycle.server_endpoint(session) if session.status not in Status.server_down() else None
         if server is None or session.status == Status.UNKNOWN:
             self.error(
                 "llama-server is not running for this session; restart it and send again."
@@ -214,7 +219,7 @@ class Step:
         catalogue = catalogue_of(events)
         messages = transcript.build_messages(events)
         fresh = AgentSession.objects.get(pk=self.session_id)  # sampling changes apply now
-        sampling, seed = request_sampling(fresh.sampling)
+        sampling, seed = request_sampling(fresh.sampling, settings.CORRAL_DEFAULT_MAX_TOKENS)
         assembler = ToolCallAssembler()
         usage: Usage | None = None
         finish_reason = None
@@ -265,7 +270,7 @@ class Step:
         except CompletionError as exc:
             pending.flush()  # what was seen stays (docs/behaviour.md §6: an interrupted reply is kept)
             if not interrupted.is_set():
-                self.error(str(exc))
+                self.error(str(exc), context_exceeded=exc.context_exceeded)
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
                     lifecycle.check_session_server(self.session_id)
                 return TurnEnd.ERROR

@@ -50,12 +50,28 @@ class AgentSession(models.Model):
     """
 
     class Status(models.TextChoices):
-        LOADING = "loading", "Loading"
-        IDLE = "idle", "Idle"
-        RUNNING = "running", "Running"
-        AWAITING_INPUT = "awaiting_input", "Awaiting input"
-        EXITED = "exited", "Exited"
-        UNKNOWN = "unknown", "Unknown"
+        """The session's status (docs/behaviour.md §4). The labels are the words the page
+        shows for each (the one map of them: the badge, the session list)."""
+
+        LOADING = "loading", "loading"
+        IDLE = "idle", "idle"
+        RUNNING = "running", "running"
+        AWAITING_INPUT = "awaiting_input", "waiting for an answer"
+        # The server went away by itself (crashed, never loaded): the reason is in the transcript.
+        EXITED = "exited", "exited"
+        # A person stopped the server (Stop server): nothing went wrong; Restart starts it again.
+        STOPPED = "stopped", "stopped"
+        UNKNOWN = "unknown", "unknown"
+
+        @classmethod
+        def server_down(cls) -> tuple[str, ...]:
+            """The statuses in which the session has no server to send to (docs/behaviour.md §4)."""
+            return (cls.EXITED, cls.STOPPED)
+
+        @classmethod
+        def word(cls, value: str) -> str:
+            """The word the page shows for a status value (the value itself when unknown here)."""
+            return cls(value).label if value in cls.values else value
 
     class PermissionMode(models.TextChoices):
         MANUAL = "manual", "Ask before each tool call"
@@ -108,6 +124,11 @@ class AgentSession(models.Model):
     @property
     def display_title(self) -> str:
         return self.title or f"Session {self.pk}"
+
+    @property
+    def server_down(self) -> bool:
+        """No server to send to: it exited or was stopped (docs/behaviour.md §4)."""
+        return self.status in self.Status.server_down()
 
     def access_for(self, user) -> Access:
         """What ``user`` may do here: MANAGE for its owner and staff; for any other active

@@ -50,6 +50,7 @@ __all__ = [
     "pending_calls",
     "pending_queue",
     "reply_cut_off",
+    "last_message",
 ]
 
 #: What joins a user message that got no reply to the next one (see ``_Fold.user``).
@@ -140,9 +141,13 @@ class StatusPayload(_StatusPayloadRequired, total=False):
     by: Actor
 
 
-class ServerReadyPayload(TypedDict):
+class _ServerReadyPayloadRequired(TypedDict):
     model_key: str
     model: str
+
+
+class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
+    n_ctx: int  # the slot's context size in tokens, from GET /props (when the server says)
 
 
 class CataloguePayload(TypedDict):
@@ -180,6 +185,10 @@ class _MessageTakenPayloadRequired(TypedDict):
 class MessageTakenPayload(_MessageTakenPayloadRequired, total=False):
     by: Actor | None
     author: str  # transcripts written before "by"
+    # Sent again (regenerate, or edit and send): the seq of the message_taken this one
+    # takes the place of in the conversation (build_messages drops the replaced reply).
+    replaces: int
+    edited: bool  # the text was changed (edit), not the same (regenerate)
 
 
 class TextPayload(TypedDict):
@@ -244,6 +253,15 @@ class MessagePayload(TypedDict):
     message: str
 
 
+class _ErrorPayloadRequired(TypedDict):
+    message: str  # one plain sentence: what failed, what to try
+
+
+class ErrorPayload(_ErrorPayloadRequired, total=False):
+    log: str  # the raw lines behind it (a server's last log lines), shown folded
+    context_exceeded: bool  # the request did not fit the context (docs/behaviour.md C07): offer Clear
+
+
 class ByPayload(TypedDict):
     by: Actor
 
@@ -269,7 +287,7 @@ PAYLOADS: dict[Kind, type] = {
     Kind.TOOL_RUNNING: CallPayload,
     Kind.TOOL_END: ToolEndPayload,
     Kind.USAGE: UsagePayload,
-    Kind.ERROR: MessagePayload,
+    Kind.ERROR: ErrorPayload,
     Kind.NOTICE: MessagePayload,
     Kind.INTERRUPTED: ByPayload,
     Kind.CLEARED: ByPayload,
@@ -446,6 +464,9 @@ class _Fold:
         self.calls: list[Mapping[str, Any]] = []
         self.results: dict[str, str] = {}
         self.run_open = False
+        # seq of each message_taken → how the messages stood just before it: their number
+        # and, when it joined an unanswered user message, that message's content then.
+        self.marks: dict[int, tuple[int, str | None]] = {}
 
     def close_text(self) -> None:
         """Emit the accumulated assistant text as one message (omitted when empty)."""
@@ -500,7 +521,7 @@ class _Fold:
         self.close_batch()
         self.close_text()
 
-    def user(self, payload: Mapping[str, Any]) -> None:
+    def user(self, payload: Mapping[str, Any], seq: int | None = None) -> None:
         """A ``message_taken``: close the assistant side, then add the user message.
 
         When the turn before left no assistant message (it failed, was interrupted before
@@ -510,8 +531,18 @@ class _Fold:
         otherwise fail on every turn until cleared.
         """
         self.close_all()
-        text = _text(payload.get("text"))
+        replaces = payload.get("replaces")
+        if isinstance(replaces, int) and replaces in self.marks:
+            # Sent again: the conversation goes back to just before the message it replaces
+            # (its reply leaves the request; the transcript keeps both).
+            length, joined_onto = self.marks[replaces]
+            del self.messages[length:]
+            if joined_onto is not None:
+                self.messages[-1]["content"] = joined_onto
         last = self.messages[-1] if self.messages else None
+        if seq is not None:
+            self.marks[seq] = (len(self.messages), last["content"] if last is not None and last["role"] == "user" else None)
+        text = _text(payload.get("text"))
         if last is not None and last["role"] == "user":
             last["content"] = f"{last['content']}{USER_JOIN}{text}" if last["content"] else text
             return
@@ -564,6 +595,11 @@ def build_messages(
     - ``message_taken`` → ``{"role": "user", "content": text}``; but never two user
       messages in a row: a message that follows a turn which left no assistant message
       is joined to the unanswered one with :data:`USER_JOIN` (a blank line).
+    - A ``message_taken`` with ``replaces`` (a message sent again: regenerate, or edit and
+      send) first takes the conversation back to how it stood just before the message
+      whose seq it names (that message and everything after it leave the request; the
+      earlier messages stay byte-identical), then adds its own text. One that names a
+      message before the last ``cleared``, or none at all, is an ordinary message.
     - Consecutive ``assistant_text`` deltas form one
       ``{"role": "assistant", "content"}`` message, closed by the next user message or
       by a tool call. Text that arrives after a tool batch (i.e. after its results)
@@ -598,7 +634,7 @@ def build_messages(
     for event in _after_last_clear(_ordered(events)):
         kind = event.kind
         if kind == _MESSAGE_TAKEN:
-            fold.user(_payload(event))
+            fold.user(_payload(event), event.seq)
         elif kind == _ASSISTANT_TEXT:
             fold.assistant_text(_payload(event))
         elif kind == _TOOL_START:
@@ -612,6 +648,16 @@ def build_messages(
     if system_prompt is not None:
         return [{"role": "system", "content": system_prompt}, *fold.messages]
     return fold.messages
+
+
+def last_message(events: Iterable[EventLike]) -> dict[str, Any] | None:
+    """The user message a person may send again (regenerate, or edit and send):
+    ``{"seq", "text"}`` of the last ``message_taken`` after the last ``cleared``; None when
+    there is none."""
+    for event in reversed(_after_last_clear(_ordered(events))):
+        if event.kind == _MESSAGE_TAKEN:
+            return {"seq": event.seq, "text": _text(_payload(event).get("text"))}
+    return None
 
 
 def allowed_tools(events: Iterable[EventLike]) -> frozenset[str]:
