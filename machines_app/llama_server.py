@@ -68,8 +68,8 @@ class ServerStartError(Exception):
 #: src/llama-model-loader.cpp, ggml allocators), so these follow its wording.
 START_FAILURES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("invalid argument", "unknown argument", "error while handling argument"),
-     "llama-server refused one of its settings. Check the session's server settings (context size, GPU layers, "
-     "threads), then restart."),
+     "llama-server refused one of its settings ({line}). Check the session's server settings (context size, "
+     "GPU layers, threads), then restart."),
     (("couldn't bind", "address already in use"),
      "llama-server could not listen on its port (another program holds it). Restart to try another port."),
     (("out of memory", "failed to allocate", "unable to allocate", "cudamalloc failed", "failed to create context",
@@ -85,12 +85,15 @@ START_FAILURES: tuple[tuple[tuple[str, ...], str], ...] = (
 
 def explain_start_failure(headline: str, log_tail: str) -> str:
     """One plain sentence for a failed start: what failed and what to try, read from the
-    server's last log lines (:data:`START_FAILURES`); the headline's own words when the
+    server's last log lines (:data:`START_FAILURES`, the first entry with a phrase in any
+    line wins; a refused setting is named by its line); the headline's own words when the
     log says nothing known (a timeout, a cancelled start, a silent exit)."""
-    said = log_tail.lower()
+    lines = log_tail.splitlines()
     for phrases, sentence in START_FAILURES:
-        if any(phrase in said for phrase in phrases):
-            return sentence
+        line = next((line.strip() for line in lines if any(phrase in line.lower() for phrase in phrases)), None)
+        if line is not None:
+            # ``{line}``: the log line that matched, when the sentence names it (cut to a sentence's length).
+            return sentence.format(line=line if len(line) <= 160 else line[:159] + "…")
     if "did not become ready" in headline:
         return f"{headline}: a very large model may need longer, or the server is stuck. Look at its log, then restart."
     return f"{headline}. Look at its last words below, then restart, or pick another model."
