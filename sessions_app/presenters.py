@@ -410,7 +410,9 @@ class TranscriptView:
             title = payload["title"] or f"Session {self.session_id}"
             ops.append({"op": "replace", "id": "session-title",
                         "html": render_to_string("sessions_app/_title.html", {"title": title})})
+            # The title fields (Rename, Settings) follow, so saving one never puts the old title back.
             ops.append({"op": "value", "id": "rename-title", "value": payload["title"]})
+            ops.append({"op": "value", "id": "id_title", "value": payload["title"]})
         if kind == Kind.SETTINGS and payload.get("model") and render:
             ops.append({"op": "replace", "id": "model-name",
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],

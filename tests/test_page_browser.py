@@ -74,8 +74,14 @@ def test_stop_server_disables_the_message_box_and_restart_in_it_brings_it_back(s
     open_session(page, stack, session)
     page.fill("#id_text", "half-typed words")
 
-    # Stop reply with nothing running: the answer sits beside the button, not at the page top.
-    page.click("#stop-button")
+    # The first line says how the session started, in words.
+    page.locator(".note", has_text="Started by alice with").wait_for()
+    assert "model_key" not in page.inner_text("#transcript")
+    # The two stops say which is which.
+    assert "Stop reply" in page.inner_text("#stop-button") and "Stop server" in page.inner_text("#stop-server-button")
+    # Esc in the message box is Stop reply; with nothing running the answer sits beside the
+    # button, not at the page top.
+    page.press("#id_text", "Escape")
     page.locator("#composer-feedback", has_text="Nothing is running.").wait_for()
     assert page.inner_text("#flash").strip() == ""
 
@@ -115,6 +121,18 @@ def test_a_rename_changes_the_heading_and_tab_title_of_every_watching_page(stack
         watcher.locator("#session-title", has_text="Lambing season").wait_for()
         watcher.wait_for_function("() => document.title === 'Lambing season — Corral'")
     assert AgentSession.objects.get(pk=session.pk).title == "Lambing season"
+
+    # Settings on the other page follow the rename, so saving them keeps it; the banner that
+    # asks for a restart goes when the server restarts.
+    other.click("details.settings summary")
+    assert other.input_value("#id_title") == "Lambing season"
+    other.fill("#id_contextSize", "2048")
+    other.click("#settings-panel button[type=submit]")
+    other.locator("#restart-banner").wait_for()
+    assert AgentSession.objects.get(pk=session.pk).title == "Lambing season"
+    other.click("#restart-banner button")
+    other.wait_for_selector("#restart-banner", state="detached")
+    other.wait_for_selector("#status-badge[data-status=idle]", timeout=60_000)
 
 
 # --- item 1 ----------------------------------------------------------------------------------
@@ -301,6 +319,23 @@ def test_dark_mode_follows_the_system(stack, page, fake_machine, alice, tmp_path
     assert background == "rgb(15, 17, 21)"
     page.emulate_media(color_scheme="light")
     assert page.evaluate("() => getComputedStyle(document.body).backgroundColor") == "rgb(247, 247, 248)"
+
+
+def test_the_new_session_form_keeps_the_context_within_the_trained_length_and_shows_max_tokens(
+        stack, page, fake_machine, alice, tmp_path):
+    machine = fake_machine()
+    model = machine.model_files.get(architecture="llama")
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(stack.base_url + "/sessions/new/")
+    page.select_option("#id_machine", str(machine.pk))
+    page.wait_for_selector(f"#id_model_key option[value='{model.key}']", state="attached")
+    page.select_option("#id_model_key", model.key)
+    assert page.get_attribute("#id_max_tokens", "placeholder") == "4096 (default)"
+    page.fill("#id_working_dir", str(tmp_path))
+    page.fill("#id_contextSize", str(model.context_length * 2))
+    page.click("#new-session button[type=submit]")
+    page.locator(".errorlist", has_text=f"choose at most {model.context_length:,}").wait_for()
+    assert "/sessions/new/" in page.url and not AgentSession.objects.filter(owner=alice).exists()
 
 
 def test_a_missing_page_is_styled_with_a_way_back_and_the_list_searches_as_you_type(stack, page, fake_machine,

@@ -254,6 +254,7 @@ def test_rename_updates_the_heading_of_every_page_through_its_event(session, ali
     event = load_events(session.pk)[-1]
     ops = TranscriptView(session.pk).feed(event)
     assert {"op": "replace", "id": "session-title", "html": '<h1 id="session-title">Flock count</h1>\n'} in ops
+    assert {"op": "value", "id": "id_title", "value": "Flock count"} in ops  # Settings' own title field
     with pytest.raises(actions.SessionError, match="at most 200 characters"):
         actions.do_rename(fresh(session), alice, "x" * 201)
     actions.do_rename(fresh(session), alice, "")

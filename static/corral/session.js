@@ -34,6 +34,10 @@
       if (word && badge) word.textContent = badge.textContent;
     }
     if (!changed) return;
+    // A note that holds until a given status (the restart banner: until the server restarts).
+    document.querySelectorAll("[data-gone-when]").forEach(function (el) {
+      if (el.dataset.goneWhen.split(" ").indexOf(status) !== -1) el.remove();
+    });
     document.querySelectorAll(".feedback").forEach(function (el) {
       el.replaceChildren();
       if (el.id === "composer-error") el.hidden = true;
