@@ -60,6 +60,9 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
+#: The notice after a reply that llama-server stopped at ``max_tokens`` (``finish_reason: length``).
+LENGTH_LIMIT = ("The reply stopped at its length limit (max_tokens {max_tokens}). Send \"go on\" to continue it, "
+                "or raise max_tokens in Settings.")
 FRAGMENT_FLUSH_EVERY = 0.05  # seconds: how long streamed text may wait to be stored and pushed
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
@@ -291,6 +294,9 @@ class Step:
             return TurnEnd.INTERRUPTED
         if not produced and not assembler.calls():
             self.record(Kind.NOTICE, {"message": EMPTY_REPLY})
+        elif finish_reason == "length" and not assembler.calls():
+            # Said, because a reply cut at max_tokens looks like one that finished.
+            self.record(Kind.NOTICE, {"message": LENGTH_LIMIT.format(max_tokens=sampling.get("max_tokens"))})
         calls = assembler.calls()
         if not calls:
             return TurnEnd.DONE

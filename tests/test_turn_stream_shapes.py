@@ -101,8 +101,12 @@ def test_a_session_without_max_tokens_gets_the_deployments_default(session, alic
     settings.CORRAL_DEFAULT_MAX_TOKENS = 333
     AgentSession.objects.filter(pk=session.pk).update(sampling={"temperature": 0.2})
     server.will_answer(sse(chunk({"content": "One."})), sse(chunk({}, finish_reason="length")), b"data: [DONE]\n\n")
-    run_message(session, alice, "first")
+    events = run_message(session, alice, "first")
     assert server.requests[0]["max_tokens"] == 333
+    # A reply cut at the limit says so (it would look finished).
+    assert [e.payload["message"] for e in events if e.kind == "notice"] == [
+        'The reply stopped at its length limit (max_tokens 333). Send "go on" to continue it, or raise max_tokens '
+        "in Settings."]
     AgentSession.objects.filter(pk=session.pk).update(sampling={"max_tokens": 12})
     server.will_answer(sse(chunk({"content": "Two."})), sse(chunk({}, finish_reason="stop")), b"data: [DONE]\n\n")
     run_message(session, alice, "second")
