@@ -6,8 +6,10 @@ from enum import IntEnum
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 from django.urls import reverse
+
+from machines_app.models import ModelFile
 
 from .tools import McpServerConfig
 
@@ -39,6 +41,25 @@ class AgentSessionQuerySet(models.QuerySet):
             return self.all()
         shared = [AgentSession.Visibility.TEAM_WATCH, AgentSession.Visibility.TEAM_ACT]
         return self.filter(Q(owner=user) | Q(visibility__in=shared))
+
+    def with_model_name(self) -> AgentSessionQuerySet:
+        """Each session with ``model_name``: its model file's display name (None when the
+        machine no longer lists the file)."""
+        name = ModelFile.objects.filter(machine=OuterRef("machine"), key=OuterRef("model_key")).values("display_name")
+        return self.annotate(model_name=Subquery(name[:1]))
+
+    def matching(self, query: str) -> AgentSessionQuerySet:
+        """The sessions every word of ``query`` finds (any case) in the title, the model's
+        name or key, the machine's name or the owner's username, or as the session's id.
+        Call on :meth:`with_model_name`."""
+        found = self
+        for word in query.split():
+            by_id = Q(pk=int(word)) if word.isdigit() and int(word) < 2**63 else Q()
+            found = found.filter(
+                by_id | Q(title__icontains=word) | Q(model_name__icontains=word) | Q(model_key__icontains=word)
+                | Q(machine__name__icontains=word) | Q(owner__username__icontains=word)
+            )
+        return found
 
 
 class AgentSession(models.Model):

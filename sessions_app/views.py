@@ -59,28 +59,18 @@ def session_list(request: HttpRequest) -> HttpResponse:
     """The sessions this user may see, as "mine", "shared with me" and, for staff, the
     others' private ones; ``q`` keeps those whose title, model, machine or owner contains
     it (any case), ``show`` those in the statuses :data:`LIST_FILTERS` names."""
-    from django.db.models import OuterRef, Q, Subquery
-
-    from machines_app.models import ModelFile
-
-    model_name = ModelFile.objects.filter(machine=OuterRef("machine"), key=OuterRef("model_key")).values("display_name")
-    sessions = (
-        AgentSession.objects.visible_to(request.user)
-        .select_related("machine", "owner")
-        .annotate(model_name=Subquery(model_name[:1]))
-        .order_by("-last_activity_at")
-    )
     query = " ".join(request.GET.get("q", "").split())[:200]
     show = request.GET.get("show", "")
     statuses = LIST_FILTERS.get(show)
+    sessions = (
+        AgentSession.objects.visible_to(request.user)
+        .select_related("machine", "owner")
+        .with_model_name()
+        .matching(query)
+        .order_by("-last_activity_at")
+    )
     if statuses is not None:
         sessions = sessions.filter(status__in=statuses)
-    for word in query.split():
-        id_match = Q(pk=int(word)) if word.isdigit() and int(word) <= actions.MAX_ID else Q()
-        sessions = sessions.filter(
-            id_match | Q(title__icontains=word) | Q(model_name__icontains=word) | Q(model_key__icontains=word)
-            | Q(machine__name__icontains=word) | Q(owner__username__icontains=word)
-        )
     waiting = turns.waiting_for_worker()
     mine, shared, others = [], [], []
     for session in sessions:
