@@ -20,7 +20,7 @@ from machines_app.models import Machine, ServerRecord
 from sessions_app import actions
 from sessions_app.models import AgentSession, TranscriptEvent
 
-from .conftest import model_key, wait_for
+from .conftest import model_key
 from .test_browser import log_in
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from machines_app import catalog
 from machines_app.llama_server import START_FAILURES, ServerStartError, explain_start_failure
 from sessions_app import actions, lifecycle, transcript
 from sessions_app.events import load_events, record_event
@@ -93,8 +92,8 @@ def test_feedback_goes_beside_the_control_that_was_clicked(session, alice):
                                                                         "HX-Target": "composer-feedback"})
     assert "Nothing is running." in answer.content.decode()
     page = client.get(f"/sessions/{session.pk}/").content.decode()
-    assert 'hx-post="/sessions/%d/interrupt/" hx-target="#composer-feedback"' % session.pk in page
-    assert 'hx-post="/sessions/%d/stop/" hx-target="#controls-feedback"' % session.pk in page
+    assert f'hx-post="/sessions/{session.pk}/interrupt/" hx-target="#composer-feedback"' in page
+    assert f'hx-post="/sessions/{session.pk}/stop/" hx-target="#controls-feedback"' in page
     assert "Stop reply" in page and "Stop server" in page
 
 
