@@ -32,6 +32,20 @@ class ResolvedModel:
     mmproj_path: str = ""  # absolute path of its vision projector there; "" without one
     chat_template: str = ""  # a built-in template name an admin set (docs/behaviour.md §17)
     chat_template_file: str = ""  # or a template file, as an absolute path on the machine
+    context_length: int | None = None  # <arch>.context_length: the context it was trained with
+
+
+def context_refusal(model: ResolvedModel, context_size: int | None) -> str | None:
+    """Why ``context_size`` (tokens, the ``-c`` of llama-server) cannot be asked of
+    ``model``, or None when it can: above the length it was trained with (its GGUF
+    ``<arch>.context_length``) llama.cpp either fails to start or answers badly. An
+    unknown trained length (docs/behaviour.md C13) or no size chosen (the model's own) is fine."""
+    if context_size is None or model.context_length is None or context_size <= model.context_length:
+        return None
+    return (
+        f"{model.display_name} was trained with a context of {model.context_length:,} tokens: choose at most "
+        f"{model.context_length:,} (or leave it empty)."
+    )
 
 
 def models_for(machine: Machine) -> QuerySet[ModelFile]:
@@ -128,6 +142,7 @@ def model_for_session(machine: Machine, key: str) -> ResolvedModel:
         key=key, path=posixpath.join(root, key), has_mtp=model.has_mtp, display_name=model.display_name,
         mmproj_path=posixpath.join(root, model.projector_key) if model.projector_key else "",
         chat_template=model.chat_template, chat_template_file=template_file,
+        context_length=model.context_length,
     )
 
 

@@ -48,8 +48,55 @@ class Endpoint:
 
 
 class ServerStartError(Exception):
-    """llama-server did not become ready. ``str()`` is the user-facing sentence, ending
-    with the server's last log lines ("It last said: …")."""
+    """llama-server did not become ready. ``str()`` is the headline with the server's last
+    log lines ("It last said: …"); ``sentence`` is what a person reads first (what failed,
+    what to try: :func:`explain_start_failure`) and ``log_tail`` the raw lines, shown
+    folded below it."""
+
+    def __init__(self, headline: str, log_tail: str = "") -> None:
+        super().__init__(failure_message(headline, log_tail))
+        self.headline = headline
+        self.log_tail = log_tail.strip()
+
+    @property
+    def sentence(self) -> str:
+        return explain_start_failure(self.headline, self.log_tail)
+
+
+#: Phrases of llama.cpp's start-up log, and the sentence a person reads for each (the
+#: first that matches wins). The log is llama.cpp's (common/arg.cpp, tools/server,
+#: src/llama-model-loader.cpp, ggml allocators), so these follow its wording.
+START_FAILURES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("invalid argument", "unknown argument", "error while handling argument"),
+     "llama-server refused one of its settings ({line}). Check the session's server settings (context size, "
+     "GPU layers, threads), then restart."),
+    (("couldn't bind", "address already in use"),
+     "llama-server could not listen on its port (another program holds it). Restart to try another port."),
+    (("out of memory", "failed to allocate", "unable to allocate", "cudamalloc failed", "failed to create context",
+      "not enough memory"),
+     "llama-server ran out of memory while loading the model. Try a smaller context size or fewer GPU layers, "
+     "then restart."),
+    (("failed to open gguf", "model loading error", "failed to load model", "error loading model",
+      "gguf_init_from_file"),
+     "llama-server could not load the model file: it may be incomplete, or not a model this llama.cpp can run. "
+     "Pick another model, or copy the file again."),
+)
+
+
+def explain_start_failure(headline: str, log_tail: str) -> str:
+    """One plain sentence for a failed start: what failed and what to try, read from the
+    server's last log lines (:data:`START_FAILURES`, the first entry with a phrase in any
+    line wins; a refused setting is named by its line); the headline's own words when the
+    log says nothing known (a timeout, a cancelled start, a silent exit)."""
+    lines = log_tail.splitlines()
+    for phrases, sentence in START_FAILURES:
+        line = next((line.strip() for line in lines if any(phrase in line.lower() for phrase in phrases)), None)
+        if line is not None:
+            # ``{line}``: the log line that matched, when the sentence names it (cut to a sentence's length).
+            return sentence.format(line=line if len(line) <= 160 else line[:159] + "…")
+    if "did not become ready" in headline:
+        return f"{headline}: a very large model may need longer, or the server is stuck. Look at its log, then restart."
+    return f"{headline}. Look at its last words below, then restart, or pick another model."
 
 
 @dataclass(frozen=True)
@@ -141,6 +188,7 @@ class ServerProps:
 
     chat_template_caps: dict
     sampling_defaults: dict
+    n_ctx: int | None = None  # the slot's context size in tokens (one slot: the whole -c); None unsaid
 
 
 def read_props(base_url: str, api_key: str = "", timeout: float = 10.0) -> ServerProps:
@@ -159,7 +207,9 @@ def read_props(base_url: str, api_key: str = "", timeout: float = 10.0) -> Serve
         name: params[key] for name, key in PROPS_SAMPLING.items()
         if isinstance(params.get(key), int | float) and not isinstance(params.get(key), bool)
     }
-    return ServerProps(chat_template_caps=caps, sampling_defaults=defaults)
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    n_ctx = n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None
+    return ServerProps(chat_template_caps=caps, sampling_defaults=defaults, n_ctx=n_ctx)
 
 
 def failure_message(headline: str, log_tail: str) -> str:
@@ -192,11 +242,9 @@ def wait_until_ready(
             if not transport.process_alive(proc):
                 # The log may still be flushing the last lines.
                 time.sleep(0.2)
-                raise ServerStartError(
-                    failure_message("llama-server exited while starting", transport.log_tail(log_path))
-                )
+                raise ServerStartError("llama-server exited while starting", transport.log_tail(log_path))
             if should_stop is not None and should_stop():
-                raise ServerStartError("llama-server start was cancelled.")
+                raise ServerStartError("llama-server start was cancelled")
             try:
                 response = http.get(f"{base_url}/health")
                 if response.status_code == 200:
@@ -205,9 +253,7 @@ def wait_until_ready(
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise ServerStartError(
-                    failure_message(
-                        f"llama-server did not become ready within {int(timeout)} s", transport.log_tail(log_path)
-                    )
+                    f"llama-server did not become ready within {int(timeout)} s", transport.log_tail(log_path)
                 )
             time.sleep(HEALTH_INTERVAL)
 
@@ -224,6 +270,7 @@ __all__ = [
     "TransportError",
     "auth_headers",
     "build_argv",
+    "explain_start_failure",
     "failure_message",
     "new_api_key",
     "wait_until_ready",

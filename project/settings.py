@@ -241,6 +241,10 @@ CORRAL_IMAGE_MAX_COUNT = env_int("CORRAL_IMAGE_MAX_COUNT", 8, minimum=1, maximum
 # Threads of the turns worker that ./corral run starts: how many turns stream at once on
 # this host; more wait in the queue, and their pages say how many are ahead.
 CORRAL_TURN_WORKERS = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
+# The longest reply, in tokens, of a session that sets no max_tokens of its own: a model
+# that never emits its end token would otherwise generate until the context is full
+# (minutes), and the next message would not fit (docs/behaviour.md §6).
+CORRAL_DEFAULT_MAX_TOKENS = env_int("CORRAL_DEFAULT_MAX_TOKENS", 4096, minimum=1, maximum=4_194_304)
 
 LOGGING = {
     "version": 1,

@@ -29,6 +29,10 @@ from .transcript import Kind, TurnEnd
 Status = AgentSession.Status
 
 
+#: What a message to a session without a server is told (docs/behaviour.md §4).
+SERVER_DOWN_SENTENCE = "llama-server is not running in this session: restart it to send messages."
+
+
 class SessionError(Exception):
     """An action refused, with the reason in the user's terms."""
 
@@ -99,11 +103,13 @@ def do_create_session(
             system_prompt=system_prompt,
             status=Status.LOADING,
         )
+        model = machine.model_files.filter(key=model_key).values_list("display_name", flat=True).first()
         record_event(
             session.pk,
             Kind.SETTINGS,
-            {"model_key": model_key, "permission_mode": permission_mode, "sampling": sampling,
-             "server_params": server_params, **({"system_prompt": system_prompt} if system_prompt else {}),
+            {"model_key": model_key, **({"model": model} if model else {}), "permission_mode": permission_mode,
+             "server_params": server_params, "sampling": sampling,
+             **({"system_prompt": system_prompt} if system_prompt else {}),
              "by": by(owner)},
         )
         dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
@@ -137,11 +143,13 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
         model = catalog.model_for_session(session.machine, model_key)
     except catalog.ModelUnavailable as exc:
         raise SessionError(str(exc)) from None
+    if refusal := catalog.context_refusal(model, session.server_params.get("contextSize")):
+        raise SessionError(f"{refusal[:-1]} in Settings before switching to it.")
     with transaction.atomic():
         current = locked(session.pk)
         if current.turn_active:
             raise SessionError("Stop the turn first, then change the model.")
-        if current.model_key == model_key and current.status not in (Status.EXITED, Status.UNKNOWN):
+        if current.model_key == model_key and current.status not in (*Status.server_down(), Status.UNKNOWN):
             raise SessionError(f"The session already uses {model.display_name}.")
         AgentSession.objects.filter(pk=current.pk).update(model_key=model_key)
         change_status(current, Status.LOADING)
@@ -288,8 +296,8 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
         raise SessionError(f"The image could not be stored on the server ({exc.strerror or exc}).") from None
     with transaction.atomic():
         session = locked(session.pk)
-        if session.status == Status.EXITED:
-            raise SessionError("This session's llama-server is not running. Restart the session to send messages.")
+        if session.status in Status.server_down():
+            raise SessionError(SERVER_DOWN_SENTENCE)
         turns.take_message(session, text, by(user), refs)
 
 
@@ -312,6 +320,31 @@ def access_image(user, session_id: int, sha256: str) -> transcript.ImageRef:
             if ref["sha256"] == sha256:
                 return ref
     raise Http404("No such image")
+
+
+def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
+    """Send the last user message again in its own place: regenerate the reply (``text``
+    None: the same words) or edit it (``text``: the new words, checked as any message).
+    Both are new transcript events (docs/transcript.md): the first reply stays in the
+    history; the model no longer sees it.
+
+    Raises SessionError while a turn runs, when the server is not running, or when there
+    is no message since the conversation was cleared.
+    """
+    if text is not None:
+        text = check_message(text)
+    with transaction.atomic():
+        session = locked(session.pk)
+        if session.server_down:
+            raise SessionError(SERVER_DOWN_SENTENCE)
+        if session.turn_active:
+            raise SessionError("Wait for the reply to finish (or stop it), then send again.")
+        last = transcript.last_message(load_events(session.pk))
+        if last is None:
+            raise SessionError("There is no message to send again since the conversation was cleared.")
+        turns.take_again(session, last["text"] if text is None else text, by(user), replaces=last["seq"],
+                         images=last.get("images"),
+                         edited=text is not None)
 
 
 def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
@@ -439,6 +472,20 @@ def do_clear(session: AgentSession, user) -> None:
         if current.turn_active:
             raise SessionError("Stop the turn first, then clear.")
         append(current, Kind.CLEARED, {"by": by(user)})
+
+
+#: The longest title a session may have (the column's length).
+MAX_TITLE_CHARS = 200
+
+
+def do_rename(session: AgentSession, user, title: str) -> None:
+    """Give the session a new title (empty: back to "Session <id>"), recorded as a
+    ``settings`` event so every open page updates its heading and tab title at once.
+    Raises SessionError for a title longer than :data:`MAX_TITLE_CHARS` characters."""
+    title = " ".join(title.split())  # one line, as a heading shows it
+    if len(title) > MAX_TITLE_CHARS:
+        raise SessionError(f"A title can be at most {MAX_TITLE_CHARS} characters long; this one has {len(title)}.")
+    _change_setting(session, user, "title", title)
 
 
 def do_set_visibility(session: AgentSession, user, visibility: str) -> None:

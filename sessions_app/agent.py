@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+from django.conf import settings
 from django.db import connection
 
 from machines_app import catalog
@@ -61,6 +62,9 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
+#: The notice after a reply that llama-server stopped at ``max_tokens`` (``finish_reason: length``).
+LENGTH_LIMIT = ("The reply stopped at its length limit (max_tokens {max_tokens}). Send \"go on\" to continue it, "
+                "or raise max_tokens in Settings.")
 FRAGMENT_FLUSH_EVERY = 0.05  # seconds: how long streamed text may wait to be stored and pushed
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
@@ -73,10 +77,14 @@ REPORTED_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")
 ClientFactory = Callable[..., CompletionClient]
 
 
-def request_sampling(sampling: dict) -> tuple[dict, int]:
+def request_sampling(sampling: dict, default_max_tokens: int | None = None) -> tuple[dict, int]:
     """The sampling parameters for one request and the seed it uses (docs/behaviour.md §14: a session
-    without a fixed seed draws one per request, recorded with the usage)."""
+    without a fixed seed draws one per request, recorded with the usage). A session without
+    a ``max_tokens`` gets ``default_max_tokens`` (the deployment's
+    ``CORRAL_DEFAULT_MAX_TOKENS``): a reply never runs on until the context is full."""
     params = {k: sampling[k] for k in SAMPLING_KEYS if sampling.get(k) not in (None, "")}
+    if "max_tokens" not in params and default_max_tokens is not None:
+        params["max_tokens"] = default_max_tokens
     if "seed" not in params:
         params["seed"] = secrets.randbelow(2**31)
     return params, int(params["seed"])
@@ -177,8 +185,8 @@ class Step:
     def record(self, kind: str, payload: dict) -> None:
         turns.record_for_step(self.session_id, self.owner, kind, payload)
 
-    def error(self, message: str) -> None:
-        self.record(Kind.ERROR, {"message": message})
+    def error(self, message: str, *, context_exceeded: bool = False) -> None:
+        self.record(Kind.ERROR, {"message": message, **({"context_exceeded": True} if context_exceeded else {})})
 
     def finish(self, reason: TurnEnd) -> None:
         turns.finish_turn(self.session_id, reason, owner=self.owner)
@@ -204,7 +212,7 @@ class Step:
             self.error(WORKER_LOST_REPLY)
             self.finish(TurnEnd.INTERRUPTED)
             return
-        server = lifecycle.server_endpoint(session) if session.status not in (Status.EXITED,) else None
+        server = lifecycle.server_endpoint(session) if session.status not in Status.server_down() else None
         if server is None or session.status == Status.UNKNOWN:
             self.error(
                 "llama-server is not running for this session; restart it and send again."
@@ -245,7 +253,7 @@ class Step:
             system_prompt=fresh.system_prompt_in_force(),
             image_url=images.data_uri if takes_images else None,
         )
-        sampling, seed = request_sampling(fresh.sampling)
+        sampling, seed = request_sampling(fresh.sampling, settings.CORRAL_DEFAULT_MAX_TOKENS)
         ready = transcript.last_server_ready(events)
         model = ModelFile.objects.filter(machine_id=fresh.machine_id, key=fresh.model_key).first()
         in_force, sources = sampling_in_force(
@@ -304,7 +312,7 @@ class Step:
         except CompletionError as exc:
             pending.flush()  # what was seen stays (docs/behaviour.md §6: an interrupted reply is kept)
             if not interrupted.is_set():
-                self.error(str(exc))
+                self.error(str(exc), context_exceeded=exc.context_exceeded)
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
                     lifecycle.check_session_server(self.session_id)
                 return TurnEnd.ERROR
@@ -326,6 +334,9 @@ class Step:
             return TurnEnd.INTERRUPTED
         if not produced and not assembler.calls():
             self.record(Kind.NOTICE, {"message": EMPTY_REPLY})
+        elif finish_reason == "length" and not assembler.calls():
+            # Said, because a reply cut at max_tokens looks like one that finished.
+            self.record(Kind.NOTICE, {"message": LENGTH_LIMIT.format(max_tokens=sampling.get("max_tokens"))})
         calls = assembler.calls()
         if not calls:
             return TurnEnd.DONE

@@ -194,6 +194,17 @@ class CompletionError(Exception):
         said = ", ".join(f"{label} {number} tokens" for label, number in counts)
         return f"{self.message} ({said})"
 
+    @property
+    def context_exceeded(self) -> bool:
+        """Whether the request did not fit the server's context, in any of llama-server's
+        three shapes (docs/behaviour.md C07): ``exceed_context_size_error`` (with or without
+        counts, as an HTTP 400 or an error frame in the stream) or the bare "Context size
+        has been exceeded." of an HTTP 500."""
+        if self.error_type == "exceed_context_size_error":
+            return True
+        message = self.message.lower()
+        return "exceeds the available context size" in message or "context size has been exceeded" in message
+
     @classmethod
     def from_body(cls, status: int | None, body: str) -> CompletionError:
         """The error for a refused request, read from its response body (docs/behaviour.md §6.6).

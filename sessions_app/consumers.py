@@ -97,7 +97,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         self.last_sent = _after(self.scope)
         self.renderer = TranscriptView(
             self.session_id, call_events=self._call_events, machine_name=await self._machine_name(),
-            viewer=Viewer(self.scope["user"].pk, self.access),
+            viewer=Viewer(self.scope["user"].pk, self.access), n_ctx=await self._n_ctx(),
         )
         await self.accept()
         groups = [self.group]
@@ -267,6 +267,17 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
                 session_id=self.session_id, kind__in=TOOL_KINDS, payload__id=call_id, seq__lt=before_seq
             ).order_by("seq")
         )
+
+    @database_sync_to_async
+    def _n_ctx(self) -> int | None:
+        """The context size the page's gauge shows now: the last ``server_ready``'s, else
+        the session's contextSize (the view takes later ones from the events)."""
+        ready = (TranscriptEvent.objects.filter(session_id=self.session_id, kind="server_ready", seq__lte=self.last_sent)
+                 .order_by("-seq").values_list("payload", flat=True).first())
+        if isinstance(ready, dict) and isinstance(ready.get("n_ctx"), int):
+            return ready["n_ctx"]
+        params = AgentSession.objects.filter(pk=self.session_id).values_list("server_params", flat=True).first()
+        return (params or {}).get("contextSize")
 
     @database_sync_to_async
     def _machine_name(self) -> str:

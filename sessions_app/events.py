@@ -89,8 +89,10 @@ def set_status(session_id: int, status: str, *, only_from: tuple[str, ...] | Non
         return change_status(session, status)
 
 
-def record_error(session_id: int, message: str) -> None:
-    record_event(session_id, Kind.ERROR, {"message": message})
+def record_error(session_id: int, message: str, *, log: str = "") -> None:
+    """An ``error`` event: ``message`` in the user's terms, ``log`` (optional) the raw
+    lines behind it (a server's last words), which the page folds below the sentence."""
+    record_event(session_id, Kind.ERROR, {"message": message, **({"log": log} if log else {})})
 
 
 def load_events(session_id: int, *, after: int = 0) -> list[TranscriptEvent]:

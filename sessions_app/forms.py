@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django import forms
+from django.conf import settings
 
 from machines_app import catalog
 from machines_app.access import machines_for
@@ -37,7 +38,10 @@ class NewSessionForm(forms.Form):
         choices=AgentSession.PermissionMode.choices, initial=AgentSession.PermissionMode.MANUAL
     )
     # Server parameters (llama-server flags, docs/behaviour.md §5)
-    contextSize = forms.IntegerField(label="Context size (n_ctx)", required=False, min_value=128, max_value=4_194_304)
+    contextSize = forms.IntegerField(
+        label="Context size (n_ctx)", required=False, min_value=128, max_value=4_194_304,
+        help_text="Tokens the model holds at once; at most its trained context. Empty: llama-server's default.",
+    )
     gpuLayers = forms.IntegerField(label="GPU layers", required=False, min_value=0, max_value=1000)
     threads = forms.IntegerField(required=False, min_value=1, max_value=1024)
     speculative = forms.ChoiceField(
@@ -62,6 +66,7 @@ class NewSessionForm(forms.Form):
 
     def __init__(self, *args, user, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        show_max_tokens_default(self)
         self.user = user
         self.fields["machine"].queryset = machines_for(user)
         if not may_bypass(user):
@@ -122,9 +127,12 @@ class NewSessionForm(forms.Form):
         machine, key = data.get("machine"), data.get("model_key")
         if machine and key:
             try:
-                catalog.model_for_session(machine, key)
+                model = catalog.model_for_session(machine, key)
             except catalog.ModelUnavailable as exc:
                 self.add_error("model_key", str(exc))
+            else:
+                if refusal := catalog.context_refusal(model, data.get("contextSize")):
+                    self.add_error("contextSize", refusal)
         if machine and data.get("working_dir"):
             try:
                 data["working_dir"] = check_working_dir(self.user, machine, data["working_dir"])
@@ -157,12 +165,20 @@ def show_model_defaults(form: forms.Form, model: ModelFile | None) -> None:
             widget.attrs["placeholder"] = f"model default: {defaults[name]}"
         else:
             widget.attrs.pop("placeholder", None)
+    show_max_tokens_default(form)  # no GGUF key for it: the deployment's default is the placeholder
     fallback = (model.system_prompt if model is not None else "") or DeploymentSettings.load().system_prompt
     widget = form.fields["system_prompt"].widget
     if fallback:
         widget.attrs["placeholder"] = fallback
     else:
         widget.attrs.pop("placeholder", None)
+def show_max_tokens_default(form: forms.Form) -> None:
+    """Say in the form what an empty max_tokens means: the deployment's default
+    (``CORRAL_DEFAULT_MAX_TOKENS``), read when the form is made, never at import."""
+    default = settings.CORRAL_DEFAULT_MAX_TOKENS
+    field = form.fields["max_tokens"]
+    field.widget.attrs["placeholder"] = f"{default} (default)"
+    field.help_text = f"The longest reply, in tokens. Empty: {default:,}, this deployment's default."
 
 
 class MachineChoiceForm(forms.Form):
@@ -224,9 +240,24 @@ class SessionSettingsForm(forms.Form):
     sampling = NewSessionForm.sampling
     clean_system_prompt = NewSessionForm.clean_system_prompt
 
-    def __init__(self, *args, session: AgentSession, **kwargs) -> None:
+    def __init__(self, *args, session: AgentSession | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        show_model_defaults(self, ModelFile.objects.filter(machine_id=session.machine_id, key=session.model_key).first())
+        model = (
+            ModelFile.objects.filter(machine_id=session.machine_id, key=session.model_key).first() if session else None
+        )
+        show_model_defaults(self, model)
+        self.session = session
+
+    def clean(self) -> dict:
+        data = super().clean()
+        if self.session is not None and data.get("contextSize") is not None:
+            try:
+                model = catalog.model_for_session(self.session.machine, self.session.model_key)
+            except catalog.ModelUnavailable:
+                return data  # the restart says why it cannot start
+            if refusal := catalog.context_refusal(model, data["contextSize"]):
+                self.add_error("contextSize", refusal)
+        return data
 
     @classmethod
     def for_session(cls, session: AgentSession) -> SessionSettingsForm:

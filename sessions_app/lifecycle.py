@@ -68,8 +68,10 @@ def server_endpoint(session: AgentSession) -> Endpoint | None:
     return _endpoint(transport_for(record.machine), record)
 
 
-def _fail(session: AgentSession, message: str) -> None:
-    record_error(session.pk, message)
+def _fail(session: AgentSession, message: str, log: str = "") -> None:
+    """The server is gone: say so (``log``: its last words, shown folded below the
+    sentence), status ``exited``, and end an open turn."""
+    record_error(session.pk, message, log=log)
     set_status(session.pk, Status.EXITED)
     if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
         turns.finish_turn(session.pk, TurnEnd.ERROR)
@@ -184,7 +186,7 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
         stopped_on_purpose = not ServerRecord.objects.filter(pk=record.pk, stopping=False).exists()
         ServerRecord.objects.filter(pk=record.pk).delete()
         if not stopped_on_purpose:
-            _fail(session, str(exc))
+            _fail(session, exc.sentence, log=exc.log_tail)
         return
     # llama-server read its key at start; the file need not outlive that.
     try:
@@ -223,6 +225,8 @@ def server_facts(session_id: int, model: ModelFile | None, server: Endpoint) -> 
         return facts
     facts["chat_template_caps"] = props.chat_template_caps
     facts["sampling_defaults"] = props.sampling_defaults
+    if props.n_ctx:
+        facts["n_ctx"] = props.n_ctx  # the page's context gauge
     if model is not None and props.chat_template_caps:
         ModelFile.objects.filter(pk=model.pk).update(chat_template_caps=props.chat_template_caps)
     return facts
@@ -275,14 +279,15 @@ def stop_orphan(machine_id: int, pid: int, start_time: str) -> None:
 
 
 def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:
-    """Stop the session's server; status becomes ``exited``. A running turn ends (its open
+    """Stop the session's server on purpose; status becomes ``stopped`` (not ``exited``,
+    which says the server went away by itself: docs/behaviour.md §4). A running turn ends (its open
     questions closed as refusals); queued messages wait for a restart (docs/behaviour.md §8, §10).
     ``by`` is who asked (``actions.by``), None when Corral itself stops it.
 
     The status changes first, so the turn that the stop breaks off does not hand the
     queue to a server that is going away.
     """
-    set_status(session_id, Status.EXITED)
+    set_status(session_id, Status.STOPPED)
     _stop_process(session_id)
     record_event(session_id, Kind.SERVER_STOPPED, {"reason": reason, **({"by": by} if by else {})})
     turns.finish_if_unheld(session_id, TurnEnd.STOPPED)
@@ -346,5 +351,5 @@ def check_server(record: ServerRecord) -> None:
         tail = transport.log_tail(record.log_path)
     except TransportError:
         tail = ""
-    message = "llama-server exited." + (f" It last said:\n{tail}" if tail else "")
-    _fail(AgentSession.objects.get(pk=record.session_id), message)
+    message = "llama-server exited by itself (nobody stopped it). Restart it to go on."
+    _fail(AgentSession.objects.get(pk=record.session_id), message, log=tail.strip())

@@ -6,7 +6,7 @@ from enum import IntEnum
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 from django.urls import reverse
 
 from machines_app.models import ModelFile
@@ -42,6 +42,25 @@ class AgentSessionQuerySet(models.QuerySet):
         shared = [AgentSession.Visibility.TEAM_WATCH, AgentSession.Visibility.TEAM_ACT]
         return self.filter(Q(owner=user) | Q(visibility__in=shared))
 
+    def with_model_name(self) -> AgentSessionQuerySet:
+        """Each session with ``model_name``: its model file's display name (None when the
+        machine no longer lists the file)."""
+        name = ModelFile.objects.filter(machine=OuterRef("machine"), key=OuterRef("model_key")).values("display_name")
+        return self.annotate(model_name=Subquery(name[:1]))
+
+    def matching(self, query: str) -> AgentSessionQuerySet:
+        """The sessions every word of ``query`` finds (any case) in the title, the model's
+        name or key, the machine's name or the owner's username, or as the session's id.
+        Call on :meth:`with_model_name`."""
+        found = self
+        for word in query.split():
+            by_id = Q(pk=int(word)) if word.isdigit() and int(word) < 2**63 else Q()
+            found = found.filter(
+                by_id | Q(title__icontains=word) | Q(model_name__icontains=word) | Q(model_key__icontains=word)
+                | Q(machine__name__icontains=word) | Q(owner__username__icontains=word)
+            )
+        return found
+
 
 class AgentSession(models.Model):
     """A chat with one model served by one llama-server on one machine.
@@ -52,12 +71,28 @@ class AgentSession(models.Model):
     """
 
     class Status(models.TextChoices):
-        LOADING = "loading", "Loading"
-        IDLE = "idle", "Idle"
-        RUNNING = "running", "Running"
-        AWAITING_INPUT = "awaiting_input", "Awaiting input"
-        EXITED = "exited", "Exited"
-        UNKNOWN = "unknown", "Unknown"
+        """The session's status (docs/behaviour.md §4). The labels are the words the page
+        shows for each (the one map of them: the badge, the session list)."""
+
+        LOADING = "loading", "loading"
+        IDLE = "idle", "idle"
+        RUNNING = "running", "running"
+        AWAITING_INPUT = "awaiting_input", "waiting for an answer"
+        # The server went away by itself (crashed, never loaded): the reason is in the transcript.
+        EXITED = "exited", "exited"
+        # A person stopped the server (Stop server): nothing went wrong; Restart starts it again.
+        STOPPED = "stopped", "stopped"
+        UNKNOWN = "unknown", "unknown"
+
+        @classmethod
+        def server_down(cls) -> tuple[str, ...]:
+            """The statuses in which the session has no server to send to (docs/behaviour.md §4)."""
+            return (cls.EXITED, cls.STOPPED)
+
+        @classmethod
+        def word(cls, value: str) -> str:
+            """The word the page shows for a status value (the value itself when unknown here)."""
+            return cls(value).label if value in cls.values else value
 
     class PermissionMode(models.TextChoices):
         MANUAL = "manual", "Ask before each tool call"
@@ -113,6 +148,11 @@ class AgentSession(models.Model):
     @property
     def display_title(self) -> str:
         return self.title or f"Session {self.pk}"
+
+    @property
+    def server_down(self) -> bool:
+        """No server to send to: it exited or was stopped (docs/behaviour.md §4)."""
+        return self.status in self.Status.server_down()
 
     def access_for(self, user) -> Access:
         """What ``user`` may do here: MANAGE for its owner and staff; for any other active

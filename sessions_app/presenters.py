@@ -150,16 +150,55 @@ class Block:
         return item
 
 
+#: How a ``settings`` payload key reads on the page (the session's own field names are
+#: the code's; ``model_key`` is a path, shown only when no display name came with it).
+SETTING_LABELS = {"model": "model", "model_key": "model", "permission_mode": "tool calls", "sampling": "sampling",
+                  "server_params": "server", "system_prompt": "system prompt", "title": "title",
+                  "visibility": "visibility"}
+#: Server parameters by the words of the form (llama-server's flags: docs/behaviour.md §5).
+SERVER_PARAM_WORDS = {"contextSize": "context size", "gpuLayers": "GPU layers", "threads": "threads",
+                      "speculative": "speculative decoding"}
+
+
 def _setting(key: str, value) -> str:
-    """A settings value as a person reads it: ``{"top_k": 40}`` → ``top_k=40``."""
+    """A settings value as a person reads it: ``{"top_k": 40}`` → ``top_k 40``,
+    ``{"contextSize": 2048}`` → ``context size 2048``, ``{}`` → the defaults."""
     if key == "system_prompt":
         text = " ".join(str(value).split())
         return f"“{text[:77]}…”" if len(text) > 80 else (f"“{text}”" if text else "the default")
     if key == "visibility" and value in AgentSession.Visibility.values:
         return AgentSession.Visibility(value).label.lower()
+    if key == "permission_mode" and value in AgentSession.PermissionMode.values:
+        return AgentSession.PermissionMode(value).label.lower()
+    if key == "title" and not value:
+        return "none (Session <number>)"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items()) or "defaults"
+        if not value:
+            return "defaults"
+        words = SERVER_PARAM_WORDS if key == "server_params" else {}
+        return ", ".join(f"{words.get(k, k)} {v}" for k, v in value.items())
     return str(value)
+
+
+def settings_text(payload: dict, *, first: bool = False) -> str:
+    """A ``settings`` event as one plain line. The session's first one (``first``) says
+    how it started: ``"Started by alice with SmolLM2 135M — tool calls: ask before each
+    tool call; server: defaults; sampling: defaults."``; later ones say what changed:
+    ``"bob changed settings: title → Flock"``. A ``reason`` (the gate turned back on) is
+    the line's last sentence."""
+    who = _username(payload)
+    keys = [k for k in payload if k in SETTING_LABELS and not (k == "model_key" and "model" in payload)]
+    reason = payload.get("reason")
+    if first and "model_key" in payload:
+        model = payload.get("model") or payload["model_key"]
+        rest = "; ".join(f"{SETTING_LABELS[k]}: {_setting(k, payload[k])}" for k in keys if k not in ("model", "model_key"))
+        text = f"Started{f' by {who}' if who else ''} with {model}" + (f" — {rest}." if rest else ".")
+    else:
+        parts = ", ".join(f"{SETTING_LABELS[k]} → {_setting(k, payload[k])}" for k in keys)
+        text = f"{who} changed settings: {parts}" if who else (f"Settings: {parts}" if parts else "")
+    if reason:
+        text = f"{text} {reason}" if text else str(reason)
+    return text
 
 
 def usage_line(usage: dict) -> str:
@@ -195,10 +234,12 @@ def event_item(event, session_id: int = 0) -> dict | None:
     kind, payload, seq = event.kind, event.payload, event.seq
     dom_id = f"ev-{seq}"
     if kind == Kind.MESSAGE_TAKEN:
+        again = ("edited and sent again" if payload.get("edited") else "sent again") if payload.get("replaces") else ""
         return {"type": "user", "dom_id": dom_id, "text": payload.get("text", ""), "author": _username(payload),
-                "images": image_items(session_id, payload)}
+                "images": image_items(session_id, payload), "again": again}
     if kind == Kind.ERROR:
-        return {"type": "error", "dom_id": dom_id, "message": payload.get("message", "")}
+        return {"type": "error", "dom_id": dom_id, "message": payload.get("message", ""), "log": payload.get("log", ""),
+                "context_exceeded": bool(payload.get("context_exceeded"))}
     if kind == Kind.NOTICE:
         return {"type": "note", "dom_id": dom_id, "text": payload.get("message", "")}
     if kind == Kind.USAGE:
@@ -213,10 +254,7 @@ def event_item(event, session_id: int = 0) -> dict | None:
     if kind == Kind.SERVER_READY:
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
     if kind == Kind.SETTINGS:
-        parts = ", ".join(f"{key} → {_setting(key, value)}" for key, value in payload.items()
-                          if key not in ("by", "takes_images"))
-        who = _username(payload)
-        return {"type": "note", "dom_id": dom_id, "text": f"{who} changed settings: {parts}" if who else f"Settings: {parts}"}
+        return {"type": "note", "dom_id": dom_id, "text": settings_text(payload, first=seq == 1)}
     return None
 
 
@@ -284,6 +322,19 @@ def render_status(status: str) -> str:
     return render_to_string("sessions_app/_status.html", {"status": status})
 
 
+def context_gauge(used: int | None, n_ctx: int | None) -> dict:
+    """The header's context gauge: ``used`` tokens in the server's context after the last
+    reply (the last ``usage``: prompt + reply tokens; 0 after a clear) of ``n_ctx`` (the
+    slot's size, from ``server_ready``); ``percent`` when both are known."""
+    percent = min(100, round(100 * used / n_ctx)) if used is not None and n_ctx else None
+    return {"used": used, "n_ctx": n_ctx, "percent": percent,
+            "high": round(n_ctx * 0.8) if n_ctx else None}
+
+
+def render_gauge(gauge: dict) -> str:
+    return render_to_string("sessions_app/_gauge.html", {"gauge": gauge})
+
+
 class TranscriptView:
     """The one fold from transcript events to what the browser shows.
 
@@ -309,8 +360,13 @@ class TranscriptView:
     view did not see (a page primed after that call started).
     """
 
-    def __init__(self, session_id: int, call_events=None, machine_name: str = "", viewer: Viewer = OWNER) -> None:
+    def __init__(self, session_id: int, call_events=None, machine_name: str = "", viewer: Viewer = OWNER,
+                 n_ctx: int | None = None) -> None:
         self.session_id = session_id
+        # The context gauge (``#context-gauge``): n_ctx as the last server_ready said (or
+        # the session's contextSize until one does), tokens used as the last usage said.
+        self.n_ctx = n_ctx
+        self.context_used: int | None = None
         self.machine_name = machine_name
         self.viewer = viewer
         self.call_events = call_events
@@ -327,6 +383,23 @@ class TranscriptView:
 
     def page_items(self) -> list[dict]:
         return [item.as_item() if isinstance(item, Block) else item for item in self.items.values()]
+
+    def gauge(self) -> dict:
+        return context_gauge(self.context_used, self.n_ctx)
+
+    def _follow_context(self, kind: str, payload: dict) -> bool:
+        """Move the gauge on the events that change it; True when it changed."""
+        if kind == Kind.SERVER_READY and isinstance(payload.get("n_ctx"), int):
+            self.n_ctx = payload["n_ctx"]
+            return True
+        if kind == Kind.USAGE and isinstance(payload.get("prompt_tokens"), int):
+            self.context_used = payload["prompt_tokens"] + (payload.get("completion_tokens") or 0)
+            return True
+        if kind == Kind.CLEARED:
+            # The next request starts from nothing; what the server still caches is not sent.
+            self.context_used = 0
+            return True
+        return False
 
     def _show(self, item: dict | Block, ops: list[dict], render: bool, *, known: bool | None = None) -> None:
         """Put ``item`` on the page: a new one at the end, a known one in its place.
@@ -350,6 +423,12 @@ class TranscriptView:
         self.block = None
 
     def feed(self, event, *, render: bool = True) -> list[dict]:
+        ops = self._feed(event, render)
+        if self._follow_context(event.kind, event.payload) and render:
+            ops.append({"op": "replace", "id": "context-gauge", "html": render_gauge(self.gauge())})
+        return ops
+
+    def _feed(self, event, render: bool) -> list[dict]:
         ops: list[dict] = []
         kind, payload = event.kind, event.payload
         if kind == Kind.STATUS:
@@ -399,6 +478,14 @@ class TranscriptView:
             ops.append({"op": "replace", "id": "attach",
                         "html": render_to_string("sessions_app/_attach.html",
                                                  attach_context(bool(payload["takes_images"])))})
+        if kind == Kind.SETTINGS and "title" in payload and render:
+            # A rename: the heading (and, through it, the tab title: session.js) follows.
+            title = payload["title"] or f"Session {self.session_id}"
+            ops.append({"op": "replace", "id": "session-title",
+                        "html": render_to_string("sessions_app/_title.html", {"title": title})})
+            # The title fields (Rename, Settings) follow, so saving one never puts the old title back.
+            ops.append({"op": "value", "id": "rename-title", "value": payload["title"]})
+            ops.append({"op": "value", "id": "id_title", "value": payload["title"]})
         if kind == Kind.SETTINGS and payload.get("model") and render:
             ops.append({"op": "replace", "id": "model-name",
                         "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],
@@ -422,6 +509,9 @@ class TranscriptView:
         if kind == Kind.MESSAGE_TAKEN and payload.get("queued_id") and render:
             ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
         item = event_item(event, self.session_id)
+        if item is not None and item.get("context_exceeded"):
+            # The Clear it offers is drawn for this viewer (only whom may clear sees it).
+            item.update(session_id=self.session_id, can_manage=self.viewer.access >= Access.MANAGE)
         if item is not None:
             self._show(item, ops, render)
         if kind == Kind.SERVER_READY and render:  # the header says what the new server's template can do

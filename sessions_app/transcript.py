@@ -55,6 +55,7 @@ __all__ = [
     "pending_calls",
     "pending_queue",
     "reply_cut_off",
+    "last_message",
 ]
 
 #: What joins a user message that got no reply to the next one (see ``_Fold.user``).
@@ -175,6 +176,7 @@ class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
     chat_template_caps: dict  # chat_template_caps as reported: supports_tools, supports_system_role, …
     jinja: bool  # False when started with a built-in template (legacy engine: no tools in a request)
     sampling_defaults: dict  # default_generation_settings.params: temperature, top_k, top_p, min_p, …
+    n_ctx: int  # the slot's context size in tokens, from GET /props (when the server says)
 
 
 class CataloguePayload(TypedDict):
@@ -214,6 +216,10 @@ class MessageTakenPayload(_MessageTakenPayloadRequired, total=False):
     by: Actor | None
     images: list[ImageRef]
     author: str  # transcripts written before "by"
+    # Sent again (regenerate, or edit and send): the seq of the message_taken this one
+    # takes the place of in the conversation (build_messages drops the replaced reply).
+    replaces: int
+    edited: bool  # the text was changed (edit), not the same (regenerate)
 
 
 class TextPayload(TypedDict):
@@ -280,6 +286,15 @@ class MessagePayload(TypedDict):
     message: str
 
 
+class _ErrorPayloadRequired(TypedDict):
+    message: str  # one plain sentence: what failed, what to try
+
+
+class ErrorPayload(_ErrorPayloadRequired, total=False):
+    log: str  # the raw lines behind it (a server's last log lines), shown folded
+    context_exceeded: bool  # the request did not fit the context (docs/behaviour.md C07): offer Clear
+
+
 class ByPayload(TypedDict):
     by: Actor
 
@@ -305,7 +320,7 @@ PAYLOADS: dict[Kind, type] = {
     Kind.TOOL_RUNNING: CallPayload,
     Kind.TOOL_END: ToolEndPayload,
     Kind.USAGE: UsagePayload,
-    Kind.ERROR: MessagePayload,
+    Kind.ERROR: ErrorPayload,
     Kind.NOTICE: MessagePayload,
     Kind.INTERRUPTED: ByPayload,
     Kind.CLEARED: ByPayload,
@@ -537,6 +552,9 @@ class _Fold:
         self.calls: list[Mapping[str, Any]] = []
         self.results: dict[str, str] = {}
         self.run_open = False
+        # seq of each message_taken → how the messages stood just before it: their number
+        # and, when it joined an unanswered user message, that message's content then.
+        self.marks: dict[int, tuple[int, str | None]] = {}
 
     def close_text(self) -> None:
         """Emit the accumulated assistant text as one message (omitted when empty)."""
@@ -591,7 +609,7 @@ class _Fold:
         self.close_batch()
         self.close_text()
 
-    def user(self, payload: Mapping[str, Any]) -> None:
+    def user(self, payload: Mapping[str, Any], seq: int | None = None) -> None:
         """A ``message_taken``: close the assistant side, then add the user message.
 
         When the turn before left no assistant message (it failed, was interrupted before
@@ -601,9 +619,20 @@ class _Fold:
         otherwise fail on every turn until cleared.
         """
         self.close_all()
+        replaces = payload.get("replaces")
+        if isinstance(replaces, int) and replaces in self.marks:
+            # Sent again: the conversation goes back to just before the message it replaces
+            # (its reply leaves the request; the transcript keeps both).
+            length, joined_onto = self.marks[replaces]
+            del self.messages[length:]
+            if joined_onto is not None:
+                self.last_user = joined_onto
+                self.messages[-1] = _user_message(*joined_onto, self.image_url)
+        last = self.messages[-1] if self.messages else None
+        if seq is not None:
+            self.marks[seq] = (len(self.messages), self.last_user if last is not None and last["role"] == "user" else None)
         text = _text(payload.get("text"))
         images = image_refs(payload)
-        last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "user":
             # Joined: one text, then the images of both messages in the order sent.
             before, before_images = self.last_user
@@ -665,6 +694,11 @@ def build_messages(
       ``data:`` URI; :data:`IMAGE_MISSING` as a text part when it gives None). Without
       ``image_url`` (a model with no vision projector) the content stays a string, each
       image said as :data:`IMAGE_NOT_SHOWN`. Joined messages keep every image.
+    - A ``message_taken`` with ``replaces`` (a message sent again: regenerate, or edit and
+      send) first takes the conversation back to how it stood just before the message
+      whose seq it names (that message and everything after it leave the request; the
+      earlier messages stay byte-identical), then adds its own text. One that names a
+      message before the last ``cleared``, or none at all, is an ordinary message.
     - Consecutive ``assistant_text`` deltas form one
       ``{"role": "assistant", "content"}`` message, closed by the next user message or
       by a tool call. Text that arrives after a tool batch (i.e. after its results)
@@ -699,7 +733,7 @@ def build_messages(
     for event in _after_last_clear(_ordered(events)):
         kind = event.kind
         if kind == _MESSAGE_TAKEN:
-            fold.user(_payload(event))
+            fold.user(_payload(event), event.seq)
         elif kind == _ASSISTANT_TEXT:
             fold.assistant_text(_payload(event))
         elif kind == _TOOL_START:
@@ -713,6 +747,18 @@ def build_messages(
     if system_prompt is not None:
         return [{"role": "system", "content": system_prompt}, *fold.messages]
     return fold.messages
+
+
+def last_message(events: Iterable[EventLike]) -> dict[str, Any] | None:
+    """The user message a person may send again (regenerate, or edit and send):
+    ``{"seq", "text"}`` (and ``"images"`` when it carried any) of the last ``message_taken`` after the last ``cleared``; None when
+    there is none."""
+    for event in reversed(_after_last_clear(_ordered(events))):
+        if event.kind == _MESSAGE_TAKEN:
+            payload = _payload(event)
+            refs = image_refs(payload)
+            return {"seq": event.seq, "text": _text(payload.get("text")), **({"images": refs} if refs else {})}
+    return None
 
 
 def allowed_tools(events: Iterable[EventLike]) -> frozenset[str]:

@@ -84,11 +84,22 @@ def take_message(
     return True
 
 
-def _open(
-    session: AgentSession, text: str, by: transcript.Actor | None, queued_id: str | None,
+def take_again(
+    session: AgentSession, text: str, by: transcript.Actor, *, replaces: int, edited: bool,
     images: list[transcript.ImageRef] | None = None,
 ) -> None:
-    payload = {"text": text, "queued_id": queued_id, "by": by}
+    """Start a turn that sends a message again in the place of the one at seq ``replaces``
+    (regenerate: the same text and images; edit: ``edited``, a new text), on a session
+    locked by the caller with no turn open. The transcript keeps the first reply; the
+    request does not (:func:`transcript.build_messages`)."""
+    _open(session, text, by, queued_id=None, images=images, again={"replaces": replaces, "edited": edited})
+
+
+def _open(
+    session: AgentSession, text: str, by: transcript.Actor | None, queued_id: str | None,
+    images: list[transcript.ImageRef] | None = None, again: dict | None = None,
+) -> None:
+    payload = {"text": text, "queued_id": queued_id, "by": by, **(again or {})}
     append(session, Kind.MESSAGE_TAKEN, {**payload, "images": images} if images else payload)
     # The lease is handed back too, so the step queued for this message can claim it even
     # before a finishing step has let go of it.
@@ -116,7 +127,7 @@ def resume_queue(session_id: int) -> None:
     while the server was stopped wait for it)."""
     with transaction.atomic():
         session = locked(session_id)
-        if session.turn_active or session.status in (Status.EXITED, Status.LOADING):
+        if session.turn_active or session.status in (*Status.server_down(), Status.LOADING):
             return
         _take_next(session, load_events(session_id))
 
@@ -175,7 +186,7 @@ def finish_turn(session_id: int, reason: TurnEnd, *, owner: str | None = None) -
         _close_questions(session, events, reason)
         if transcript.open_turn(events):
             append(session, Kind.TURN_END, {"reason": reason})
-        if session.status == Status.EXITED or not _take_next(session, events):
+        if session.status in Status.server_down() or not _take_next(session, events):
             AgentSession.objects.filter(pk=session_id).update(turn_active=False, interrupt_requested=False)
             if session.status in (Status.RUNNING, Status.AWAITING_INPUT):
                 change_status(session, Status.IDLE)

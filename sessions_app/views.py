@@ -13,12 +13,12 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machines_for
 
-from . import actions, export, images, presence, transcript, turns
+from . import actions, export, images, markdown, presence, transcript, turns
 from .consumers import CloseCode
 from .events import load_events
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession
-from .presenters import Viewer, attach_context, build_items, queued_item, template_info
+from .presenters import TranscriptView, Viewer, attach_context, queued_item, template_info
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
 
@@ -30,7 +30,9 @@ def permission_denied(request: HttpRequest, exception: Exception | None = None) 
     message = str(exception) if exception and str(exception) else "You may not do that."
     if getattr(request, "htmx", False):
         response = render(request, "sessions_app/_flash.html", {"error": message}, status=403)
-        response["HX-Retarget"] = "#flash"
+        # Beside the control that was clicked when it has a feedback slot (docs/live-page.md).
+        target = request.htmx.target or ""
+        response["HX-Retarget"] = f"#{target}" if target.endswith("feedback") else "#flash"
         response["HX-Reswap"] = "innerHTML"
         return response
     return render(request, "403.html", {"message": message}, status=403)
@@ -44,21 +46,32 @@ def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
     )
 
 
+#: The session list's "Show" filter: its value → the statuses it shows (None: all).
+LIST_FILTERS = {
+    "": None,
+    "active": (AgentSession.Status.RUNNING, AgentSession.Status.AWAITING_INPUT, AgentSession.Status.LOADING),
+    "answer": (AgentSession.Status.AWAITING_INPUT,),
+    "down": AgentSession.Status.server_down(),
+}
+
+
 @require_GET
 def session_list(request: HttpRequest) -> HttpResponse:
     """The sessions this user may see, as "mine", "shared with me" and, for staff, the
-    others' private ones."""
-    from django.db.models import OuterRef, Subquery
-
-    from machines_app.models import ModelFile
-
-    model_name = ModelFile.objects.filter(machine=OuterRef("machine"), key=OuterRef("model_key")).values("display_name")
+    others' private ones; ``q`` keeps those whose title, model, machine or owner contains
+    it (any case), ``show`` those in the statuses :data:`LIST_FILTERS` names."""
+    query = " ".join(request.GET.get("q", "").split())[:200]
+    show = request.GET.get("show", "")
+    statuses = LIST_FILTERS.get(show)
     sessions = (
         AgentSession.objects.visible_to(request.user)
         .select_related("machine", "owner")
-        .annotate(model_name=Subquery(model_name[:1]))
+        .with_model_name()
+        .matching(query)
         .order_by("-last_activity_at")
     )
+    if statuses is not None:
+        sessions = sessions.filter(status__in=statuses)
     waiting = turns.waiting_for_worker()
     mine, shared, others = [], [], []
     for session in sessions:
@@ -69,7 +82,8 @@ def session_list(request: HttpRequest) -> HttpResponse:
             shared.append(session)
         else:
             others.append(session)
-    context = {"mine": mine, "shared": shared, "others": others, "any": bool(mine or shared or others)}
+    context = {"mine": mine, "shared": shared, "others": others, "any": bool(mine or shared or others),
+               "q": query, "show": show if show in LIST_FILTERS else "", "filtering": bool(query or statuses)}
     return render(request, "sessions_app/session_list.html", context)
 
 
@@ -171,6 +185,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     events = load_events(session.pk)
     session_context = _session_context(session)
     model_file = session_context["model_file"]
+    view = TranscriptView(session.pk, viewer=viewer, n_ctx=session.server_params.get("contextSize"))
+    view.prime(events)
     context = {
         **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
@@ -186,7 +202,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "offer_bypass": actions.may_bypass(request.user) and actions.may_bypass(session.owner),
         "can_act": viewer.access >= ACT,
         "can_manage": viewer.access >= MANAGE,
-        "items": build_items(events, session.pk, viewer),
+        "items": view.page_items(),
+        "gauge": view.gauge(),
         "queued": [queued_item(payload, viewer, session.pk) for payload in transcript.pending_queue(events)],
         # This page's own socket is about to join the list.
         "watching": sorted({*presence.watching(session.pk), request.user.get_username()}),
@@ -195,6 +212,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         **attach_context(catalog.vision(session.machine, session.model_key)[1]),
         **_waiting_context(session),
         "close_codes": {code.name: code.value for code in CloseCode},
+        "down_statuses": " ".join(AgentSession.Status.server_down()),
+        "md_tags": " ".join(sorted(markdown.ALLOWED_TAGS)),
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
 
@@ -232,7 +251,10 @@ def _waiting_context(session: AgentSession) -> dict:
 
 
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:
-    context = {"session": session, "form": form, "error": error,
+    # A refused edit stays an edit (its text and its flag come back with the error).
+    editing = bool(error) and request.POST.get("edit") == "last"
+    context = {"session": session, "form": form, "error": error, "editing": editing,
+               "can_manage": session.access_for(request.user) >= MANAGE,
                **attach_context(catalog.vision(session.machine, session.model_key)[1])}
     return render(request, "sessions_app/_composer.html", context)
 
@@ -254,7 +276,10 @@ def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     if not form.is_valid():
         return _composer(request, session, form, form.errors["text"][0])
     try:
-        actions.do_send_message(session, request.user, form.cleaned_data["text"], uploads)
+        if request.POST.get("edit") == "last":  # the composer's "Edit last message"
+            actions.do_send_again(session, request.user, form.cleaned_data["text"])
+        else:
+            actions.do_send_message(session, request.user, form.cleaned_data["text"], uploads)
     except actions.SessionError as exc:
         return _composer(request, session, form, str(exc))
     return _composer(request, session, MessageForm())
@@ -301,6 +326,11 @@ def _act(request: HttpRequest, session_id: int, need: Access, action, *args) -> 
 @require_POST
 def session_interrupt(request: HttpRequest, session_id: int) -> HttpResponse:
     return _act(request, session_id, ACT, actions.do_interrupt)
+
+
+@require_POST
+def session_regenerate(request: HttpRequest, session_id: int) -> HttpResponse:
+    return _act(request, session_id, ACT, actions.do_send_again)
 
 
 @require_POST
@@ -365,6 +395,12 @@ def session_delete(request: HttpRequest, session_id: int) -> HttpResponse:
         response["HX-Redirect"] = "/"
         return response
     return redirect("session_list")
+
+
+@require_POST
+def session_rename(request: HttpRequest, session_id: int) -> HttpResponse:
+    """Rename in place (the heading's Rename); every page follows through the ``settings`` event."""
+    return _act(request, session_id, MANAGE, actions.do_rename, request.POST.get("title", ""))
 
 
 @require_POST

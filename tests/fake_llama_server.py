@@ -8,7 +8,8 @@ line, listens where told, and serves /health, /tools and a scripted chat complet
 It also stands in for the model side when a test needs the model to call a tool (a
 135M model will not on demand): FAKE_SCRIPT names a JSON file holding a list of replies,
 one per chat request — ``{"text": "...", "delay": 0.05}`` streams the text word by word,
-``{"tool_calls": [{"name": "read_file", "arguments": "{...}"}]}`` asks for calls. When the
+``{"tool_calls": [{"name": "read_file", "arguments": "{...}"}]}`` asks for calls,
+``{"error": {...}, "status": 400}`` refuses the request with that body. When the
 list is used up it answers "done.". Its /tools offers read_file and exec_shell_command,
 run for real in the x-tool-cwd directory.
 
@@ -88,6 +89,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, TOOLS)
         elif self.path == "/requests":
             self._json(200, REQUESTS)
+        elif self.path == "/props":  # as llama-server reports its context size
+            self._json(200, {"default_generation_settings": {"n_ctx": N_CTX}, "total_slots": 1})
         else:
             self._json(200, {})
 
@@ -104,6 +107,9 @@ class Handler(BaseHTTPRequestHandler):
             if os.environ.get("FAKE_SCRIPT"):  # a restarted stand-in goes on where this one stopped
                 with open(os.environ["FAKE_SCRIPT"], "w") as f:
                     json.dump(SCRIPT, f)
+        if "error" in reply:  # a refusal, as llama-server words it: {"error": {...}, "status": 400}
+            self._json(reply.get("status", 400), {"error": reply["error"]})
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -130,9 +136,15 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
 
+N_CTX = 4096  # llama-server's -c, as /props reports it
+
+
 def main(argv: list[str]) -> None:
     port = int(argv[argv.index("--port") + 1])
     host = argv[argv.index("--host") + 1]
+    if "-c" in argv:
+        global N_CTX
+        N_CTX = int(argv[argv.index("-c") + 1])
     if "--api-key-file" in argv:
         global API_KEY
         with open(argv[argv.index("--api-key-file") + 1]) as f:

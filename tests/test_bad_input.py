@@ -179,7 +179,7 @@ def test_the_composer_says_what_is_wrong_with_a_message(alice, session, text, re
 @pytest.mark.django_db
 def test_the_composer_sends_a_message_with_tabs_and_new_lines(alice, session):
     response = logged_in(alice).post(f"/sessions/{session.pk}/send/", {"text": "line one\n\tline two"})
-    assert response.status_code == 200 and '<p class="error" id="composer-error" hidden></p>' in response.content.decode()
+    assert response.status_code == 200 and '<p class="error feedback" id="composer-error" hidden></p>' in response.content.decode()
     taken = TranscriptEvent.objects.get(session=session, kind="message_taken")
     assert taken.payload["text"] == "line one\n\tline two"
 

@@ -140,7 +140,7 @@ def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fa
 
     page.fill("#id_text", "Count sheep slowly.")
     page.press("#id_text", "Enter")
-    page.wait_for_selector(".msg.assistant.streaming .raw:not(:empty)")
+    page.wait_for_selector(".msg.assistant.streaming .raw:not(:empty)", state="attached")  # shown as its preview
     page.fill("#id_text", "Then count goats.")
     page.press("#id_text", "Enter")
     bubble = page.locator(".msg.user.pending", has_text="Then count goats.")

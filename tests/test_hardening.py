@@ -173,7 +173,7 @@ def test_stop_with_an_open_question_refuses_it_and_the_queue_waits_for_a_restart
     lifecycle.stop_server(session.pk)
     assert payloads(session, "answered")[0]["answer"] == "refuse"
     assert transcript.open_questions(load_events(session.pk)) == []
-    assert fresh(session).status == "exited" and not fresh(session).turn_active
+    assert fresh(session).status == "stopped" and not fresh(session).turn_active
     assert [q["text"] for q in transcript.pending_queue(load_events(session.pk))] == ["queued while asking"]
     actions.do_restart(fresh(session), alice)
     wait_for(lambda: len(payloads(session, "turn_end")) == 2 and not fresh(session).turn_active, 30,
@@ -195,7 +195,7 @@ def test_stop_mid_stream_keeps_the_queued_message_for_the_next_server(stack, fak
     lifecycle.stop_server(session.pk)
     wait_for(lambda: not fresh(session).turn_active, 10, what="the turn to end")
     assert [t["text"] for t in payloads(session, "message_taken")] == ["talk"]
-    assert fresh(session).status == "exited"
+    assert fresh(session).status == "stopped"
     actions.do_restart(fresh(session), alice)
     wait_for(lambda: len(payloads(session, "message_taken")) == 2 and not fresh(session).turn_active, 30,
              what="the queued message after restart")

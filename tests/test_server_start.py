@@ -107,8 +107,9 @@ def test_case_c08_a_file_that_is_not_a_model_ends_the_session_exited(stack, alic
     )
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "exited", 60, what="exited")
     error = TranscriptEvent.objects.filter(session=session, kind="error").last()
-    assert "llama-server exited while starting" in error.payload["message"]
-    assert "It last said:" in error.payload["message"]
+    # One plain sentence first (what failed, what to try); the server's own last words beside it.
+    assert error.payload["message"].startswith("llama-server could not load the model file")
+    assert "\n" not in error.payload["message"] and error.payload["log"].strip()
     assert not ServerRecord.objects.filter(session=session).exists()
 
 
@@ -162,7 +163,7 @@ def test_case_c21_stop_kills_a_server_that_ignores_sigterm(stack, alice, fake_ma
     assert time.monotonic() - started < 15
     assert not LocalTransport().process_alive(proc)
     assert "cleaning up before exit" in Path(record.log_path).read_text()
-    assert AgentSession.objects.get(pk=session.pk).status == "exited"
+    assert AgentSession.objects.get(pk=session.pk).status == "stopped"  # stopped on purpose, not exited
     assert not ServerRecord.objects.filter(session=session).exists()
 
 
@@ -256,9 +257,9 @@ def test_the_last_words_of_a_failed_start_are_its_own(alice, real_models_dir, tm
     lifecycle.start_server(session.pk)
     AgentSession.objects.filter(pk=session.pk).update(status="loading")
     lifecycle.start_server(session.pk)
-    errors = [e.payload["message"] for e in TranscriptEvent.objects.filter(session=session, kind="error").order_by("seq")]
-    assert "--flag1" in errors[0]
-    assert "--flag2" in errors[1] and "--flag1" not in errors[1]
+    errors = [e.payload for e in TranscriptEvent.objects.filter(session=session, kind="error").order_by("seq")]
+    assert "--flag1" in errors[0]["log"] and "--flag1" in errors[0]["message"]  # the setting it refused, named
+    assert "--flag2" in errors[1]["log"] and "--flag1" not in errors[1]["log"] + errors[1]["message"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -129,7 +129,7 @@ def test_a_remote_session_streams_a_reply_and_stops_leaving_nothing(stack, ssh_m
     assert ssh_machine.name in page  # the header names the machine
     client.post(f"/sessions/{session.pk}/stop/")
     wait_for(lambda: not ServerRecord.objects.filter(session=session).exists(), 30, what="the stop")
-    assert fresh(session).status == "exited"
+    assert fresh(session).status == "stopped"
     assert not transport.process_alive(proc_of(record)) and not llama_servers_on(record.port)
 
 

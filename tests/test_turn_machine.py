@@ -167,8 +167,9 @@ def test_a_stopped_server_keeps_the_queue_until_a_restart(session, alice, queued
     assert queued[-1] == (dispatch.RUN_TURN, (session.pk,))
 
 
-def test_a_message_to_an_exited_session_is_refused(session, alice):
-    AgentSession.objects.filter(pk=session.pk).update(status=Status.EXITED)
+@pytest.mark.parametrize("status", [Status.EXITED, Status.STOPPED])
+def test_a_message_to_an_exited_session_is_refused(session, alice, status):
+    AgentSession.objects.filter(pk=session.pk).update(status=status)
     with pytest.raises(actions.SessionError, match="not running"):
         actions.do_send_message(fresh(session), alice, "hi")
 

@@ -95,6 +95,24 @@ def test_it_sends_the_folded_conversation_with_string_content(session, alice, se
     assert second["stream"] is True and "tools" not in second
 
 
+def test_a_session_without_max_tokens_gets_the_deployments_default(session, alice, server, settings):
+    """A model that never emits its end token would otherwise generate until the context is
+    full (minutes), and the next message would not fit (docs/behaviour.md §6)."""
+    settings.CORRAL_DEFAULT_MAX_TOKENS = 333
+    AgentSession.objects.filter(pk=session.pk).update(sampling={"temperature": 0.2})
+    server.will_answer(sse(chunk({"content": "One."})), sse(chunk({}, finish_reason="length")), b"data: [DONE]\n\n")
+    events = run_message(session, alice, "first")
+    assert server.requests[0]["max_tokens"] == 333
+    # A reply cut at the limit says so (it would look finished).
+    assert [e.payload["message"] for e in events if e.kind == "notice"] == [
+        'The reply stopped at its length limit (max_tokens 333). Send "go on" to continue it, or raise max_tokens '
+        "in Settings."]
+    AgentSession.objects.filter(pk=session.pk).update(sampling={"max_tokens": 12})
+    server.will_answer(sse(chunk({"content": "Two."})), sse(chunk({}, finish_reason="stop")), b"data: [DONE]\n\n")
+    run_message(session, alice, "second")
+    assert server.requests[1]["max_tokens"] == 12  # the session's own wins
+
+
 @pytest.mark.parametrize(
     ("status", "body", "expected"),
     [
@@ -114,6 +132,8 @@ def test_case_c07_refusals_end_the_turn_in_the_servers_words(session, alice, ser
     events = run_message(session, alice)
     errors = [e.payload["message"] for e in events if e.kind == "error"]
     assert len(errors) == 1 and expected in errors[0]
+    # The page offers Clear on it (docs/behaviour.md C07).
+    assert [e.payload.get("context_exceeded") for e in events if e.kind == "error"] == [True]
     assert "HTTP 400" not in errors[0] and "HTTP 500" not in errors[0]
     assert not [e for e in events if e.kind == "assistant_text"]
     assert events[-2].kind == "turn_end" and events[-2].payload["reason"] == "error"
@@ -128,6 +148,7 @@ def test_case_c07_c_error_frame_after_the_stream_started_keeps_the_partial_text(
     events = run_message(session, alice)
     assert [e.payload["text"] for e in events if e.kind == "assistant_text"] == ["Partial"]
     assert "exceeds the available context size" in next(e.payload["message"] for e in events if e.kind == "error")
+    assert next(e.payload for e in events if e.kind == "error").get("context_exceeded") is True
     assert AgentSession.objects.get(pk=session.pk).turn_active is False
 
 

@@ -13,6 +13,154 @@
   let socket = null;
   let retry = 500;
   const conn = document.getElementById("conn-state");
+  // The statuses in which the session has no server (AgentSession.Status.server_down).
+  const downStatuses = (root.dataset.down || "").split(" ").filter(Boolean);
+
+  // Follow the status: a session without a server gets a disabled composer with its
+  // Restart button showing; any feedback line (#…-feedback, the composer's error) spoke
+  // of the state that just ended, so it goes (docs/live-page.md, "Feedback").
+  function syncStatus(status, changed) {
+    root.dataset.status = status;
+    const down = downStatuses.indexOf(status) !== -1;
+    ["id_text", "send-button", "regenerate-button", "edit-last-button"].forEach(function (id) {
+      const el = document.getElementById(id);
+      if (el) el.disabled = down;
+    });
+    const panel = document.getElementById("composer-down");
+    if (panel) {
+      panel.hidden = !down;
+      const word = panel.querySelector(".down-word");
+      const badge = document.getElementById("status-badge");
+      if (word && badge) word.textContent = badge.textContent;
+    }
+    if (!changed) return;
+    // A note that holds until a given status (the restart banner: until the server restarts).
+    document.querySelectorAll("[data-gone-when]").forEach(function (el) {
+      if (el.dataset.goneWhen.split(" ").indexOf(status) !== -1) el.remove();
+    });
+    document.querySelectorAll(".feedback").forEach(function (el) {
+      el.replaceChildren();
+      if (el.id === "composer-error") el.hidden = true;
+    });
+  }
+
+  // --- Markdown while it streams (docs/live-page.md, "Markdown while it streams").
+  // The server sends a streaming reply as plain text (.raw); at most every PREVIEW_EVERY ms
+  // the page renders that text as Markdown with markdown-it and sanitises it with DOMPurify,
+  // to the server's own allow-list (data-md-tags: sessions_app/markdown.py), into a
+  // .preview beside it. When the reply ends the server's rendering replaces both.
+  const PREVIEW_EVERY = 150;
+  const mdTags = (root.dataset.mdTags || "").split(" ").filter(Boolean);
+  const md = window.markdownit && window.DOMPurify
+    ? window.markdownit("commonmark", { html: false }).enable(["table", "strikethrough"]) : null;
+  if (md) {
+    // Never load an image a model names (a remote image leaks data by its URL): its alt text.
+    md.renderer.rules.image = function (tokens, idx) { return md.utils.escapeHtml(tokens[idx].content); };
+    window.DOMPurify.addHook("afterSanitizeAttributes", function (node) {
+      if (node.tagName === "A") node.setAttribute("rel", "noopener noreferrer nofollow");
+    });
+  }
+  const previews = new Set();
+  let previewTimer = null;
+
+  function schedulePreview(el) {
+    if (!md || !el || !el.classList.contains("assistant") || !el.classList.contains("streaming")) return;
+    previews.add(el);
+    if (previewTimer === null) previewTimer = setTimeout(renderPreviews, PREVIEW_EVERY);
+  }
+
+  function renderPreviews() {
+    previewTimer = null;
+    previews.forEach(function (el) {
+      const raw = el.querySelector(".raw");
+      if (!el.isConnected || !raw) return;
+      let view = el.querySelector(".preview");
+      if (!view) {
+        view = document.createElement("div");
+        view.className = "body md preview";
+        raw.after(view);
+        raw.hidden = true;
+      }
+      view.innerHTML = window.DOMPurify.sanitize(md.render(raw.textContent), {
+        ALLOWED_TAGS: mdTags, ALLOWED_ATTR: ["href", "class"], ALLOWED_URI_REGEXP: /^(?:https?|mailto):/i,
+      });
+      decorate(el);
+    });
+    previews.clear();
+  }
+
+  // --- Copy: a button on each finished message and on each code block (text via CSS, so a
+  // message's own text never includes the button's word).
+  function copyButton(what, label) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "copy";
+    button.dataset.copy = what;
+    button.setAttribute("aria-label", label);
+    return button;
+  }
+
+  function decorate(scope) {
+    if (!scope || !scope.querySelectorAll) return;
+    const messages = scope.matches && scope.matches(".msg") ? [scope] : scope.querySelectorAll(".msg");
+    messages.forEach(function (msg) {
+      if (!(msg.classList.contains("user") || msg.classList.contains("assistant"))) return;
+      if (msg.classList.contains("streaming") || msg.classList.contains("pending")) return;
+      if (!msg.querySelector(":scope > .msg-tools")) {
+        const tools = document.createElement("div");
+        tools.className = "msg-tools";
+        tools.appendChild(copyButton("message", "Copy this message"));
+        msg.appendChild(tools);
+      }
+    });
+    scope.querySelectorAll(".body.md pre").forEach(function (pre) {
+      if (!pre.querySelector(":scope > button.copy")) pre.appendChild(copyButton("code", "Copy this code"));
+    });
+  }
+
+  function copyText(text, button) {
+    function done() {
+      button.dataset.copied = "1";
+      setTimeout(function () { delete button.dataset.copied; }, 1500);
+    }
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(done, function () { fallbackCopy(text) && done(); });
+    } else if (fallbackCopy(text)) {
+      done();
+    }
+  }
+
+  function fallbackCopy(text) {  // a page served over plain http to another host has no clipboard API
+    const area = document.createElement("textarea");
+    area.value = text;
+    area.setAttribute("readonly", "");
+    area.className = "visually-hidden";
+    document.body.appendChild(area);
+    area.select();
+    let ok = false;
+    try { ok = document.execCommand("copy"); } catch (err) { ok = false; }
+    area.remove();
+    return ok;
+  }
+
+  document.addEventListener("click", function (e) {
+    const button = e.target.closest && e.target.closest("button.copy");
+    if (!button) return;
+    let text = "";
+    if (button.dataset.copy === "code") {
+      const code = button.parentElement.querySelector("code") || button.parentElement;
+      text = code.innerText;
+    } else {
+      const body = button.closest(".msg").querySelector(".body:not([hidden]):not(.raw), .body");
+      text = body ? body.innerText : "";
+    }
+    copyText(text.replace(/\n$/, ""), button);
+  });
+
+  function followTitle() {
+    const heading = document.getElementById("session-title");
+    if (heading) document.title = heading.textContent.trim() + " — Corral";
+  }
 
   function setConn(state) {
     if (conn) {
@@ -28,6 +176,7 @@
     } else if (op.op === "replace") {
       const el = document.getElementById(op.id);
       if (el) el.outerHTML = op.html;
+      if (op.id === "session-title") followTitle();  // a rename, here or elsewhere
     } else if (op.op === "remove") {
       const el = document.getElementById(op.id);
       if (el) el.remove();
@@ -44,13 +193,16 @@
     } else if (op.op === "status") {
       const badge = document.getElementById("status-badge");
       if (badge) { badge.outerHTML = op.html.replace("<span ", '<span id="status-badge" '); }
-      root.dataset.status = op.status;
+      syncStatus(op.status, op.status !== root.dataset.status);
     }
     // New markup may carry hx- attributes (question buttons, withdraw): let htmx see it.
-    if (window.htmx) {
-      const fresh = op.op === "append" ? (document.getElementById(op.target) || {}).lastElementChild
-        : op.op === "replace" ? document.getElementById(op.id) : null;
-      if (fresh) window.htmx.process(fresh);
+    const fresh = op.op === "append" ? (document.getElementById(op.target) || {}).lastElementChild
+      : op.op === "replace" ? document.getElementById(op.id)
+      : op.op === "text" ? document.getElementById(op.id) : null;
+    if (fresh && op.op !== "text" && window.htmx) window.htmx.process(fresh);
+    if (fresh) {
+      schedulePreview(fresh);
+      if (op.op !== "text") decorate(fresh);
     }
   }
 
@@ -98,19 +250,50 @@
     };
   }
 
-  // Enter sends, Shift+Enter makes a new line.
+  // Edit last message: its text back in the box; the send then replaces it (views.session_send).
+  function editLast(on) {
+    const box = document.getElementById("id_text");
+    const flag = document.getElementById("id_edit");
+    const note = document.getElementById("editing-note");
+    if (!box || !flag || !note || box.disabled) return;
+    if (on) {
+      const mine = document.querySelectorAll("#transcript .msg.user .body");
+      if (!mine.length) return;
+      box.value = mine[mine.length - 1].innerText;
+    } else {
+      box.value = "";
+    }
+    flag.value = on ? "last" : "";
+    note.hidden = !on;
+    box.focus();
+  }
+  document.addEventListener("click", function (e) {
+    if (e.target.closest && e.target.closest("#edit-last-button")) editLast(true);
+    else if (e.target.closest && e.target.closest("#edit-cancel")) editLast(false);
+  });
+
+  // Keyboard (listed under "Keyboard shortcuts" by the message box): Enter sends,
+  // Shift+Enter makes a new line, Esc stops the reply, ↑ in an empty box edits the last message.
   document.addEventListener("keydown", function (e) {
-    if (e.target && e.target.id === "id_text" && e.key === "Enter" && !e.shiftKey) {
+    if (!e.target || e.target.id !== "id_text") return;
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
       const form = e.target.form;
       if (form) form.requestSubmit();
+    } else if (e.key === "Escape") {
+      const stop = document.getElementById("stop-button");
+      if (stop) { e.preventDefault(); stop.click(); }
+    } else if (e.key === "ArrowUp" && !e.target.value) {
+      e.preventDefault();
+      editLast(true);
     }
   });
   // After a send the composer is swapped: keep the focus in the text box.
   document.body.addEventListener("htmx:afterSwap", function (e) {
     if (e.target && e.target.id === "composer-wrap") {
+      syncStatus(root.dataset.status, false);  // the status may have moved while the send was on its way
       const box = document.getElementById("id_text");
-      if (box) box.focus();
+      if (box && !box.disabled) box.focus();
     }
   });
 
@@ -131,5 +314,28 @@
     slot.hidden = false;
   });
 
+  // Rename in place: the heading's Rename opens a one-line form; Escape or Cancel closes it.
+  const renameButton = document.getElementById("rename-button");
+  const renameForm = document.getElementById("rename-form");
+  function showRename(open) {
+    if (!renameButton || !renameForm) return;
+    renameForm.hidden = !open;
+    renameButton.hidden = open;
+    renameButton.setAttribute("aria-expanded", String(open));
+    if (open) { const input = document.getElementById("rename-title"); input.focus(); input.select(); }
+    else renameButton.focus();
+  }
+  if (renameButton && renameForm) {
+    renameButton.addEventListener("click", function () { showRename(true); });
+    document.getElementById("rename-cancel").addEventListener("click", function () { showRename(false); });
+    renameForm.addEventListener("keydown", function (e) { if (e.key === "Escape") showRename(false); });
+    document.body.addEventListener("htmx:afterSwap", function (e) {
+      if (e.target && e.target.id === "rename-feedback" && !e.target.querySelector(".error")) showRename(false);
+    });
+  }
+
+  syncStatus(root.dataset.status || "", false);
+  decorate(document.getElementById("transcript"));
+  document.querySelectorAll("#transcript .msg.assistant.streaming").forEach(schedulePreview);
   connect();
 })();
