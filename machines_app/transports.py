@@ -85,8 +85,10 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def read_head(self, path: str, nbytes: int) -> bytes:
-        """Up to the first ``nbytes`` of the file at absolute ``path``."""
+    def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
+        """Up to ``nbytes`` of the file at absolute ``path`` from byte ``offset`` (fewer only
+        where the file ends): a model's head is read on from where the last read stopped
+        (machines_app.discovery.read_model_head), never again from the start."""
 
     @abstractmethod
     def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
@@ -185,8 +187,9 @@ class LocalTransport(Transport):
                 found.append((path.relative_to(root).as_posix(), path.stat().st_size))
         return sorted(found)
 
-    def read_head(self, path: str, nbytes: int) -> bytes:
+    def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
         with open(path, "rb") as f:
+            f.seek(offset)
             return f.read(nbytes)
 
     def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
@@ -418,11 +421,13 @@ class SSHTransport(Transport):
                         found.append((key, attr.st_size or 0))
         return sorted(found)
 
-    def read_head(self, path: str, nbytes: int) -> bytes:
-        """Up to ``nbytes`` from the start of the file, read in requests of at most 32 KiB,
-        each bounded by the link's I/O timeout: never more than asked, never the weights."""
+    def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
+        """Up to ``nbytes`` from byte ``offset``, read in requests of at most 32 KiB, one
+        after the other (no prefetch), each bounded by the link's I/O timeout: never more
+        than asked, never the weights."""
         with self._link() as link, link.sftp() as sftp:
             with sftp.open(path, "rb") as f:
+                f.seek(offset)
                 chunks, remaining = [], nbytes
                 while remaining > 0:
                     chunk = f.read(min(remaining, 32768))
