@@ -588,6 +588,33 @@ def ssh_target(machine) -> ssh.Target:
     )
 
 
+def machine_place(machine) -> dict[str, object]:
+    """What :func:`transport_at` needs to reach ``machine`` again, as plain JSON: name,
+    transport and, for SSH, host, port, user, private key path and pinned host key (public
+    material only; the private key stays in its file on this backend).
+
+    For a task that must reach a machine whose row may be deleted before it runs (the
+    server of a session deleted with its machine, docs/behaviour.md §5)."""
+    return {
+        "name": machine.name, "transport": machine.transport, "host": machine.host, "port": machine.port,
+        "user": machine.user, "private_key_path": machine.private_key_path, "host_key": machine.host_key,
+    }
+
+
+def transport_at(place: dict) -> Transport:
+    """The transport for a :func:`machine_place`; its link state is reported nowhere
+    (the row may be gone). Raises TransportError for a place it cannot reach."""
+    if place.get("transport") == "local":
+        return LocalTransport()
+    if place.get("transport") == "ssh" and place.get("host"):
+        target = ssh.Target(
+            host=str(place["host"]), port=int(place.get("port") or 22), user=str(place.get("user") or ""),
+            key_path=str(place.get("private_key_path") or ""), host_keys=str(place.get("host_key") or ""),
+        )
+        return SSHTransport(str(place.get("name") or place["host"]), target)
+    raise TransportError(f"Machine '{place.get('name')}' cannot be reached: transport {place.get('transport')!r}")
+
+
 def transport_for(machine) -> Transport:
     """The transport for a :class:`machines_app.models.Machine`. An SSH machine's link
     state is written back to its row as it changes (see ``Machine.note_link``)."""
