@@ -8,9 +8,10 @@ sharing) is read-only here: a session is started, changed and stopped from its p
 stopped like one deleted from its page (``sessions_app.signals``).
 """
 
+from django import forms
 from django.contrib import admin
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
 from machines_app.admin import InternalRowAdmin
@@ -92,7 +93,34 @@ class TranscriptEventAdmin(InternalRowAdmin):
         return event_text(obj.payload)
 
 
+class McpServerForm(forms.ModelForm):
+    """The MCP server form; its API key is write-only: typed in, never shown back."""
+
+    api_key = forms.CharField(
+        required=False, strip=True, label="API key",
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text=escape("Sent as 'Authorization: Bearer <key>'. Never shown again; leave empty to keep the current "
+                         "one."),
+    )
+    clear_api_key = forms.BooleanField(required=False, label="Remove the API key")
+
+    class Meta:
+        model = McpServer
+        fields = ["name", "url", "headers", "api_key", "enabled"]
+
+    def clean_api_key(self) -> str:
+        typed = self.cleaned_data.get("api_key", "")
+        if self.data.get("clear_api_key"):
+            return ""
+        return typed or (self.instance.api_key if self.instance.pk else "")
+
+
 @admin.register(McpServer)
 class McpServerAdmin(admin.ModelAdmin):
-    list_display = ("name", "url", "enabled")
+    form = McpServerForm
+    list_display = ("name", "url", "enabled", "has_api_key")
     list_filter = ("enabled",)
+
+    @admin.display(boolean=True, description="API key")
+    def has_api_key(self, obj) -> bool:
+        return bool(obj.api_key)

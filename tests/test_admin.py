@@ -23,7 +23,7 @@ from django.test import Client
 from machines_app.models import Machine, ServerRecord
 from machines_app.transports import LocalTransport
 from sessions_app import actions, lifecycle
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession, McpServer, TranscriptEvent
 
 from .conftest import model_key, wait_for
 from .test_browser import log_in
@@ -222,6 +222,26 @@ def test_help_texts_show_their_placeholders(stack, page, admin_page, local_machi
     assert "<arch>.nextn_predict_layers > 0" in page.inner_text(".field-has_mtp")
     page.goto(f"{stack.base_url}/admin/sessions_app/mcpserver/add/")
     assert "Sent as 'Authorization: Bearer <key>'." in page.inner_text(".field-api_key")
+
+
+def test_an_mcp_servers_api_key_is_written_never_shown_back(stack, page, admin_page):
+    page.goto(f"{stack.base_url}/admin/sessions_app/mcpserver/add/")
+    page.fill("input[name=name]", "exa")
+    page.fill("input[name=url]", "https://mcp.example.org/mcp")
+    page.fill("input[name=api_key]", "sk-secret-1")
+    page.click("input[name=_continue]")
+    page.wait_for_selector(".messagelist .success")
+    assert McpServer.objects.get(name="exa").api_key == "sk-secret-1"
+    assert "sk-secret-1" not in page.content()
+    assert page.input_value("input[name=api_key]") == ""
+    page.fill("input[name=url]", "https://mcp.example.org/v2/mcp")  # saved with the key left empty: kept
+    page.click("input[name=_continue]")
+    page.wait_for_selector(".messagelist .success")
+    assert McpServer.objects.get(name="exa").api_key == "sk-secret-1"
+    page.check("input[name=clear_api_key]")
+    page.click("input[name=_continue]")
+    page.wait_for_selector(".messagelist .success")
+    assert McpServer.objects.get(name="exa").api_key == ""
 
 
 def test_no_help_text_holds_an_unescaped_tag():
