@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from django.db import transaction
 from django.test import Client
 
 from machines_app.models import Machine, ServerRecord
@@ -181,6 +182,30 @@ def test_a_session_deleted_while_its_server_is_spawned_leaves_no_process(local_m
         watched.extend(spawned)
     assert spawned and not running(spawned[0])
     assert not ServerRecord.objects.exists()
+
+
+@pytest.mark.parametrize("how", ["the session", "a queryset", "its owner", "its machine"])
+def test_every_way_a_session_goes_hands_its_server_to_the_stop_task(local_machine, alice, tmp_path, monkeypatch,
+                                                                    how):
+    """In-process and fast, the rule the browser tests above prove end to end: whatever
+    deletes the row, the stop task gets the process and where it runs, on commit."""
+    from sessions_app import dispatch
+
+    session = AgentSession.objects.create(
+        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+    )
+    ServerRecord.objects.create(session=session, machine=local_machine, model_key=session.model_key, pid=4242,
+                                start_time="77", port=40001, log_path="/dev/null")
+    session_id, sent = session.pk, []
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args: sent.append((task, args)))
+    delete = {"the session": session.delete, "a queryset": AgentSession.objects.filter(pk=session.pk).delete,
+              "its owner": alice.delete, "its machine": local_machine.delete}[how]
+    with transaction.atomic():
+        delete()
+        assert sent == []  # not before the delete commits: a rolled-back delete stops nothing
+    place = {"name": "local", "transport": "local", "host": "", "port": 22, "user": "", "private_key_path": "",
+             "host_key": ""}
+    assert sent == [(dispatch.STOP_PROCESS, (place, 4242, "77", 40001, session_id))]
 
 
 # --- internals are read-only, help texts show their placeholders ---------------------------------
