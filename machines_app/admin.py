@@ -1,6 +1,9 @@
 from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count
+from django.http import HttpResponseRedirect
+from django.urls import reverse
 
 from . import actions as machine_actions
 from . import ssh
@@ -212,11 +215,46 @@ class ModelFileAdmin(admin.ModelAdmin):
         return obj.is_complete
 
 
-@admin.register(ServerRecord)
-class ServerRecordAdmin(admin.ModelAdmin):
-    list_display = ("session", "machine", "model_key", "pid", "port", "started_at", "ready_at", "stopping")
-    readonly_fields = [f.name for f in ServerRecord._meta.fields if f.name != "api_key"]
-    exclude = ("api_key",)  # the server's key never reaches a page
+class InternalRowAdmin(admin.ModelAdmin):
+    """Rows only Corral writes: shown, never added or changed, and deleted only with
+    their session (a delete of one alone would leave a gap in a transcript, or a server
+    running that nothing tracks). Delete permission stays, so that the admin may delete
+    a session and the rows that go with it."""
+
+    refuse_delete = "These rows go with their session."
 
     def has_add_permission(self, request):
         return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        # Asked by the admin's delete of a session (or of its owner or machine) for every
+        # row that goes with it: whoever may delete sessions may delete these along.
+        return request.user.has_perm("sessions_app.delete_agentsession")
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        return super().change_view(request, object_id, form_url, {**(extra_context or {}), "show_delete": False})
+
+    def delete_view(self, request, object_id, extra_context=None):
+        if request.method == "POST":
+            raise PermissionDenied(self.refuse_delete)
+        self.message_user(request, self.refuse_delete, messages.WARNING)
+        return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"))
+
+
+@admin.register(ServerRecord)
+class ServerRecordAdmin(InternalRowAdmin):
+    list_display = ("session", "machine", "model_key", "pid", "port", "started_at", "ready_at", "stopping")
+    readonly_fields = [f.name for f in ServerRecord._meta.fields if f.name != "api_key"]
+    exclude = ("api_key",)  # the server's key never reaches a page
+    refuse_delete = (
+        "A llama-server record goes when its server stops: use Stop server on the session's page, or delete "
+        "the session (its server is stopped)."
+    )

@@ -78,7 +78,7 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
     try:
         root = transport.expand_path(machine.models_dir)
         files = transport.list_gguf(root)
-        infos = discover(files, lambda key, n: transport.read_head(posixpath.join(root, key), n))
+        infos = discover(files, lambda key, n, offset=0: transport.read_head(posixpath.join(root, key), n, offset))
     except TransportError as exc:
         Machine.objects.filter(pk=machine.pk).update(models_refresh_error=str(exc), models_refreshed_at=timezone.now())
         raise

@@ -1,7 +1,7 @@
 """Turn a listing of the ``*.gguf`` files in a machine's models directory into model entries.
 
 Pure Python, no Django, no file system access of its own: the caller lists the
-files and supplies a ``read_head(key, nbytes)`` function (local read, SSH, ...).
+files and supplies a ``read_head(key, nbytes, offset=0)`` function (local read, SSH, ...).
 Only the head of each file (header + metadata, see :mod:`machines_app.gguf`) is
 ever read, never the weights.
 
@@ -52,7 +52,10 @@ INITIAL_HEAD_BYTES = 2 * 1024 * 1024
 #: Largest head ever read; metadata beyond this is reported as an error.
 MAX_HEAD_BYTES = 64 * 1024 * 1024
 
-ReadHead = Callable[[str, int], bytes]
+#: ``read_head(key, nbytes, offset=0)``: up to ``nbytes`` of that file from byte
+#: ``offset`` (fewer only where the file ends). The first read of a file is from its start
+#: and passes no offset.
+ReadHead = Callable[..., bytes]
 
 # llama.cpp llama_split_path(): "%s-%05d-of-%05d.gguf"
 _SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -148,26 +151,38 @@ def split_key_parts(key: str) -> tuple[str, int, int] | None:
 
 
 def read_model_head(key: str, read_head: ReadHead) -> GGUFHead:
-    """Read and parse the head of one file, growing the read until the metadata fits.
+    """Read and parse the head of one file, reading on from where the last read stopped
+    until the metadata fits (docs/behaviour.md C42: a header, not the file).
 
-    Starts with INITIAL_HEAD_BYTES; on NeedMoreBytes retries with max(needed, 2 x previous),
-    at most MAX_HEAD_BYTES. Raises GGUFError (plain-words message) for a non-GGUF or corrupt
-    file, a file that ends inside its metadata, or metadata larger than MAX_HEAD_BYTES.
-    Exceptions from read_head propagate.
+    The first read is INITIAL_HEAD_BYTES from the start; on NeedMoreBytes only the bytes
+    past those already held are asked for (``read_head(key, nbytes, offset=have)``), up to
+    ``needed`` plus a margin of an eighth of it (at most INITIAL_HEAD_BYTES) for the small
+    keys after a long value, and at least a quarter more than before. ``needed`` never
+    exceeds what the metadata takes (it is exact for strings, a lower bound for long
+    arrays), so a file costs its metadata plus at most INITIAL_HEAD_BYTES, and never
+    more than MAX_HEAD_BYTES in all, whatever its header claims.
+
+    Raises GGUFError (plain-words message) for a non-GGUF or corrupt file, a file that
+    ends inside its metadata, or metadata larger than MAX_HEAD_BYTES. Exceptions from
+    read_head propagate.
     """
-    nbytes = INITIAL_HEAD_BYTES
+    data = bytes(read_head(key, INITIAL_HEAD_BYTES))
+    asked = INITIAL_HEAD_BYTES
     while True:
-        data = read_head(key, nbytes)
         try:
             return parse_head(data)
         except NeedMoreBytes as exc:
-            if len(data) < nbytes:
+            if len(data) < asked:
                 if len(data) < 8:
                     raise GGUFError(f"not a GGUF file (only {len(data)} bytes long)") from None
                 raise GGUFError("the file ends inside its GGUF metadata (truncated or still being copied?)") from None
-            if nbytes >= MAX_HEAD_BYTES or exc.needed > MAX_HEAD_BYTES:
+            if asked >= MAX_HEAD_BYTES or exc.needed > MAX_HEAD_BYTES:
                 raise GGUFError(f"metadata larger than {MAX_HEAD_BYTES // (1024 * 1024)} MiB") from None
-            nbytes = min(max(exc.needed, 2 * nbytes), MAX_HEAD_BYTES)
+            margin = min(exc.needed // 8, INITIAL_HEAD_BYTES)
+            asked = min(max(exc.needed + margin, asked + asked // 4), MAX_HEAD_BYTES)
+            # A new bytes object (a copy: a few per file at most): the parse's views of the
+            # old one may live on in the exception's frames.
+            data += read_head(key, asked - len(data), offset=len(data))
 
 
 def _is_projector_name(basename: str) -> bool:
@@ -289,8 +304,8 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
     Args:
         files: every ``*.gguf`` file under the models directory as (key, size in bytes);
             key is the '/'-separated path relative to that directory.
-        read_head: read_head(key, nbytes) returns up to the first nbytes of that file.
-            OSError from it marks that one file as unreadable; other exceptions propagate.
+        read_head: read_head(key, nbytes, offset=0) returns up to nbytes of that file
+            from byte offset (see ReadHead and :func:`read_model_head`). OSError from it marks that one file as unreadable; other exceptions propagate.
 
     Returns:
         one ModelInfo per single file or split set (projectors excluded), sorted by

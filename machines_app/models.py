@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.db import models
+from django.utils.html import escape
 from django.utils import timezone
 
 from . import ssh
@@ -137,7 +138,10 @@ class ModelFile(models.Model):
     context_length = models.PositiveIntegerField(null=True, blank=True)
     file_size = models.BigIntegerField(default=0)
     has_chat_template = models.BooleanField(default=False)
-    has_mtp = models.BooleanField(default=False, help_text="<arch>.nextn_predict_layers > 0")
+    # Help texts are HTML to the admin: a <placeholder> would be taken for a tag and vanish.
+    has_mtp = models.BooleanField(
+        default=False, help_text=escape("The file has a multi-token-prediction head: <arch>.nextn_predict_layers > 0")
+    )
     has_vision = models.BooleanField(default=False, help_text="An mmproj file sits beside it.")
     projector_key = models.CharField(
         max_length=1000, blank=True, help_text="The mmproj file beside it (key), given to llama-server with --mmproj."
@@ -219,7 +223,9 @@ class ServerRecord(models.Model):
     """
 
     session = models.OneToOneField("sessions_app.AgentSession", on_delete=models.CASCADE, related_name="server")
-    machine = models.ForeignKey(Machine, on_delete=models.PROTECT)
+    # A machine deleted with its sessions takes their records along; their servers were
+    # handed to the stop task as the sessions went (docs/behaviour.md §5).
+    machine = models.ForeignKey(Machine, on_delete=models.CASCADE)
     model_key = models.CharField(max_length=1000)
     server_params = models.JSONField(default=dict, blank=True, help_text="The session's server parameters at start.")
     pid = models.PositiveIntegerField()

@@ -85,8 +85,10 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def read_head(self, path: str, nbytes: int) -> bytes:
-        """Up to the first ``nbytes`` of the file at absolute ``path``."""
+    def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
+        """Up to ``nbytes`` of the file at absolute ``path`` from byte ``offset`` (fewer only
+        where the file ends): a model's head is read on from where the last read stopped
+        (machines_app.discovery.read_model_head), never again from the start."""
 
     @abstractmethod
     def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
@@ -185,8 +187,9 @@ class LocalTransport(Transport):
                 found.append((path.relative_to(root).as_posix(), path.stat().st_size))
         return sorted(found)
 
-    def read_head(self, path: str, nbytes: int) -> bytes:
+    def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
         with open(path, "rb") as f:
+            f.seek(offset)
             return f.read(nbytes)
 
     def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
@@ -418,11 +421,13 @@ class SSHTransport(Transport):
                         found.append((key, attr.st_size or 0))
         return sorted(found)
 
-    def read_head(self, path: str, nbytes: int) -> bytes:
-        """Up to ``nbytes`` from the start of the file, read in requests of at most 32 KiB,
-        each bounded by the link's I/O timeout: never more than asked, never the weights."""
+    def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
+        """Up to ``nbytes`` from byte ``offset``, read in requests of at most 32 KiB, one
+        after the other (no prefetch), each bounded by the link's I/O timeout: never more
+        than asked, never the weights."""
         with self._link() as link, link.sftp() as sftp:
             with sftp.open(path, "rb") as f:
+                f.seek(offset)
                 chunks, remaining = [], nbytes
                 while remaining > 0:
                     chunk = f.read(min(remaining, 32768))
@@ -581,6 +586,33 @@ def ssh_target(machine) -> ssh.Target:
         host=machine.host, port=machine.port, user=machine.user, key_path=machine.private_key_path,
         host_keys=machine.host_key,
     )
+
+
+def machine_place(machine) -> dict[str, object]:
+    """What :func:`transport_at` needs to reach ``machine`` again, as plain JSON: name,
+    transport and, for SSH, host, port, user, private key path and pinned host key (public
+    material only; the private key stays in its file on this backend).
+
+    For a task that must reach a machine whose row may be deleted before it runs (the
+    server of a session deleted with its machine, docs/behaviour.md §5)."""
+    return {
+        "name": machine.name, "transport": machine.transport, "host": machine.host, "port": machine.port,
+        "user": machine.user, "private_key_path": machine.private_key_path, "host_key": machine.host_key,
+    }
+
+
+def transport_at(place: dict) -> Transport:
+    """The transport for a :func:`machine_place`; its link state is reported nowhere
+    (the row may be gone). Raises TransportError for a place it cannot reach."""
+    if place.get("transport") == "local":
+        return LocalTransport()
+    if place.get("transport") == "ssh" and place.get("host"):
+        target = ssh.Target(
+            host=str(place["host"]), port=int(place.get("port") or 22), user=str(place.get("user") or ""),
+            key_path=str(place.get("private_key_path") or ""), host_keys=str(place.get("host_key") or ""),
+        )
+        return SSHTransport(str(place.get("name") or place["host"]), target)
+    raise TransportError(f"Machine '{place.get('name')}' cannot be reached: transport {place.get('transport')!r}")
 
 
 def transport_for(machine) -> Transport:

@@ -19,7 +19,6 @@ from django.http import Http404
 
 from machines_app import catalog
 from machines_app.access import machine_refusal
-from machines_app.models import ServerRecord
 
 from . import dispatch, images, transcript, turns
 from .events import append, change_status, load_events, locked, record_event
@@ -185,14 +184,12 @@ def do_update_settings(
 
 def do_delete(session: AgentSession, user) -> None:
     """Delete a session and its transcript; its server is stopped by a task (SIGTERM,
-    grace, SIGKILL take seconds a web request should not wait), which is handed the
-    process itself (machine, pid, start time) since the record goes with the session."""
+    grace, SIGKILL take seconds a web request should not wait), handed over by the
+    ``pre_delete`` receiver that every delete of a session goes through
+    (:func:`sessions_app.lifecycle.stop_when_deleted`)."""
     with transaction.atomic():
         current = locked(session.pk)
-        record = ServerRecord.objects.filter(session_id=current.pk).first()
         AgentSession.objects.filter(pk=current.pk).delete()
-        if record is not None:
-            dispatch.enqueue_on_commit(dispatch.STOP_PROCESS, record.machine_id, record.pid, record.start_time)
 
 
 def do_stop(session: AgentSession, user) -> None:

@@ -1,9 +1,32 @@
+"""The admin's view of sessions: for looking and deleting, not for running them.
+
+Everything Corral keeps for itself (status, the turn flag, the lease, the interrupt flag,
+the sequence counter) and everything the product checks and records when a person
+changes it (owner, machine, model, parameters, working directory, permission mode,
+sharing) is read-only here: a session is started, changed and stopped from its page
+(docs/behaviour.md §5, docs/access.md). A session deleted here has its llama-server
+stopped like one deleted from its page (``sessions_app.signals``).
+"""
+
+from django import forms
 from django.contrib import admin
 from django.shortcuts import redirect
 from django.urls import reverse
+from django.utils.html import escape, format_html
+from django.utils.safestring import mark_safe
 
-from .models import AgentSession, DeploymentSettings, McpServer, TranscriptEvent
+from machines_app.admin import InternalRowAdmin
+
+from .events import load_events
+from .models import Access, AgentSession, DeploymentSettings, McpServer, TranscriptEvent
+from .presenters import Viewer, build_items, render_item
 from .transcript import actor
+
+#: The one column of a session an admin may change here: its title (no rule depends on it).
+EDITABLE_SESSION_FIELDS = ("title",)
+
+#: How much of an event's text the raw event list shows in its row.
+EVENT_TEXT_CHARS = 120
 
 
 @admin.register(AgentSession)
@@ -11,34 +34,55 @@ class AgentSessionAdmin(admin.ModelAdmin):
     list_display = ("__str__", "owner", "machine", "model_key", "status", "visibility", "last_activity_at")
     list_filter = ("status", "visibility", "machine")
     search_fields = ("title", "model_key", "owner__username")
-    # Who owns a session, where it runs, where its tools act, whether the gate asks and who
-    # else may see it, and its system prompt (each change a settings event: docs/behaviour.md §17),
-    # are set through the product only, where they are checked and
-    # recorded (docs/access.md, docs/sharing.md).
-    readonly_fields = (
-        "owner", "machine", "working_dir", "permission_mode", "visibility", "system_prompt",
-        "last_seq", "turn_active", "lease_owner", "lease_expires", "created_at", "last_activity_at", "transcript",
-    )
+
+    class Media:
+        css = {"all": ("corral/admin.css",)}
+
+    def get_readonly_fields(self, request, obj=None):
+        internal = [f.name for f in AgentSession._meta.fields if f.name not in EDITABLE_SESSION_FIELDS]
+        return [*internal, "conversation", "raw_events"]
 
     def has_add_permission(self, request):
         return False  # sessions start from the new-session form, which checks and starts them
 
-    @admin.display(description="Transcript")
-    def transcript(self, obj):
-        # One row per streamed fragment would make this page huge: link to the events.
-        from django.urls import reverse
-        from django.utils.html import format_html
-
+    @admin.display(description="Raw events")
+    def raw_events(self, obj):
         url = reverse("admin:sessions_app_transcriptevent_changelist") + f"?session__id__exact={obj.pk}"
         return format_html('<a href="{}">{} events</a>', url, obj.last_seq)
 
+    @admin.display(description="Conversation")
+    def conversation(self, obj):
+        """The transcript as the session page shows it (one message per reply, its
+        fragments joined), drawn by the page's own renderer for a watcher (no buttons)."""
+        items = build_items(load_events(obj.pk), obj.pk, viewer=Viewer(access=Access.WATCH))
+        if not items:
+            return "Nothing said yet."
+        # render_item escapes every text and sanitises the model's Markdown (docs/security.md).
+        rendered = mark_safe("".join(render_item(item) for item in items))  # noqa: S308 (escaped by its templates)
+        return format_html('<div class="corral-conversation">{}</div>', rendered)
+
+
+def event_text(payload) -> str:
+    """The words an event carries, cut to EVENT_TEXT_CHARS: a fragment's text, a
+    message, an error, a tool's name and arguments or output; '' for the others."""
+    if not isinstance(payload, dict):
+        return ""
+    for key in ("text", "message", "output"):
+        if isinstance(payload.get(key), str):
+            text = payload[key]
+            break
+    else:
+        text = f"{payload.get('tool')} {payload.get('arguments') or ''}".strip() if payload.get("tool") else ""
+    return text if len(text) <= EVENT_TEXT_CHARS else text[: EVENT_TEXT_CHARS - 1] + "…"
+
 
 @admin.register(TranscriptEvent)
-class TranscriptEventAdmin(admin.ModelAdmin):
-    list_display = ("session", "seq", "kind", "by", "created_at")
+class TranscriptEventAdmin(InternalRowAdmin):
+    list_display = ("session", "seq", "kind", "by", "text", "created_at")
     list_filter = ("kind", "session")
     ordering = ("session", "seq")
     readonly_fields = ("session", "seq", "kind", "by", "payload", "created_at")
+    refuse_delete = "A transcript is append-only: its events go only with their session (delete the session)."
 
     @admin.display(description="By")
     def by(self, obj) -> str:
@@ -46,18 +90,42 @@ class TranscriptEventAdmin(admin.ModelAdmin):
         who = actor(obj.payload)
         return who["username"] if who else ""
 
-    def has_add_permission(self, request):
-        return False
+    @admin.display(description="Text")
+    def text(self, obj) -> str:
+        return event_text(obj.payload)
 
-    def has_change_permission(self, request, obj=None):
-        return False
+
+class McpServerForm(forms.ModelForm):
+    """The MCP server form; its API key is write-only: typed in, never shown back."""
+
+    api_key = forms.CharField(
+        required=False, strip=True, label="API key",
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text=escape("Sent as 'Authorization: Bearer <key>'. Never shown again; leave empty to keep the current "
+                         "one."),
+    )
+    clear_api_key = forms.BooleanField(required=False, label="Remove the API key")
+
+    class Meta:
+        model = McpServer
+        fields = ["name", "url", "headers", "api_key", "enabled"]
+
+    def clean_api_key(self) -> str:
+        typed = self.cleaned_data.get("api_key", "")
+        if self.data.get("clear_api_key"):
+            return ""
+        return typed or (self.instance.api_key if self.instance.pk else "")
 
 
 @admin.register(McpServer)
 class McpServerAdmin(admin.ModelAdmin):
-    list_display = ("name", "url", "enabled")
+    form = McpServerForm
+    list_display = ("name", "url", "enabled", "has_api_key")
     list_filter = ("enabled",)
 
+    @admin.display(boolean=True, description="API key")
+    def has_api_key(self, obj) -> bool:
+        return bool(obj.api_key)
 
 @admin.register(DeploymentSettings)
 class DeploymentSettingsAdmin(admin.ModelAdmin):

@@ -11,6 +11,7 @@ import posixpath
 
 import httpx
 from django.conf import settings
+from django.db import IntegrityError
 from django.db.models import Q
 from django.utils import timezone
 
@@ -24,8 +25,8 @@ from machines_app.llama_server import (
     read_props,
     wait_until_ready,
 )
-from machines_app.models import Machine, ModelFile, ServerRecord
-from machines_app.transports import ProcessId, Transport, TransportError, transport_for
+from machines_app.models import ModelFile, ServerRecord
+from machines_app.transports import ProcessId, Transport, TransportError, machine_place, transport_at, transport_for
 
 from . import dispatch, tools, turns
 from .events import record_error, record_event, set_status
@@ -49,7 +50,11 @@ def key_path_for(session: AgentSession, transport: Transport, port: int) -> str:
     server's machine (mode 0600; removed once the server is ready or has failed). One file
     per start (the port tells starts apart), so a cancelled start never removes the key of
     the start that replaced it."""
-    return posixpath.join(transport.private_dir(), f"session-{session.pk}-{port}.key")
+    return _key_file(session.pk, transport, port)
+
+
+def _key_file(session_id: int, transport: Transport, port: int) -> str:
+    return posixpath.join(transport.private_dir(), f"session-{session_id}-{port}.key")
 
 
 def _proc(record: ServerRecord) -> ProcessId:
@@ -142,17 +147,30 @@ def start_server(session_id: int) -> None:
             transport.remove(key_path)
         _fail(session, str(exc))
         return
-    record = ServerRecord.objects.create(
-        session=session,
-        machine=session.machine,
-        model_key=session.model_key,
-        server_params=session.server_params,
-        pid=proc.pid,
-        start_time=proc.start_time,
-        port=spec.port,
-        api_key=api_key,
-        log_path=log_path,
-    )
+    try:
+        record = ServerRecord.objects.create(
+            session=session,
+            machine=session.machine,
+            model_key=session.model_key,
+            server_params=session.server_params,
+            pid=proc.pid,
+            start_time=proc.start_time,
+            port=spec.port,
+            api_key=api_key,
+            log_path=log_path,
+        )
+    except IntegrityError:
+        # The session was deleted while its server was being spawned (its delete found
+        # no record to hand to the stop task), or another start recorded one first: this
+        # process is nobody's, so it stops here rather than run untracked.
+        log.warning("session %s: gone or already served while starting; stopping pid %s", session_id, proc.pid)
+        try:
+            transport.remove(key_path)
+            transport.stop(proc, grace=settings.CORRAL_STOP_GRACE)
+        except TransportError as exc:
+            log.warning("could not stop llama-server pid %s on machine %s: %s", proc.pid, session.machine.name, exc)
+        transport.release_port(spec.port)
+        return
     _wait(session, transport, record)
 
 
@@ -266,16 +284,34 @@ def _stop_process(session_id: int) -> bool:
     return True
 
 
-def stop_orphan(machine_id: int, pid: int, start_time: str) -> None:
-    """Stop a server whose session was deleted (its record went with it)."""
-    machine = Machine.objects.filter(pk=machine_id).first()
-    if machine is None:
-        return
+def stop_when_deleted(session_id: int) -> None:
+    """Hand the server of a session about to be deleted to the stop task, on commit.
+
+    Called for every way a session row goes (its page, the admin's delete and bulk
+    delete, the cascade from its owner or its machine, ``QuerySet.delete()``: the
+    ``pre_delete`` receiver in :mod:`sessions_app.signals`), while its ServerRecord is
+    still there to read. The task is given the process itself and where it runs
+    (:func:`machines_app.transports.machine_place`), since the record, the session and
+    perhaps the machine go with this delete (docs/behaviour.md §5)."""
+    record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
+    if record is not None:
+        dispatch.enqueue_on_commit(
+            dispatch.STOP_PROCESS, machine_place(record.machine), record.pid, record.start_time, record.port, session_id
+        )
+
+
+def stop_orphan(place: dict, pid: int, start_time: str, port: int, session_id: int) -> None:
+    """Stop the server of a deleted session (SIGTERM, grace, SIGKILL), let go of its
+    port and remove its key file if a start left one. ``place`` is a
+    :func:`machines_app.transports.machine_place`; no row is read."""
     try:
-        transport_for(machine).stop(ProcessId(pid, start_time), grace=settings.CORRAL_STOP_GRACE)
+        transport = transport_at(place)
+        transport.stop(ProcessId(pid, start_time), grace=settings.CORRAL_STOP_GRACE)
+        transport.release_port(port)
+        transport.remove(_key_file(session_id, transport, port))
     except TransportError as exc:
         # Nobody is left to tell in a transcript: the worker's log says what to look for.
-        log.warning("could not stop llama-server pid %s on machine %s: %s", pid, machine.name, exc)
+        log.warning("could not stop llama-server pid %s on machine %s: %s", pid, place.get("name"), exc)
 
 
 def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import OuterRef, Q, Subquery
 from django.urls import reverse
+from django.utils.html import escape
 
 from machines_app.models import ModelFile
 
@@ -106,7 +107,9 @@ class AgentSession(models.Model):
         TEAM_ACT = "team_act", "The team may act"
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="agent_sessions")
-    machine = models.ForeignKey("machines_app.Machine", on_delete=models.PROTECT, related_name="sessions")
+    # Deleting a machine deletes its sessions (the admin lists them first); each one's
+    # server is stopped like any deleted session's (sessions_app.signals).
+    machine = models.ForeignKey("machines_app.Machine", on_delete=models.CASCADE, related_name="sessions")
     model_key = models.CharField(max_length=1000)
     working_dir = models.CharField(max_length=1000)
     server_params = models.JSONField(default=dict, blank=True, help_text="contextSize, gpuLayers, threads, speculative")
@@ -260,7 +263,7 @@ class McpServer(models.Model):
     )
     url = models.URLField(help_text="Streamable HTTP endpoint, e.g. https://mcp.exa.ai/mcp")
     headers = models.JSONField(default=dict, blank=True, help_text='Extra HTTP headers, e.g. {"x-api-key": "…"}')
-    api_key = models.CharField(max_length=500, blank=True, help_text="Sent as 'Authorization: Bearer <key>'.")
+    api_key = models.CharField(max_length=500, blank=True, help_text=escape("Sent as 'Authorization: Bearer <key>'."))
     enabled = models.BooleanField(default=True)
 
     objects = McpServerQuerySet.as_manager()

@@ -1,16 +1,26 @@
-"""Pushes for changes that do not go through an action: a session deleted (from its page
-or from the admin) and a browser logging out. Both close the sockets they concern, so a
-page says so at once instead of at its next reconnect (docs/live-page.md)."""
+"""What follows changes that do not all go through an action: a session deleted (from
+its page, the admin, or with its owner or machine) and a browser logging out.
+
+A deleted session's server is handed to the stop task, whichever way the row went
+(docs/behaviour.md §5); both close the sockets they concern, so a page says so at once
+instead of at its next reconnect (docs/live-page.md)."""
 
 from __future__ import annotations
 
 from django.contrib.auth.signals import user_logged_out
 from django.db import transaction
-from django.db.models.signals import post_delete
+from django.db.models.signals import post_delete, pre_delete
 from django.dispatch import receiver
 
-from . import broadcast
+from . import broadcast, lifecycle
 from .models import AgentSession
+
+
+@receiver(pre_delete, sender=AgentSession, dispatch_uid="corral-session-server-stop")
+def session_deleting(sender, instance: AgentSession, **kwargs) -> None:
+    # pre_delete: Django sends it for every row a delete or cascade takes, before any row
+    # goes, so the ServerRecord (deleted with the session) can still be read.
+    lifecycle.stop_when_deleted(instance.pk)
 
 
 @receiver(post_delete, sender=AgentSession, dispatch_uid="corral-session-gone")

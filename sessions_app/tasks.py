@@ -33,9 +33,9 @@ def restart_server(session_id: int) -> None:
 
 
 @shared_task
-def stop_process(machine_id: int, pid: int, start_time: str) -> None:
+def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: int) -> None:
     """Stop a server whose session is gone (deleted): SIGTERM, grace, SIGKILL."""
-    lifecycle.stop_orphan(machine_id, pid, start_time)
+    lifecycle.stop_orphan(place, pid, start_time, port, session_id)
 
 
 @shared_task

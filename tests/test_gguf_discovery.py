@@ -79,17 +79,21 @@ def model(
 
 
 class DiskReader:
-    """read_head over real files below root; records every request (key, nbytes, bytes returned)."""
+    """read_head over real files below root; records every request (key, nbytes, bytes
+    returned) and its offset (in ``offsets``)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.calls: list[tuple[str, int, int]] = []
+        self.offsets: list[int] = []
 
-    def __call__(self, key: str, nbytes: int) -> bytes:
+    def __call__(self, key: str, nbytes: int, offset: int = 0) -> bytes:
         validate_key(key)
         with open(self.root / key, "rb") as fh:
+            fh.seek(offset)
             data = fh.read(nbytes)
         self.calls.append((key, nbytes, len(data)))
+        self.offsets.append(offset)
         return data
 
     def bytes_returned(self, key: str | None = None) -> int:
@@ -408,25 +412,64 @@ def test_it_grows_the_read_when_metadata_exceeds_the_first_read(tmp_path: Path) 
     assert info.display_name == "Vocab" and info.is_complete
     requested = [n for _, n, _ in reader.calls]
     assert requested[0] == INITIAL_HEAD_BYTES and len(requested) >= 2
-    assert requested == sorted(set(requested))  # strictly growing
+    # C42: each read goes on from where the one before stopped; no byte is read twice
+    assert reader.offsets == [sum(requested[:i]) for i in range(len(requested))]
     head = read_model_head("vocab.gguf", DiskReader(tmp_path))
     assert head.metadata["tokenizer.ggml.tokens"] == ArraySummary(GGUFValueType.STRING, 150_000)
     assert head.metadata_end > INITIAL_HEAD_BYTES
     assert path.stat().st_size - head.metadata_end < 1024  # the file is nearly all metadata
 
 
+def two_long_strings_model(root: Path, key: str = "long.gguf") -> Path:
+    """A model whose metadata is two 30 MiB strings (a template and a note), then a short
+    key: the shape that once cost 92 MiB of reads, each growth starting again at byte 0."""
+    return model(root, key, "Long", kv=[
+        ("tokenizer.chat_template", "{{ x }}" + "x" * (30 * MiB), GGUFValueType.STRING),
+        ("general.description", "y" * (30 * MiB), GGUFValueType.STRING),
+        ("llama.context_length", 2048, GGUFValueType.UINT32),
+    ])
+
+
+def test_case_c42_a_long_head_is_read_once_on_from_where_each_read_stopped(tmp_path: Path) -> None:
+    path = two_long_strings_model(tmp_path)
+    with open(path, "r+b") as f:
+        f.truncate(20 * 1024**3)  # 20 GB by its size, sparse: the weights must never be read
+    reader = DiskReader(tmp_path)
+    (info,) = discover(listing(tmp_path), reader)
+    assert info.display_name == "Long" and info.is_complete and info.has_chat_template
+    assert info.context_length == 2048 and info.file_size == 20 * 1024**3
+    metadata_end = read_model_head("long.gguf", DiskReader(tmp_path)).metadata_end
+    assert 60 * MiB < metadata_end < MAX_HEAD_BYTES
+    # every byte read once: the reads are contiguous, and together hardly more than the metadata
+    assert reader.offsets == [sum(n for _, n, _ in reader.calls[:i]) for i in range(len(reader.calls))]
+    assert reader.bytes_returned() <= metadata_end + INITIAL_HEAD_BYTES  # once, not 92 MiB from byte 0 each time
+    assert len(reader.calls) <= 4
+
+
+def test_case_c42_a_2_mb_head_of_a_20_gb_file_costs_a_few_mib(tmp_path: Path) -> None:
+    tokens = [f"t{i:07d}" for i in range(140_000)]  # ~2.2 MB of metadata, past the first read
+    path = model(tmp_path, "big.gguf", "Big", kv=[("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY)])
+    with open(path, "r+b") as f:
+        f.truncate(20 * 1024**3)
+    reader = DiskReader(tmp_path)
+    (info,) = discover(listing(tmp_path), reader)
+    assert info.display_name == "Big" and info.is_complete
+    assert reader.bytes_returned() < 4 * MiB
+
+
 def test_case_c13_metadata_larger_than_64_mib_is_an_error_without_reading_it() -> None:
     header = raw_header() + raw_string(b"general.name") + struct.pack("<IQ", GGUFValueType.STRING, 100 * MiB)
     requested: list[int] = []
 
-    def fake_read(key: str, nbytes: int) -> bytes:
+    def fake_read(key: str, nbytes: int, offset: int = 0) -> bytes:
         requested.append(nbytes)
-        return header + b"x" * (nbytes - len(header))  # a file that goes on and on
+        file = header + b"x" * (offset + nbytes)  # a file that goes on and on
+        return file[offset : offset + nbytes]
 
     (info,) = discover([("huge.gguf", 200 * MiB)], fake_read)
     assert info.error == "metadata larger than 64 MiB"
     assert info.display_name == "huge.gguf" and not info.is_complete
-    assert max(requested) <= MAX_HEAD_BYTES
+    assert sum(requested) <= MAX_HEAD_BYTES
 
 
 @pytest.mark.parametrize(
@@ -735,9 +778,10 @@ def demo_paths() -> dict[str, Path]:
     return packaged_model_paths()
 
 
-def head_reader(path: Path) -> Callable[[str, int], bytes]:
-    def read(key: str, nbytes: int) -> bytes:
+def head_reader(path: Path) -> Callable[..., bytes]:
+    def read(key: str, nbytes: int, offset: int = 0) -> bytes:
         with open(path, "rb") as fh:
+            fh.seek(offset)
             return fh.read(nbytes)
 
     return read
@@ -773,7 +817,7 @@ def test_it_discovers_the_packaged_models_side_by_side(demo_paths: dict[str, Pat
     files = {f"demo/{p.name}": p for p in demo_paths.values()}
     models = discover(
         [(key, p.stat().st_size) for key, p in files.items()],
-        lambda key, nbytes: head_reader(files[key])(key, nbytes),
+        lambda key, nbytes, offset=0: head_reader(files[key])(key, nbytes, offset),
     )
     assert len(models) == 2 and all(m.is_complete for m in models)
     assert {m.architecture for m in models} == {"llama", "gemma3"}
@@ -803,5 +847,5 @@ def test_case_c13_same_names_in_two_folders_are_told_apart_by_path(tmp_path) -> 
         writer.write_tensors_to_file()
         writer.close()
     files = [("a.gguf", (tmp_path / "a.gguf").stat().st_size), ("sub/a.gguf", (tmp_path / "sub/a.gguf").stat().st_size)]
-    infos = discover(files, lambda key, n: (tmp_path / key).read_bytes()[:n])
+    infos = discover(files, lambda key, n, offset=0: (tmp_path / key).read_bytes()[offset : offset + n])
     assert sorted(i.display_name for i in infos) == ["Same (a.gguf)", "Same (sub/a.gguf)"]

@@ -17,13 +17,14 @@ from gguf import GGUFValueType
 from machines_app import actions as machine_actions
 from machines_app import catalog, ssh
 from machines_app.discovery import discover
+from machines_app.gguf import parse_head
 from machines_app.llama_server import ServerSpec, build_argv, new_api_key, wait_until_ready
 from machines_app.models import Machine
 from machines_app.transports import LocalTransport, ProcessId, TransportError, transport_for
 
 from .conftest import make_ssh_machine, wait_for
 from .sshd import keygen
-from .test_gguf_discovery import model, write_split_set
+from .test_gguf_discovery import MiB, model, two_long_strings_model, write_split_set
 
 pytestmark = pytest.mark.django_db
 
@@ -60,7 +61,7 @@ def test_it_lists_the_same_models_over_ssh_as_locally(sshd, tmp_path, llama_serv
 
     def listed(transport):
         base = transport.expand_path(str(root))
-        return discover(transport.list_gguf(base), lambda key, n: transport.read_head(f"{base}/{key}", n))
+        return discover(transport.list_gguf(base), lambda key, n, offset=0: transport.read_head(f"{base}/{key}", n, offset))
 
     over_ssh = listed(remote)
     assert over_ssh == listed(local)
@@ -113,15 +114,47 @@ def test_a_huge_sparse_remote_file_is_read_by_its_head_only(ssh_machine, tmp_pat
     transport = transport_for(ssh_machine)
     asked: list[int] = []
 
-    def read_head(key, n):
+    def read_head(key, n, offset=0):
         asked.append(n)
-        return transport.read_head(f"{root}/{key}", n)
+        return transport.read_head(f"{root}/{key}", n, offset)
 
     started = time.monotonic()
     [info] = discover(transport.list_gguf(str(root)), read_head)
     assert time.monotonic() - started < 10
     assert info.display_name == "Huge" and info.file_size == 20 * 1024**3 and info.error is None
     assert asked == [2 * 1024 * 1024]  # one head read of the first size; never the weights
+
+
+def test_case_c42_a_long_remote_head_crosses_the_link_once(ssh_machine, tmp_path, monkeypatch):
+    """Two 30 MiB strings in a 20 GB sparse file: every byte that arrives over the SSH
+    channels while the machine's models are refreshed is counted (paramiko's
+    ``Channel.recv``, what the SFTP client reads from), and comes to the metadata once,
+    not the 92 MiB of reads that each started again at byte 0, nor the weights."""
+    import paramiko
+
+    root = tmp_path / "long"
+    path = two_long_strings_model(root)
+    with open(path, "r+b") as f:
+        f.truncate(20 * 1024**3)
+    with open(path, "rb") as f:
+        metadata_end = parse_head(f.read(64 * MiB)).metadata_end
+    Machine.objects.filter(pk=ssh_machine.pk).update(models_dir=str(root))
+    machine = Machine.objects.get(pk=ssh_machine.pk)
+    transport_for(machine).check()  # the link is up before counting
+    received = []
+    recv = paramiko.Channel.recv
+
+    def counting_recv(channel, nbytes):
+        data = recv(channel, nbytes)
+        received.append(len(data))
+        return data
+
+    monkeypatch.setattr(paramiko.Channel, "recv", counting_recv)
+    [model_file] = catalog.refresh_models(machine)
+    monkeypatch.undo()
+    assert model_file.display_name == "Long" and model_file.has_chat_template and model_file.file_size == 20 * 1024**3
+    # the metadata plus at most the 2 MiB margin of the last read (and the SFTP framing)
+    assert metadata_end < sum(received) < metadata_end + 3 * MiB
 
 
 # --- host keys ------------------------------------------------------------------------------
