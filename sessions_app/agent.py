@@ -59,7 +59,7 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
-FRAGMENT_FLUSH_EVERY = 0.05  # seconds: how long streamed text may wait to be stored and pushed
+FRAGMENT_FLUSH_EVERY = 0.05  # seconds: the longest streamed text waits to be stored and pushed
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
@@ -101,36 +101,71 @@ def rounds_in_turn(events) -> int:
 
 
 class Fragments:
-    """Streamed text on its way into the transcript, stored in batches: the fragments
-    that arrive within ``FRAGMENT_FLUSH_EVERY`` seconds of the last write go into one event
-    (written when the next fragment comes after the window, or when the reply ends).
+    """Streamed text on its way into the transcript, stored in batches (docs/live-page.md,
+    "What it costs"): text waits at most ``FRAGMENT_FLUSH_EVERY`` seconds before it is
+    stored as one event and pushed to the watchers.
 
-    One database write per token would hold the reader back (docs/behaviour.md §13: a browser must
-    see ≥ 0.97× the tokens/s of a direct client): fragments that arrive within one
-    window are stored as one event. Order is kept: a change of kind flushes first.
+    Each stored event costs a transaction, a push and a websocket message; one per token
+    would spend more CPU than the model does (docs/behaviour.md §13). So the fragments that
+    arrive within one window go into one event: :meth:`add` stores the batch when a
+    fragment comes after its oldest part has waited a window, and :meth:`flush_due` —
+    called by the step's watcher thread every ``FRAGMENT_FLUSH_EVERY / 2`` s — stores a
+    batch whose stream went quiet (a model pausing, a long call's arguments streaming), so
+    text never waits for the next fragment, and a worker that dies loses at most the last
+    window of text. Order is kept: a change of kind stores the batch before it.
+
+    Thread-safe (the stream's thread and the watcher's). A write that fails in the
+    watcher's thread (the lease lost: turns.LeaseLost) is raised in the stream's thread at
+    its next :meth:`add` or :meth:`flush`.
     """
 
     def __init__(self, record: Callable[[str, dict], None]) -> None:
         self.record = record
+        self.lock = threading.Lock()
         self.kind: str | None = None
         self.parts: list[str] = []
-        self.last_flush = time.monotonic()
+        self.oldest = 0.0  # time.monotonic() of the first part waiting
+        self.failed: Exception | None = None
 
     def add(self, kind: str, text: str) -> None:
         if not text:
             return
-        if kind != self.kind:
-            self.flush()
-            self.kind = kind
-        self.parts.append(text)
-        if time.monotonic() - self.last_flush >= FRAGMENT_FLUSH_EVERY:
-            self.flush()
+        with self.lock:
+            self._raise_failure()
+            if kind != self.kind:
+                self._store()
+                self.kind = kind
+            if not self.parts:
+                self.oldest = time.monotonic()
+            self.parts.append(text)
+            if time.monotonic() - self.oldest >= FRAGMENT_FLUSH_EVERY:
+                self._store()
+
+    def flush_due(self) -> None:
+        """Store the batch if its oldest part has waited a window (the watcher's call)."""
+        with self.lock:
+            if self.parts and self.failed is None and time.monotonic() - self.oldest >= FRAGMENT_FLUSH_EVERY:
+                try:
+                    self._store()
+                except Exception as exc:  # raised in the stream's thread instead
+                    self.failed = exc
 
     def flush(self) -> None:
+        with self.lock:
+            self._raise_failure()
+            self._store()
+
+    def _raise_failure(self) -> None:
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            self.parts = []
+            raise failed
+
+    def _store(self) -> None:
         if self.parts and self.kind:
-            self.record(self.kind, {"text": "".join(self.parts)})
+            text, self.parts = "".join(self.parts), []
+            self.record(self.kind, {"text": text})
         self.parts = []
-        self.last_flush = time.monotonic()
 
 
 class Step:
@@ -225,9 +260,16 @@ class Step:
         stop_watching = threading.Event()
         interrupted = threading.Event()
 
+        pending = Fragments(self.record)
+
         def watch_interrupt() -> None:
+            next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
             try:
-                while not stop_watching.wait(INTERRUPT_POLL_EVERY):
+                while not stop_watching.wait(FRAGMENT_FLUSH_EVERY / 2):
+                    pending.flush_due()
+                    if time.monotonic() < next_poll:
+                        continue
+                    next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
                     if self.interrupted():
                         interrupted.set()
                         http.abort()
@@ -240,7 +282,6 @@ class Step:
         stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
             messages, tools=catalogue.definitions(), sampling=sampling
         )
-        pending = Fragments(self.record)
         # Anything a person can see — text or reasoning that is not only white space — or a
         # call that can run: a reply with none of it is said to be empty (an empty
         # "<think></think>", a call the server never named).

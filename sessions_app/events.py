@@ -95,3 +95,26 @@ def record_error(session_id: int, message: str) -> None:
 
 def load_events(session_id: int, *, after: int = 0) -> list[TranscriptEvent]:
     return list(TranscriptEvent.objects.filter(session_id=session_id, seq__gt=after).order_by("seq"))
+
+
+def load_kinds(session_id: int, kinds, *, upto: int) -> list[TranscriptEvent]:
+    """The events of ``kinds`` only, up to seq ``upto``, in seq order (what a fold over one
+    concern needs: the queue, the catalogue), without reading the whole transcript."""
+    events = TranscriptEvent.objects.filter(session_id=session_id, kind__in=list(kinds), seq__lte=upto)
+    return list(events.order_by("seq"))
+
+
+def load_turns(session_id: int, turns: int, *, before: int | None = None) -> tuple[list[TranscriptEvent], int]:
+    """The last ``turns`` turns of a transcript (before seq ``before`` when given): the
+    events from the ``turns``-th last ``message_taken`` before ``before`` up to it, and the
+    seq they start at (1 when they reach the start of the transcript). A page shows these
+    and offers the earlier ones (docs/live-page.md)."""
+    starts = TranscriptEvent.objects.filter(session_id=session_id, kind=Kind.MESSAGE_TAKEN)
+    if before is not None:
+        starts = starts.filter(seq__lt=before)
+    found = list(starts.order_by("-seq").values_list("seq", flat=True)[:turns])
+    start = found[-1] if len(found) == turns else 1
+    events = TranscriptEvent.objects.filter(session_id=session_id, seq__gte=start)
+    if before is not None:
+        events = events.filter(seq__lt=before)
+    return list(events.order_by("seq")), start

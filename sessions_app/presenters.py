@@ -190,6 +190,25 @@ def build_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER) -
     return view.page_items()
 
 
+#: How many turns a session page draws at first, and how many each "Show earlier turns"
+#: adds (docs/live-page.md): a transcript of 10,000 events is not 10,000 rows at once.
+TURNS_PER_PAGE = 20
+
+
+def turn_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER, *, followed: bool = False,
+               call_events=None) -> list[dict]:
+    """The display items of a run of whole turns (``events`` from a ``message_taken``, or
+    from the start, up to the next ``message_taken`` or the end), as the whole fold
+    (:func:`build_items`) draws them. ``followed``: more turns come after (an earlier
+    page), so a reply block still open at its end is closed, as the next turn's message
+    closes it in the whole fold. ``call_events`` as for :class:`TranscriptView`."""
+    view = TranscriptView(session_id, call_events=call_events, viewer=viewer)
+    view.prime(events)
+    if followed:
+        view._close([], render=False)
+    return view.page_items()
+
+
 def prime_window(events: list) -> list:
     """The events a :class:`TranscriptView` needs to pick up a page that already shows
     ``events`` (in seq order): those after the last one that leaves nothing open (a block

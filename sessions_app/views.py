@@ -14,12 +14,14 @@ from machines_app.access import machines_for
 
 from . import actions, presence, transcript, turns
 from .consumers import CloseCode
-from .events import load_events
+from .events import load_kinds, load_turns
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
-from .models import Access, AgentSession
-from .presenters import Viewer, build_items, queued_item
+from .models import Access, AgentSession, TranscriptEvent
+from .presenters import TURNS_PER_PAGE, TOOL_KINDS, Viewer, queued_item, turn_items
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
+#: The kinds the queue is folded from (transcript.pending_queue).
+QUEUE_FOLD_KINDS = (transcript.Kind.MESSAGE_QUEUED, transcript.Kind.MESSAGE_TAKEN, transcript.Kind.MESSAGE_DROPPED)
 
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
@@ -155,11 +157,15 @@ def _session_context(session: AgentSession) -> dict:
 def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
     viewer = Viewer(request.user.pk, session.access_for(request.user))
-    events = load_events(session.pk)
+    # The last turns only (docs/live-page.md): the earlier ones come with "Show earlier turns".
+    events, start = load_turns(session.pk, TURNS_PER_PAGE)
+    last_seq = events[-1].seq if events else 0
+    # The queue and the catalogue span the whole transcript: read their own kinds only,
+    # up to the page's last event (the socket brings what comes after it).
     context = {
         **_session_context(session),
         "settings_form": SessionSettingsForm.for_session(session),
-        "tools": transcript.last_catalogue(events),
+        "tools": transcript.last_catalogue(load_kinds(session.pk, [transcript.Kind.CATALOGUE], upto=last_seq)),
         "machine_name": session.machine.name,
         "session": session,
         "session_id": session.pk,
@@ -168,16 +174,45 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "offer_bypass": actions.may_bypass(request.user) and actions.may_bypass(session.owner),
         "can_act": viewer.access >= ACT,
         "can_manage": viewer.access >= MANAGE,
-        "items": build_items(events, session.pk, viewer),
-        "queued": [queued_item(payload, viewer) for payload in transcript.pending_queue(events)],
+        "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk)),
+        "earlier": start if start > 1 else None,
+        "queued": [queued_item(payload, viewer) for payload in transcript.pending_queue(
+            load_kinds(session.pk, QUEUE_FOLD_KINDS, upto=last_seq))],
         # This page's own socket is about to join the list.
         "watching": sorted({*presence.watching(session.pk), request.user.get_username()}),
-        "last_seq": events[-1].seq if events else 0,
+        "last_seq": last_seq,
         "form": MessageForm(),
         **_waiting_context(session),
         "close_codes": {code.name: code.value for code in CloseCode},
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
+
+
+@require_GET
+def session_earlier(request: HttpRequest, session_id: int) -> HttpResponse:
+    """The turns before seq ``before`` (``TURNS_PER_PAGE`` of them) for "Show earlier
+    turns", with the control for the ones before those (docs/live-page.md)."""
+    session = actions.access_session(request.user, session_id)
+    raw = request.GET.get("before", "")
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= session.last_seq + 1:
+        return HttpResponse("Which turns? 'before' must be a sequence number of this session's transcript.",
+                            status=400, content_type="text/plain; charset=utf-8")
+    viewer = Viewer(request.user.pk, session.access_for(request.user))
+    events, start = load_turns(session.pk, TURNS_PER_PAGE, before=int(raw))
+    items = turn_items(events, session.pk, viewer, followed=True, call_events=_call_events(session.pk))
+    context = {"items": items, "earlier": start if start > 1 else None, "session_id": session.pk}
+    return render(request, "sessions_app/_earlier.html", context)
+
+
+def _call_events(session_id: int):
+    """``call_events`` for a fold that starts mid-transcript: the earlier events of a tool
+    call whose start lies before the first event read (a turn boundary, so in practice none)."""
+
+    def call_events(call_id: str, before_seq: int) -> list[TranscriptEvent]:
+        return list(TranscriptEvent.objects.filter(
+            session_id=session_id, kind__in=TOOL_KINDS, payload__id=call_id, seq__lt=before_seq).order_by("seq"))
+
+    return call_events
 
 
 @require_GET
