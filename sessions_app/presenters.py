@@ -192,7 +192,7 @@ def build_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER) -
 
 #: How many turns a session page draws at first, and how many each "Show earlier turns"
 #: adds (docs/live-page.md): a transcript of 10,000 events is not 10,000 rows at once.
-TURNS_PER_PAGE = 20
+TURNS_PER_PAGE = 10
 
 
 def turn_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER, *, followed: bool = False,
@@ -332,7 +332,9 @@ class TranscriptView:
                 self._close(ops, render)
             call_id = payload.get("id", "")
             if call_id not in self.calls:
-                self.calls[call_id] = list(self.call_events(call_id, event.seq)) if self.call_events else []
+                # A call begins with its tool_start: only a view that missed it asks for the rest.
+                missed = kind != Kind.TOOL_START and self.call_events is not None
+                self.calls[call_id] = list(self.call_events(call_id, event.seq)) if missed else []
             self.calls[call_id].append(event)
             if any(e.kind == Kind.TOOL_START for e in self.calls[call_id]):
                 # A call's row appears with its tool_start and is redrawn in place after.

@@ -14,14 +14,12 @@ from machines_app.access import machines_for
 
 from . import actions, presence, transcript, turns
 from .consumers import CloseCode
-from .events import load_kinds, load_turns
+from .events import load_kinds, load_queue_events, load_turns
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession, TranscriptEvent
 from .presenters import TURNS_PER_PAGE, TOOL_KINDS, Viewer, queued_item, turn_items
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
-#: The kinds the queue is folded from (transcript.pending_queue).
-QUEUE_FOLD_KINDS = (transcript.Kind.MESSAGE_QUEUED, transcript.Kind.MESSAGE_TAKEN, transcript.Kind.MESSAGE_DROPPED)
 
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
@@ -176,8 +174,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "can_manage": viewer.access >= MANAGE,
         "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk)),
         "earlier": start if start > 1 else None,
-        "queued": [queued_item(payload, viewer) for payload in transcript.pending_queue(
-            load_kinds(session.pk, QUEUE_FOLD_KINDS, upto=last_seq))],
+        "queued": [queued_item(payload, viewer)
+                   for payload in transcript.pending_queue(load_queue_events(session.pk, upto=last_seq))],
         # This page's own socket is about to join the list.
         "watching": sorted({*presence.watching(session.pk), request.user.get_username()}),
         "last_seq": last_seq,

@@ -233,7 +233,7 @@ def show_all_earlier(client, soup: BeautifulSoup) -> int:
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("turns", [1, 3])
+@pytest.mark.parametrize("turns", [2])
 def test_a_paged_page_plus_live_plus_earlier_turns_equals_the_whole_page_at_every_cut(alice, client, tmp_path,
                                                                                      monkeypatch, turns):
     """page(events[:k]) drawn with only its last turns, brought up to date by the live
