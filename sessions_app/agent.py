@@ -26,7 +26,7 @@ from django.db import connection
 
 from machines_app.llama_server import Endpoint
 
-from . import actions, lifecycle, tools, transcript, turns
+from . import actions, broadcast, lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -38,7 +38,7 @@ from .completions import (
     ToolCallFragment,
     Usage,
 )
-from .events import load_events
+from .events import load_events, storable
 from .models import AgentSession, McpServer
 from .transcript import Kind, TurnEnd
 
@@ -59,7 +59,8 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
-FRAGMENT_FLUSH_EVERY = 0.05  # seconds: the longest streamed text waits to be stored and pushed
+FRAGMENT_FLUSH_EVERY = 0.05  # seconds: the longest streamed text waits before watchers see it
+FRAGMENT_STORE_EVERY = 0.5  # seconds: the longest streamed text waits to be stored
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
@@ -101,30 +102,37 @@ def rounds_in_turn(events) -> int:
 
 
 class Fragments:
-    """Streamed text on its way into the transcript, stored in batches (docs/live-page.md,
-    "What it costs"): text waits at most ``FRAGMENT_FLUSH_EVERY`` seconds before it is
-    stored as one event and pushed to the watchers.
+    """Streamed text on its way to the watchers and into the transcript (docs/live-page.md,
+    "What it costs").
 
     Each stored event costs a transaction, a push and a websocket message; one per token
-    would spend more CPU than the model does (docs/behaviour.md §13). So the fragments that
-    arrive within one window go into one event: :meth:`add` stores the batch when a
-    fragment comes after its oldest part has waited a window, and :meth:`flush_due` —
-    called by the step's watcher thread every ``FRAGMENT_FLUSH_EVERY / 2`` s — stores a
-    batch whose stream went quiet (a model pausing, a long call's arguments streaming), so
-    text never waits for the next fragment, and a worker that dies loses at most the last
-    window of text. Order is kept: a change of kind stores the batch before it.
+    would spend more CPU than the model does (docs/behaviour.md §13). So text is stored in
+    batches of ``FRAGMENT_STORE_EVERY`` seconds, one event each, and in between the
+    watchers are shown what has streamed since, every ``FRAGMENT_FLUSH_EVERY`` seconds, as
+    a *tail* (``tail(kind, text, after)``: all the text not stored yet, after stored event
+    ``after``; pushed, never stored). The first batch of a block is stored after
+    ``FRAGMENT_FLUSH_EVERY`` (a tail needs its block on the page). Order is kept: a change
+    of kind stores the batch before it.
+
+    :meth:`add` does what is due when a fragment comes; :meth:`flush_due` — called by the
+    step's watcher thread every ``FRAGMENT_FLUSH_EVERY / 2`` s — when the stream goes quiet
+    (a model pausing, a long call's arguments streaming), so no text waits for the next
+    fragment, and a worker that dies loses at most the last ``FRAGMENT_STORE_EVERY`` of text.
 
     Thread-safe (the stream's thread and the watcher's). A write that fails in the
     watcher's thread (the lease lost: turns.LeaseLost) is raised in the stream's thread at
     its next :meth:`add` or :meth:`flush`.
     """
 
-    def __init__(self, record: Callable[[str, dict], None]) -> None:
+    def __init__(self, record: Callable[[str, dict], int], tail: Callable[[str, str, int], None]) -> None:
         self.record = record
+        self.tail = tail
         self.lock = threading.Lock()
         self.kind: str | None = None
         self.parts: list[str] = []
-        self.oldest = 0.0  # time.monotonic() of the first part waiting
+        self.oldest = 0.0  # time.monotonic() of the first part not stored
+        self.unshown: float | None = None  # … of the first part no watcher was shown
+        self.stored_seq: int | None = None  # the last event stored of this block
         self.failed: Exception | None = None
 
     def add(self, kind: str, text: str) -> None:
@@ -134,19 +142,21 @@ class Fragments:
             self._raise_failure()
             if kind != self.kind:
                 self._store()
-                self.kind = kind
+                self.kind, self.stored_seq = kind, None
+            now = time.monotonic()
             if not self.parts:
-                self.oldest = time.monotonic()
+                self.oldest = now
+            if self.unshown is None:
+                self.unshown = now
             self.parts.append(text)
-            if time.monotonic() - self.oldest >= FRAGMENT_FLUSH_EVERY:
-                self._store()
+            self._due(now)
 
     def flush_due(self) -> None:
-        """Store the batch if its oldest part has waited a window (the watcher's call)."""
+        """Store or show what is due (the watcher's call)."""
         with self.lock:
-            if self.parts and self.failed is None and time.monotonic() - self.oldest >= FRAGMENT_FLUSH_EVERY:
+            if self.failed is None:
                 try:
-                    self._store()
+                    self._due(time.monotonic())
                 except Exception as exc:  # raised in the stream's thread instead
                     self.failed = exc
 
@@ -154,6 +164,18 @@ class Fragments:
         with self.lock:
             self._raise_failure()
             self._store()
+
+    def _due(self, now: float) -> None:
+        if not self.parts:
+            return
+        if self.stored_seq is None:
+            if now - self.oldest >= FRAGMENT_FLUSH_EVERY:
+                self._store()
+        elif now - self.oldest >= FRAGMENT_STORE_EVERY:
+            self._store()
+        elif self.unshown is not None and now - self.unshown >= FRAGMENT_FLUSH_EVERY:
+            self.unshown = None
+            self.tail(self.kind, "".join(self.parts), self.stored_seq)
 
     def _raise_failure(self) -> None:
         if self.failed is not None:
@@ -163,8 +185,8 @@ class Fragments:
 
     def _store(self) -> None:
         if self.parts and self.kind:
-            text, self.parts = "".join(self.parts), []
-            self.record(self.kind, {"text": text})
+            text, self.parts, self.unshown = "".join(self.parts), [], None
+            self.stored_seq = self.record(self.kind, {"text": text})
         self.parts = []
 
 
@@ -187,8 +209,12 @@ class Step:
         self.client_factory = client_factory
         self.run_tool = run_tool
 
-    def record(self, kind: str, payload: dict) -> None:
-        turns.record_for_step(self.session_id, self.owner, kind, payload)
+    def record(self, kind: str, payload: dict) -> int:
+        return turns.record_for_step(self.session_id, self.owner, kind, payload)
+
+    def tail(self, kind: str, text: str, after: int) -> None:
+        """Show the watchers a reply's text not stored yet (see :class:`Fragments`)."""
+        broadcast.push_tail(self.session_id, after, kind, storable(text))
 
     def error(self, message: str) -> None:
         self.record(Kind.ERROR, {"message": message})
@@ -260,7 +286,7 @@ class Step:
         stop_watching = threading.Event()
         interrupted = threading.Event()
 
-        pending = Fragments(self.record)
+        pending = Fragments(self.record, self.tail)
 
         def watch_interrupt() -> None:
             next_poll = time.monotonic() + INTERRUPT_POLL_EVERY

@@ -107,6 +107,15 @@ def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:
     _send(group_name(session_id), {"type": "transcript.event", "seq": seq, "kind": kind, "payload": payload})
 
 
+def push_tail(session_id: int, after: int, kind: str, text: str) -> None:
+    """Tell every watcher the text a reply has streamed since its last stored event (seq
+    ``after``, of ``kind``) but not stored yet — all of it, each time, so a watcher shows
+    the latest and never adds one to another (docs/live-page.md, "What it costs"). Not a
+    transcript event: no seq, nothing stored; lost ones cost nothing (the stored event
+    brings the same text)."""
+    _send(group_name(session_id), {"type": "transcript.tail", "after": after, "kind": kind, "text": text})
+
+
 async def push_presence(session_id: int) -> None:
     """Tell every watcher of the session that who is watching changed. The message
     carries no list: each consumer reads the list when the message arrives, so the last

@@ -32,7 +32,7 @@ from django.contrib.auth import get_user_model
 from . import broadcast, presence
 from .actions import find_session
 from .models import Access, AgentSession, TranscriptEvent
-from .presenters import TOOL_KINDS, TranscriptView, Viewer, prime_window, render_presence
+from .presenters import BLOCK_KINDS, TOOL_KINDS, TranscriptView, Viewer, prime_window, render_presence
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +192,24 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         stale connections itself, before and after."""
         if message.get("type") == "transcript.event":
             await self.transcript_event(message)
+        elif message.get("type") == "transcript.tail":
+            await self.transcript_tail(message)
         else:
             await super().dispatch(message)
+
+    async def transcript_tail(self, message: dict) -> None:
+        """A reply's text streamed but not stored yet (broadcast.push_tail): shown in its
+        open block's tail, ``{"ops": [{"op": "tail", "id": …, "text": …}]}`` without a
+        seq, only when this page holds exactly the events the worker had stored (``after``)
+        and that block is open; else dropped, and the stored event brings the text. The
+        page empties a tail when stored text reaches its block, and all of them when it
+        reconnects: text is counted once, by seq (docs/live-page.md)."""
+        block = self.renderer.block
+        if self.cut_off or message["after"] != self.last_sent or block is None:
+            return
+        if BLOCK_KINDS.get(message["kind"]) != block.type:
+            return
+        await self.send_json({"ops": [{"op": "tail", "id": block.dom_id, "text": message["text"]}]})
 
     async def transcript_event(self, message: dict) -> None:
         seq = message["seq"]

@@ -109,8 +109,18 @@ def apply(soup: BeautifulSoup, op: dict) -> None:
     elif op["op"] == "text":
         element = soup.find(id=op["id"])
         raw = element.select_one(".raw") if element is not None else None
-        if raw is not None:
+        tail = raw.select_one(".tail") if raw is not None else None
+        if tail is not None:
+            tail.insert_before(op["text"])
+            tail.clear()
+        elif raw is not None:
             raw.append(op["text"])
+    elif op["op"] == "tail":
+        element = soup.find(id=op["id"])
+        tail = element.select_one(".raw .tail") if element is not None else None
+        if tail is not None:
+            tail.clear()
+            tail.append(op["text"])
 
 
 def dom(soup: BeautifulSoup) -> str:
@@ -132,6 +142,29 @@ def live_from(events, k: int) -> BeautifulSoup:
     return soup
 
 
+def live_with_tails_from(events, k: int) -> BeautifulSoup:
+    """As live_from, with the tails a streaming reply shows between its stored events: after
+    every stored fragment, the next fragments' text as the tail of the open block (what
+    the consumer sends: docs/live-page.md)."""
+    soup = page(events[:k])
+
+    def call_events(call_id: str, before_seq: int):
+        return [e for e in events if e.kind in TOOL_KINDS and e.payload.get("id") == call_id and e.seq < before_seq]
+
+    view = TranscriptView(SESSION, call_events=call_events)
+    view.prime(prime_window(events[:k]))
+    for index, event in enumerate(events[k:], start=k):
+        for op in view.feed(event):
+            apply(soup, op)
+        block = view.block
+        if block is None or event.kind not in ("assistant_text", "reasoning"):
+            continue
+        coming = [e.payload["text"] for e in events[index + 1:index + 3] if e.kind == event.kind]
+        if coming:
+            apply(soup, {"op": "tail", "id": block.dom_id, "text": "".join(coming)})
+    return soup
+
+
 def assert_one_renderer(events) -> None:
     whole = dom(page(events))
     for k in range(len(events) + 1):
@@ -141,6 +174,26 @@ def assert_one_renderer(events) -> None:
 @pytest.mark.parametrize("events", TRANSCRIPTS.values(), ids=TRANSCRIPTS.keys())
 def test_page_plus_live_equals_page_at_every_cut(events):
     assert_one_renderer(events)
+
+
+@pytest.mark.parametrize("events", TRANSCRIPTS.values(), ids=TRANSCRIPTS.keys())
+def test_tails_shown_between_stored_fragments_leave_the_page_as_page_at_every_cut(events):
+    whole = dom(page(events))
+    for k in range(len(events) + 1):
+        assert dom(live_with_tails_from(events, k)) == whole, f"page(events[:{k}]) + live with tails differs"
+
+
+def test_a_tail_shows_in_the_open_block_and_the_stored_text_replaces_it():
+    events = script(("message_taken", {"text": "hi", "queued_id": None, "author": "alice"}),
+                    ("assistant_text", {"text": "Hel"}))
+    soup = page(events)
+    apply(soup, {"op": "tail", "id": "a-2", "text": "lo wor"})
+    assert soup.find(id="a-2").select_one(".raw").get_text() == "Hello wor"
+    apply(soup, {"op": "tail", "id": "a-2", "text": "lo world"})  # each tail replaces the last
+    assert soup.find(id="a-2").select_one(".raw").get_text() == "Hello world"
+    apply(soup, {"op": "text", "id": "a-2", "text": "lo world!"})
+    assert soup.find(id="a-2").select_one(".raw").get_text() == "Hello world!"
+    assert soup.find(id="a-2").select_one(".tail").get_text() == ""
 
 
 @pytest.mark.django_db
