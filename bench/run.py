@@ -154,7 +154,7 @@ def main() -> None:
                     for raw in ws:
                         message = json.loads(raw)
                         for op in message["ops"]:
-                            if op["op"] in ("text", "append") and "a-" in (op.get("id", "") + op.get("html", "")[:80]):
+                            if op["op"] in ("text", "tail", "append") and "a-" in (op.get("id", "") + op.get("html", "")[:80]):
                                 times.append(time.perf_counter())
                         if any(op.get("op") == "status" and op.get("status") == "idle" for op in message["ops"]):
                             done.set()

@@ -114,10 +114,12 @@ class Fragments:
     ``FRAGMENT_FLUSH_EVERY`` (a tail needs its block on the page). Order is kept: a change
     of kind stores the batch before it.
 
-    :meth:`add` does what is due when a fragment comes; :meth:`flush_due` — called by the
-    step's watcher thread every ``FRAGMENT_FLUSH_EVERY / 2`` s — when the stream goes quiet
-    (a model pausing, a long call's arguments streaming), so no text waits for the next
-    fragment, and a worker that dies loses at most the last ``FRAGMENT_STORE_EVERY`` of text.
+    :meth:`add` and :meth:`due` do what is due when anything streams (text, a call's
+    arguments, usage); :meth:`flush_due` — called by the step's watcher thread every
+    ``FRAGMENT_FLUSH_EVERY / 2`` s — when nothing does (a model pausing): it shows the
+    tail, and stores text that has waited ``FRAGMENT_STORE_EVERY``. So no text waits for
+    the next fragment, and a worker that dies loses at most the last
+    ``FRAGMENT_STORE_EVERY`` of text.
 
     Thread-safe (the stream's thread and the watcher's). A write that fails in the
     watcher's thread (the lease lost: turns.LeaseLost) is raised in the stream's thread at
@@ -151,12 +153,20 @@ class Fragments:
             self.parts.append(text)
             self._due(now)
 
+    def due(self) -> None:
+        """Store or show what is due (the stream's thread, at every delta of any kind)."""
+        with self.lock:
+            self._raise_failure()
+            self._due(time.monotonic())
+
     def flush_due(self) -> None:
-        """Store or show what is due (the watcher's call)."""
+        """Show what is due, and store only text that has waited a whole store window
+        (the watcher's thread: its database connection is not the stream's, so it writes
+        only when the stream has gone quiet)."""
         with self.lock:
             if self.failed is None:
                 try:
-                    self._due(time.monotonic())
+                    self._due(time.monotonic(), quiet=True)
                 except Exception as exc:  # raised in the stream's thread instead
                     self.failed = exc
 
@@ -165,17 +175,19 @@ class Fragments:
             self._raise_failure()
             self._store()
 
-    def _due(self, now: float) -> None:
+    def _due(self, now: float, *, quiet: bool = False) -> None:
         if not self.parts:
             return
-        if self.stored_seq is None:
+        if self.stored_seq is None and not quiet:
             if now - self.oldest >= FRAGMENT_FLUSH_EVERY:
                 self._store()
         elif now - self.oldest >= FRAGMENT_STORE_EVERY:
             self._store()
-        elif self.unshown is not None and now - self.unshown >= FRAGMENT_FLUSH_EVERY:
-            self.unshown = None
-            self.tail(self.kind, "".join(self.parts), self.stored_seq)
+        elif self.stored_seq is not None and self.unshown is not None:
+            # A tail only once the block is on the page (its first text stored).
+            if now - self.unshown >= FRAGMENT_FLUSH_EVERY:
+                self.unshown = None
+                self.tail(self.kind, "".join(self.parts), self.stored_seq)
 
     def _raise_failure(self) -> None:
         if self.failed is not None:
@@ -322,7 +334,9 @@ class Step:
                 elif isinstance(delta, ReasoningDelta):
                     produced = produced or not delta.text.isspace()
                     pending.add(Kind.REASONING, delta.text)
-                elif isinstance(delta, ToolCallFragment):
+                else:
+                    pending.due()
+                if isinstance(delta, ToolCallFragment):
                     assembler.feed(delta.fragments)
                 elif isinstance(delta, Usage):
                     usage = delta

@@ -17,7 +17,7 @@ from .consumers import CloseCode
 from .events import load_kinds, load_queue_events, load_turns
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession, TranscriptEvent
-from .presenters import TURNS_PER_PAGE, TOOL_KINDS, Viewer, queued_item, turn_items
+from .presenters import TOOL_KINDS, TURNS_PER_PAGE, Viewer, queued_item, turn_items
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
 

@@ -80,19 +80,30 @@ def test_a_quiet_stream_is_shown_then_stored_by_the_watcher_without_a_next_fragm
     batch.flush_due()
     assert sink.stored == []  # not a window old yet
     clock.now += SHOW * 1.01
-    batch.flush_due()
+    batch.due()  # something else streamed (a call's arguments): the block's first text is stored
     assert sink.stored == [("assistant_text", "alpha")]
     batch.add("assistant_text", " beta")
     clock.now += SHOW * 1.01
-    batch.flush_due()
-    assert sink.tails == [("assistant_text", " beta", 10)]
+    batch.flush_due()  # the watcher: shown at once …
+    assert sink.tails == [("assistant_text", " beta", 10)] and len(sink.stored) == 1
     batch.flush_due()
     assert len(sink.tails) == 1  # nothing new to show: no tail
     clock.now += STORE
-    batch.flush_due()
+    batch.flush_due()  # … and stored once it has waited a store window
     assert sink.stored == [("assistant_text", "alpha"), ("assistant_text", " beta")]
     batch.flush_due()
     assert len(sink.stored) == 2  # nothing twice
+
+
+def test_the_watcher_stores_a_blocks_first_text_only_after_a_store_window(clock, sink):
+    batch = agent.Fragments(sink.record, sink.tail)
+    batch.add("reasoning", "hm")
+    clock.now += SHOW * 1.01
+    batch.flush_due()
+    assert sink.stored == [] and sink.tails == []  # no block on the page yet to show a tail in
+    clock.now += STORE
+    batch.flush_due()
+    assert sink.stored == [("reasoning", "hm")]
 
 
 def test_a_change_of_kind_stores_the_batch_before_it_in_order(clock, sink):
@@ -110,7 +121,7 @@ def test_a_lost_lease_in_the_watchers_thread_is_raised_in_the_streams_thread(clo
 
     batch = agent.Fragments(record, lambda *args: None)
     batch.add("assistant_text", "x")
-    clock.now += SHOW * 1.01
+    clock.now += STORE * 1.01
     batch.flush_due()  # the watcher's thread: nothing raised there
     with pytest.raises(turns.LeaseLost):
         batch.add("assistant_text", "y")
