@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +84,18 @@ class Stack:
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds spent so far by each of Corral's processes (name → seconds)."""
         return {name: process_cpu_seconds(pid) for name, pid in self.pids().items()}
+
+    def settle(self, *, below: float = 0.05, timeout: float = 120.0) -> float:
+        """Wait until the processes have started (imports, connections): their CPU over 2 s
+        under ``below`` seconds per second, or ``timeout``; the last rate. A measurement
+        begun earlier would count their start-up as the figure's cost."""
+        deadline = time.monotonic() + timeout
+        while True:
+            before = self.cpu_seconds()
+            time.sleep(2)
+            rate = sum(cpu_spent(before, self.cpu_seconds()).values()) / 2
+            if rate < below or time.monotonic() > deadline:
+                return rate
 
     def stop(self) -> None:
         for proc in self.procs.values():

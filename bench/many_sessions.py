@@ -133,7 +133,7 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit("timed out waiting for the stand-ins to start")
                 time.sleep(0.2)
-            time.sleep(3)  # let the starts' own work settle before measuring
+            stack.settle()  # the starts' own work is not the streams' cost
 
             async def run_all(sessions):
                 connected = [asyncio.Event() for _ in sessions]

@@ -182,6 +182,7 @@ def main() -> None:
                     "tokens": tokens, "wall": wall}
 
         # The stack's CPU while nothing streams (housekeeping, heartbeats), per second.
+        stack.settle()
         idle_before = stack.cpu_seconds()
         time.sleep(10)
         idle = sum(cpu_spent(idle_before, stack.cpu_seconds()).values()) / 10
