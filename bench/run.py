@@ -167,7 +167,7 @@ def main() -> None:
             cpu_before = stack.cpu_seconds()
             started = time.monotonic()
             actions.do_send_message(AgentSession.objects.get(pk=session.pk), user, PROMPT)
-            if not done.wait(300):
+            if not done.wait(1200):  # a loaded machine can run SmolLM2 at 1-2 tokens/s
                 raise SystemExit(f"timed out waiting for the reply: {turn_state(session.pk)}")
             cpu = cpu_spent(cpu_before, stack.cpu_seconds())
             wall = time.monotonic() - started
