@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from django.db import models
-from django.utils.html import escape
 from django.utils import timezone
+from django.utils.html import escape
 
 from . import ssh
 from .workspaces import parse_roots, validate_workspace_roots

@@ -29,7 +29,7 @@ from machines_app import catalog
 from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
 
-from . import actions, images, lifecycle, tools, transcript, turns
+from . import actions, broadcast, images, lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -41,7 +41,7 @@ from .completions import (
     ToolCallFragment,
     Usage,
 )
-from .events import load_events
+from .events import load_events, storable
 from .models import AgentSession, McpServer
 from .transcript import Kind, TurnEnd
 
@@ -65,7 +65,8 @@ EMPTY_REPLY = "The model returned an empty reply."
 #: The notice after a reply that llama-server stopped at ``max_tokens`` (``finish_reason: length``).
 LENGTH_LIMIT = ("The reply stopped at its length limit (max_tokens {max_tokens}). Send \"go on\" to continue it, "
                 "or raise max_tokens in Settings.")
-FRAGMENT_FLUSH_EVERY = 0.05  # seconds: how long streamed text may wait to be stored and pushed
+FRAGMENT_FLUSH_EVERY = 0.05  # seconds: the longest streamed text waits before watchers see it
+FRAGMENT_STORE_EVERY = 0.5  # seconds: the longest streamed text waits to be stored
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
@@ -131,36 +132,104 @@ def rounds_in_turn(events) -> int:
 
 
 class Fragments:
-    """Streamed text on its way into the transcript, stored in batches: the fragments
-    that arrive within ``FRAGMENT_FLUSH_EVERY`` seconds of the last write go into one event
-    (written when the next fragment comes after the window, or when the reply ends).
+    """Streamed text on its way to the watchers and into the transcript (docs/live-page.md,
+    "What it costs").
 
-    One database write per token would hold the reader back (docs/behaviour.md §13: a browser must
-    see ≥ 0.97× the tokens/s of a direct client): fragments that arrive within one
-    window are stored as one event. Order is kept: a change of kind flushes first.
+    Each stored event costs a transaction, a push and a websocket message; one per token
+    would spend more CPU than the model does (docs/behaviour.md §13). So text is stored in
+    batches of ``FRAGMENT_STORE_EVERY`` seconds, one event each, and in between the
+    watchers are shown what has streamed since, every ``FRAGMENT_FLUSH_EVERY`` seconds, as
+    a *tail* (``tail(kind, text, after)``: all the text not stored yet, after stored event
+    ``after``; pushed, never stored). The first batch of a block is stored after
+    ``FRAGMENT_FLUSH_EVERY`` (a tail needs its block on the page). Order is kept: a change
+    of kind stores the batch before it.
+
+    :meth:`add` and :meth:`due` do what is due when anything streams (text, a call's
+    arguments, usage); :meth:`flush_due` — called by the step's watcher thread every
+    ``FRAGMENT_FLUSH_EVERY / 2`` s — when nothing does (a model pausing): it shows the
+    tail, and stores text that has waited ``FRAGMENT_STORE_EVERY``. So no text waits for
+    the next fragment, and a worker that dies loses at most the last
+    ``FRAGMENT_STORE_EVERY`` of text.
+
+    Thread-safe (the stream's thread and the watcher's). A write that fails in the
+    watcher's thread (the lease lost: turns.LeaseLost) is raised in the stream's thread at
+    its next :meth:`add` or :meth:`flush`.
     """
 
-    def __init__(self, record: Callable[[str, dict], None]) -> None:
+    def __init__(self, record: Callable[[str, dict], int], tail: Callable[[str, str, int], None]) -> None:
         self.record = record
+        self.tail = tail
+        self.lock = threading.Lock()
         self.kind: str | None = None
         self.parts: list[str] = []
-        self.last_flush = time.monotonic()
+        self.oldest = 0.0  # time.monotonic() of the first part not stored
+        self.unshown: float | None = None  # … of the first part no watcher was shown
+        self.stored_seq: int | None = None  # the last event stored of this block
+        self.failed: Exception | None = None
 
     def add(self, kind: str, text: str) -> None:
         if not text:
             return
-        if kind != self.kind:
-            self.flush()
-            self.kind = kind
-        self.parts.append(text)
-        if time.monotonic() - self.last_flush >= FRAGMENT_FLUSH_EVERY:
-            self.flush()
+        with self.lock:
+            self._raise_failure()
+            if kind != self.kind:
+                self._store()
+                self.kind, self.stored_seq = kind, None
+            now = time.monotonic()
+            if not self.parts:
+                self.oldest = now
+            if self.unshown is None:
+                self.unshown = now
+            self.parts.append(text)
+            self._due(now)
+
+    def due(self) -> None:
+        """Store or show what is due (the stream's thread, at every delta of any kind)."""
+        with self.lock:
+            self._raise_failure()
+            self._due(time.monotonic())
+
+    def flush_due(self) -> None:
+        """Show what is due, and store only text that has waited a whole store window
+        (the watcher's thread: its database connection is not the stream's, so it writes
+        only when the stream has gone quiet)."""
+        with self.lock:
+            if self.failed is None:
+                try:
+                    self._due(time.monotonic(), quiet=True)
+                except Exception as exc:  # raised in the stream's thread instead
+                    self.failed = exc
 
     def flush(self) -> None:
+        with self.lock:
+            self._raise_failure()
+            self._store()
+
+    def _due(self, now: float, *, quiet: bool = False) -> None:
+        if not self.parts:
+            return
+        if self.stored_seq is None and not quiet:
+            if now - self.oldest >= FRAGMENT_FLUSH_EVERY:
+                self._store()
+        elif now - self.oldest >= FRAGMENT_STORE_EVERY:
+            self._store()
+        elif self.stored_seq is not None and self.unshown is not None:
+            # A tail only once the block is on the page (its first text stored).
+            if now - self.unshown >= FRAGMENT_FLUSH_EVERY:
+                self.unshown = None
+                self.tail(self.kind, "".join(self.parts), self.stored_seq)
+
+    def _raise_failure(self) -> None:
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            self.parts = []
+            raise failed
+
+    def _store(self) -> None:
         if self.parts and self.kind:
-            self.record(self.kind, {"text": "".join(self.parts)})
+            text, self.parts, self.unshown = "".join(self.parts), [], None
+            self.stored_seq = self.record(self.kind, {"text": text})
         self.parts = []
-        self.last_flush = time.monotonic()
 
 
 class Step:
@@ -182,8 +251,12 @@ class Step:
         self.client_factory = client_factory
         self.run_tool = run_tool
 
-    def record(self, kind: str, payload: dict) -> None:
-        turns.record_for_step(self.session_id, self.owner, kind, payload)
+    def record(self, kind: str, payload: dict) -> int:
+        return turns.record_for_step(self.session_id, self.owner, kind, payload)
+
+    def tail(self, kind: str, text: str, after: int) -> None:
+        """Show the watchers a reply's text not stored yet (see :class:`Fragments`)."""
+        broadcast.push_tail(self.session_id, after, kind, storable(text))
 
     def error(self, message: str, *, context_exceeded: bool = False) -> None:
         self.record(Kind.ERROR, {"message": message, **({"context_exceeded": True} if context_exceeded else {})})
@@ -272,9 +345,16 @@ class Step:
         stop_watching = threading.Event()
         interrupted = threading.Event()
 
+        pending = Fragments(self.record, self.tail)
+
         def watch_interrupt() -> None:
+            next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
             try:
-                while not stop_watching.wait(INTERRUPT_POLL_EVERY):
+                while not stop_watching.wait(FRAGMENT_FLUSH_EVERY / 2):
+                    pending.flush_due()
+                    if time.monotonic() < next_poll:
+                        continue
+                    next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
                     if self.interrupted():
                         interrupted.set()
                         http.abort()
@@ -287,7 +367,6 @@ class Step:
         stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
             messages, tools=definitions, sampling=sampling
         )
-        pending = Fragments(self.record)
         # Anything a person can see — text or reasoning that is not only white space — or a
         # call that can run: a reply with none of it is said to be empty (an empty
         # "<think></think>", a call the server never named).
@@ -302,7 +381,9 @@ class Step:
                 elif isinstance(delta, ReasoningDelta):
                     produced = produced or not delta.text.isspace()
                     pending.add(Kind.REASONING, delta.text)
-                elif isinstance(delta, ToolCallFragment):
+                else:
+                    pending.due()
+                if isinstance(delta, ToolCallFragment):
                     assembler.feed(delta.fragments)
                 elif isinstance(delta, Usage):
                     usage = delta

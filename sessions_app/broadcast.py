@@ -7,13 +7,57 @@ sockets: a session deleted, a browser login ended (docs/live-page.md).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import os
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 log = logging.getLogger(__name__)
+
+#: Seconds a push from synchronous code may take before it is given up as lost (Redis
+#: gone silent); a page catches up from the database, as for any lost push.
+PUSH_TIMEOUT = 5.0
+
+
+class _PushLoop:
+    """One event loop per process, in a thread of its own, that every push from
+    synchronous code (a turn step in a Celery worker, a view) runs on.
+
+    ``async_to_sync`` outside an event loop makes a new loop in a new thread for every
+    call, and channels_redis keeps its Redis connections per loop: so every push opened a
+    Redis connection, used it once and closed it — most of Corral's CPU per streamed
+    event (docs/live-page.md, "What it costs"). On one long-lived loop the layer keeps its
+    connections. A process that forks gets a loop of its own (the thread does not cross
+    a fork)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pid = 0
+
+    def run(self, coroutine) -> None:
+        """Run ``coroutine`` on the loop and wait for it (in order: one push after another)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop())
+        try:
+            future.result(PUSH_TIMEOUT)
+        except FutureTimeout:
+            future.cancel()
+            raise
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        with self.lock:
+            if self.loop is None or self.pid != os.getpid():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="corral-push", daemon=True).start()
+                self.loop, self.pid = loop, os.getpid()
+            return self.loop
+
+
+_push_loop = _PushLoop()
 
 
 def group_name(session_id: int) -> str:
@@ -35,7 +79,7 @@ def _send(group: str, message: dict) -> None:
     if layer is None:
         return
     try:
-        async_to_sync(layer.group_send)(group, message)
+        _push_loop.run(layer.group_send(group, message))
     except Exception as exc:  # redis-py, channels_redis and asyncio raise many kinds
         log.warning("push of %s to %s lost (%s)", message.get("type"), group, exc)
 
@@ -61,6 +105,15 @@ def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:
     been delivered.
     """
     _send(group_name(session_id), {"type": "transcript.event", "seq": seq, "kind": kind, "payload": payload})
+
+
+def push_tail(session_id: int, after: int, kind: str, text: str) -> None:
+    """Tell every watcher the text a reply has streamed since its last stored event (seq
+    ``after``, of ``kind``) but not stored yet — all of it, each time, so a watcher shows
+    the latest and never adds one to another (docs/live-page.md, "What it costs"). Not a
+    transcript event: no seq, nothing stored; lost ones cost nothing (the stored event
+    brings the same text)."""
+    _send(group_name(session_id), {"type": "transcript.tail", "after": after, "kind": kind, "text": text})
 
 
 async def push_presence(session_id: int) -> None:

@@ -32,7 +32,7 @@ from django.contrib.auth import get_user_model
 from . import broadcast, presence
 from .actions import find_session
 from .models import Access, AgentSession, TranscriptEvent
-from .presenters import TOOL_KINDS, TranscriptView, Viewer, prime_window, render_presence
+from .presenters import BLOCK_KINDS, TOOL_KINDS, TranscriptView, Viewer, prime_window, render_presence
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,33 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             except Exception:  # a Redis outage: the next round tries again
                 logger.warning("re-joining the group of session %s failed", self.session_id, exc_info=True)
 
+    async def dispatch(self, message: dict) -> None:
+        """Channels' own dispatch, without its hop to the database thread before each
+        transcript message (``aclose_old_connections``): a streamed fragment is folded
+        without the database (docs/live-page.md, "What it costs"), and every handler that
+        does reach the database goes through ``database_sync_to_async``, which closes
+        stale connections itself, before and after."""
+        if message.get("type") == "transcript.event":
+            await self.transcript_event(message)
+        elif message.get("type") == "transcript.tail":
+            await self.transcript_tail(message)
+        else:
+            await super().dispatch(message)
+
+    async def transcript_tail(self, message: dict) -> None:
+        """A reply's text streamed but not stored yet (broadcast.push_tail): shown in its
+        open block's tail, ``{"ops": [{"op": "tail", "id": …, "text": …}]}`` without a
+        seq, only when this page holds exactly the events the worker had stored (``after``)
+        and that block is open; else dropped, and the stored event brings the text. The
+        page empties a tail when stored text reaches its block, and all of them when it
+        reconnects: text is counted once, by seq (docs/live-page.md)."""
+        block = self.renderer.block
+        if self.cut_off or message["after"] != self.last_sent or block is None:
+            return
+        if BLOCK_KINDS.get(message["kind"]) != block.type:
+            return
+        await self.send_json({"ops": [{"op": "tail", "id": block.dom_id, "text": message["text"]}]})
+
     async def transcript_event(self, message: dict) -> None:
         seq = message["seq"]
         if self.cut_off or seq <= self.last_sent:
@@ -210,7 +237,14 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     async def _send(self, seq: int, kind: str, payload: dict) -> None:
         event = TranscriptEvent(seq=seq, kind=kind, payload=payload)
-        ops = await database_sync_to_async(self.renderer.feed)(event)
+        if kind in TOOL_KINDS:
+            # A tool call's row may need the call's earlier events from the database.
+            ops = await database_sync_to_async(self.renderer.feed)(event)
+        else:
+            # Every other kind is folded from the event alone (templates and Markdown, no
+            # query): done here, without a hop to the database thread and back for each
+            # streamed fragment.
+            ops = self.renderer.feed(event)
         self.last_sent = seq
         await self.send_json({"seq": seq, "ops": ops})
         if kind == "settings" and "visibility" in payload:

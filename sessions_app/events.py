@@ -97,3 +97,39 @@ def record_error(session_id: int, message: str, *, log: str = "") -> None:
 
 def load_events(session_id: int, *, after: int = 0) -> list[TranscriptEvent]:
     return list(TranscriptEvent.objects.filter(session_id=session_id, seq__gt=after).order_by("seq"))
+
+
+def load_kinds(session_id: int, kinds, *, upto: int, after: int = 0) -> list[TranscriptEvent]:
+    """The events of ``kinds`` only, after seq ``after`` up to seq ``upto``, in seq order
+    (what a fold over one concern needs: the queue, the catalogue), without reading the
+    whole transcript."""
+    events = TranscriptEvent.objects.filter(session_id=session_id, kind__in=list(kinds), seq__gt=after, seq__lte=upto)
+    return list(events.order_by("seq"))
+
+
+def load_queue_events(session_id: int, *, upto: int) -> list[TranscriptEvent]:
+    """What :func:`sessions_app.transcript.pending_queue` needs, up to seq ``upto``: the
+    queued messages and, from the first of them on, the takes and drops that may settle
+    them (none at all in a session that never queued one)."""
+    first = (TranscriptEvent.objects.filter(session_id=session_id, kind=Kind.MESSAGE_QUEUED, seq__lte=upto)
+             .order_by("seq").values_list("seq", flat=True).first())
+    if first is None:
+        return []
+    kinds = [Kind.MESSAGE_QUEUED, Kind.MESSAGE_TAKEN, Kind.MESSAGE_DROPPED]
+    return load_kinds(session_id, kinds, upto=upto, after=first - 1)
+
+
+def load_turns(session_id: int, turns: int, *, before: int | None = None) -> tuple[list[TranscriptEvent], int]:
+    """The last ``turns`` turns of a transcript (before seq ``before`` when given): the
+    events from the ``turns``-th last ``message_taken`` before ``before`` up to it, and the
+    seq they start at (1 when they reach the start of the transcript). A page shows these
+    and offers the earlier ones (docs/live-page.md)."""
+    starts = TranscriptEvent.objects.filter(session_id=session_id, kind=Kind.MESSAGE_TAKEN)
+    if before is not None:
+        starts = starts.filter(seq__lt=before)
+    found = list(starts.order_by("-seq").values_list("seq", flat=True)[:turns])
+    start = found[-1] if len(found) == turns else 1
+    events = TranscriptEvent.objects.filter(session_id=session_id, seq__gte=start)
+    if before is not None:
+        events = events.filter(seq__lt=before)
+    return list(events.order_by("seq")), start

@@ -266,6 +266,36 @@ def build_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER) -
     return view.page_items()
 
 
+#: How many turns a session page draws at first, and how many each "Show earlier turns"
+#: adds (docs/live-page.md): a transcript of 10,000 events is not 10,000 rows at once.
+TURNS_PER_PAGE = 10
+
+
+def turn_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER, *, followed: bool = False,
+               call_events=None) -> list[dict]:
+    """The display items of a run of whole turns (``events`` from a ``message_taken``, or
+    from the start, up to the next ``message_taken`` or the end), as the whole fold
+    (:func:`build_items`) draws them. ``followed``: more turns come after (an earlier
+    page), so a reply block still open at its end is closed, as the next turn's message
+    closes it in the whole fold. ``call_events`` as for :class:`TranscriptView`."""
+    view = TranscriptView(session_id, call_events=call_events, viewer=viewer)
+    view.prime(events)
+    if followed:
+        view._close([], render=False)
+    return view.page_items()
+
+
+def gauge_of(events: Iterable, n_ctx: int | None = None) -> dict:
+    """The context gauge (:func:`context_gauge`) folded from ``events`` — the
+    ``server_ready``, ``usage`` and ``cleared`` events are enough — as
+    :meth:`TranscriptView.gauge` gives it after the same events; ``n_ctx`` until a
+    ``server_ready`` says (the session's contextSize)."""
+    view = TranscriptView(0, n_ctx=n_ctx)
+    for event in events:
+        view._follow_context(event.kind, event.payload)
+    return view.gauge()
+
+
 def prime_window(events: list) -> list:
     """The events a :class:`TranscriptView` needs to pick up a page that already shows
     ``events`` (in seq order): those after the last one that leaves nothing open (a block
@@ -461,7 +491,9 @@ class TranscriptView:
                 self._close(ops, render)
             call_id = payload.get("id", "")
             if call_id not in self.calls:
-                self.calls[call_id] = list(self.call_events(call_id, event.seq)) if self.call_events else []
+                # A call begins with its tool_start: only a view that missed it asks for the rest.
+                missed = kind != Kind.TOOL_START and self.call_events is not None
+                self.calls[call_id] = list(self.call_events(call_id, event.seq)) if missed else []
             self.calls[call_id].append(event)
             if any(e.kind == Kind.TOOL_START for e in self.calls[call_id]):
                 # A call's row appears with its tool_start and is redrawn in place after.

@@ -157,13 +157,13 @@ def _check_holder(session: AgentSession, owner: str | None) -> None:
         raise LeaseLost(f"session {session.pk}: the lease is no longer held by {owner}")
 
 
-def record_for_step(session_id: int, owner: str, kind: str, payload: dict) -> None:
-    """Record an event for the step holding lease ``owner``; raises :class:`LeaseLost`
-    (writing nothing) when another step holds it now."""
+def record_for_step(session_id: int, owner: str, kind: str, payload: dict) -> int:
+    """Record an event for the step holding lease ``owner``; its seq. Raises
+    :class:`LeaseLost` (writing nothing) when another step holds it now."""
     with transaction.atomic():
         session = locked(session_id)
         _check_holder(session, owner)
-        append(session, kind, payload)
+        return append(session, kind, payload).seq
 
 
 def step_status(session_id: int, owner: str, status: str) -> None:

@@ -10,6 +10,7 @@ urlpatterns = [
     path("machines/<int:machine_id>/refresh/", views.refresh_models, name="refresh_models"),
     path("machines/<int:machine_id>/refresh/status/", views.refresh_status, name="refresh_status"),
     path("sessions/<int:session_id>/", views.session_detail, name="session_detail"),
+    path("sessions/<int:session_id>/earlier/", views.session_earlier, name="session_earlier"),
     path("sessions/<int:session_id>/waiting/", views.session_waiting, name="session_waiting"),
     path("sessions/<int:session_id>/export.<str:fmt>", views.session_export, name="session_export"),
     path("sessions/<int:session_id>/send/", views.session_send, name="session_send"),

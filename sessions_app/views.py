@@ -15,10 +15,19 @@ from machines_app.access import machines_for
 
 from . import actions, export, images, markdown, presence, transcript, turns
 from .consumers import CloseCode
-from .events import load_events
+from .events import load_events, load_kinds, load_queue_events, load_turns
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
-from .models import Access, AgentSession
-from .presenters import TranscriptView, Viewer, attach_context, queued_item, template_info
+from .models import Access, AgentSession, TranscriptEvent
+from .presenters import (
+    TOOL_KINDS,
+    TURNS_PER_PAGE,
+    Viewer,
+    attach_context,
+    gauge_of,
+    queued_item,
+    template_info,
+    turn_items,
+)
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
 
@@ -182,18 +191,25 @@ def _session_context(session: AgentSession) -> dict:
 def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
     viewer = Viewer(request.user.pk, session.access_for(request.user))
-    events = load_events(session.pk)
+    # The last turns only (docs/live-page.md): the earlier ones come with "Show earlier turns".
+    events, start = load_turns(session.pk, TURNS_PER_PAGE)
+    last_seq = events[-1].seq if events else 0
+    # The queue and the catalogue span the whole transcript: read their own kinds only,
+    # up to the page's last event (the socket brings what comes after it).
     session_context = _session_context(session)
     model_file = session_context["model_file"]
-    view = TranscriptView(session.pk, viewer=viewer, n_ctx=session.server_params.get("contextSize"))
-    view.prime(events)
+    # So do the template the server runs and the context gauge.
+    ready = transcript.last_server_ready(load_kinds(session.pk, [transcript.Kind.SERVER_READY], upto=last_seq))
+    gauge = gauge_of(
+        load_kinds(session.pk, [transcript.Kind.SERVER_READY, transcript.Kind.USAGE, transcript.Kind.CLEARED],
+                   upto=last_seq),
+        n_ctx=session.server_params.get("contextSize"),
+    )
     context = {
         **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
-        "tools": transcript.last_catalogue(events),
-        "template": template_info(
-            transcript.last_server_ready(events), remembered=model_file.chat_template_caps if model_file else None
-        ),
+        "tools": transcript.last_catalogue(load_kinds(session.pk, [transcript.Kind.CATALOGUE], upto=last_seq)),
+        "template": template_info(ready, remembered=model_file.chat_template_caps if model_file else None),
         "machine_name": session.machine.name,
         "session": session,
         "session_id": session.pk,
@@ -202,12 +218,14 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "offer_bypass": actions.may_bypass(request.user) and actions.may_bypass(session.owner),
         "can_act": viewer.access >= ACT,
         "can_manage": viewer.access >= MANAGE,
-        "items": view.page_items(),
-        "gauge": view.gauge(),
-        "queued": [queued_item(payload, viewer, session.pk) for payload in transcript.pending_queue(events)],
+        "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk)),
+        "earlier": start if start > 1 else None,
+        "gauge": gauge,
+        "queued": [queued_item(payload, viewer, session.pk)
+                   for payload in transcript.pending_queue(load_queue_events(session.pk, upto=last_seq))],
         # This page's own socket is about to join the list.
         "watching": sorted({*presence.watching(session.pk), request.user.get_username()}),
-        "last_seq": events[-1].seq if events else 0,
+        "last_seq": last_seq,
         "form": MessageForm(),
         **attach_context(catalog.vision(session.machine, session.model_key)[1]),
         **_waiting_context(session),
@@ -237,6 +255,30 @@ def session_export(request: HttpRequest, session_id: int, fmt: str) -> HttpRespo
         response = HttpResponse(text, content_type="text/markdown; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="session-{session.pk}.{fmt}"'
     return response
+def session_earlier(request: HttpRequest, session_id: int) -> HttpResponse:
+    """The turns before seq ``before`` (``TURNS_PER_PAGE`` of them) for "Show earlier
+    turns", with the control for the ones before those (docs/live-page.md)."""
+    session = actions.access_session(request.user, session_id)
+    raw = request.GET.get("before", "")
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= session.last_seq + 1:
+        return HttpResponse("Which turns? 'before' must be a sequence number of this session's transcript.",
+                            status=400, content_type="text/plain; charset=utf-8")
+    viewer = Viewer(request.user.pk, session.access_for(request.user))
+    events, start = load_turns(session.pk, TURNS_PER_PAGE, before=int(raw))
+    items = turn_items(events, session.pk, viewer, followed=True, call_events=_call_events(session.pk))
+    context = {"items": items, "earlier": start if start > 1 else None, "session_id": session.pk}
+    return render(request, "sessions_app/_earlier.html", context)
+
+
+def _call_events(session_id: int):
+    """``call_events`` for a fold that starts mid-transcript: the earlier events of a tool
+    call whose start lies before the first event read (a turn boundary, so in practice none)."""
+
+    def call_events(call_id: str, before_seq: int) -> list[TranscriptEvent]:
+        return list(TranscriptEvent.objects.filter(
+            session_id=session_id, kind__in=TOOL_KINDS, payload__id=call_id, seq__lt=before_seq).order_by("seq"))
+
+    return call_events
 
 
 @require_GET

@@ -268,7 +268,7 @@ def stop_servers_after():
 class WSRecorder:
     """A real websocket client in a thread, keeping every message it receives:
     transcript messages (with a ``seq``) in ``messages``, who-is-watching lists in
-    ``presence``."""
+    ``presence``, tails of a streaming reply in ``tails``."""
 
     def __init__(self, url: str, *, cookie: str, origin: str) -> None:
         from websockets.exceptions import InvalidStatus
@@ -276,6 +276,7 @@ class WSRecorder:
 
         self.messages: list[dict] = []
         self.presence: list[list[str]] = []
+        self.tails: list[dict] = []  # a reply's text not stored yet: {"ops": [{"op": "tail", …}]}
         self.close_code: int | None = None
         self.refused_status: int | None = None  # HTTP status when the handshake was refused
         self._conn = None
@@ -296,8 +297,10 @@ class WSRecorder:
                 message = json.loads(raw)
                 if "seq" in message:
                     self.messages.append(message)
-                else:
+                elif "presence" in message:
                     self.presence.append(message["presence"])
+                else:
+                    self.tails.append(message)
         except ConnectionClosed as exc:
             self.close_code = exc.rcvd.code if exc.rcvd else None
         else:

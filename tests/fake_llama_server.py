@@ -7,7 +7,8 @@ line, listens where told, and serves /health, /tools and a scripted chat complet
 
 It also stands in for the model side when a test needs the model to call a tool (a
 135M model will not on demand): FAKE_SCRIPT names a JSON file holding a list of replies,
-one per chat request — ``{"text": "...", "delay": 0.05}`` streams the text word by word,
+one per chat request — ``{"text": "...", "delay": 0.05}`` streams the text word by word
+(``"delays": [0, 3]`` instead waits that long after each word, ``delay`` after the rest),
 ``{"tool_calls": [{"name": "read_file", "arguments": "{...}"}]}`` asks for calls,
 ``{"error": {...}, "status": 400}`` refuses the request with that body. When the
 list is used up it answers "done.". Its /tools offers read_file and exec_shell_command,
@@ -122,9 +123,10 @@ class Handler(BaseHTTPRequestHandler):
             return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
         try:
+            delays = reply.get("delays", [])
             for i, word in enumerate(reply.get("text", "").split(" ")) if reply.get("text") else []:
                 send(chunk({"content": (" " if i else "") + word}))
-                time.sleep(reply.get("delay", 0.0))
+                time.sleep(delays[i] if i < len(delays) else reply.get("delay", 0.0))
             for i, call in enumerate(reply.get("tool_calls", [])):
                 send(chunk({"tool_calls": [{"index": i, "id": f"call_{len(REQUESTS)}_{i}", "type": "function",
                                             "function": {"name": call["name"], "arguments": call.get("arguments", "")}}]}))

@@ -127,3 +127,25 @@ def test_a_worker_killed_while_a_command_runs_never_runs_it_again(stack, fake_ma
     assert kinds(session, "tool_end")[0]["output"] == agent.WORKER_LOST_RESULT
     time.sleep(7)
     assert counter.read_text().count("run") == 1
+
+
+def test_a_worker_killed_while_the_stream_is_quiet_has_stored_everything_before_the_last_window(
+        stack, fake_machine, alice, tmp_path):
+    """Streamed text waits at most agent.FRAGMENT_FLUSH_EVERY to be stored, even when no
+    fragment follows it (docs/live-page.md): "beta" comes right after "alpha", then the
+    model goes quiet for a long time. Both are stored during the pause, and a worker
+    killed then has lost nothing of them; the recovery says the reply is partial."""
+    machine = fake_machine([{"text": "alpha beta gamma", "delays": [0, 30, 0]}, {"text": "Back again."}])
+    session = start_session(machine, alice, tmp_path)
+    actions.do_send_message(session, alice, "talk, then pause")
+
+    def stored_text():
+        return "".join(p["text"] for p in kinds(session, "assistant_text"))
+
+    wait_for(lambda: stored_text() == "alpha beta", 20, what="the text before the pause to be stored")
+    stack.stop_worker(sig=signal.SIGKILL)
+    stack.start_worker()
+    wait_for(lambda: kinds(session, "turn_end"), 40, what="recovery to end the turn")
+    assert [p["reason"] for p in kinds(session, "turn_end")] == ["interrupted"]
+    assert kinds(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
+    assert stored_text() == "alpha beta"  # all of it, once

@@ -169,3 +169,64 @@ def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fa
     page.press("#id_text", "Enter")
     page.locator(".msg.assistant .md", has_text="Hello from the other model.").wait_for()
     page.screenshot(path=str(stack.data_dir / "browser-lifecycle.png"))
+
+
+def test_a_page_reconnecting_mid_reply_shows_the_stored_text_once_and_the_tail_after_it(
+        stack, page, fake_machine, alice, tmp_path):
+    """docs/live-page.md: between stored fragments a reply's text shows in its block's
+    tail; a page whose socket drops mid-reply empties its tails, catches up from its last
+    seq and shows every stored fragment once (C17). The model side is the stand-in: a
+    slow, steady reply to drop the socket in the middle of."""
+    from sessions_app import actions
+
+    from .conftest import model_key
+
+    reply = " ".join(f"w{i}" for i in range(80))
+    machine = fake_machine([{"text": reply, "delay": 0.08}])
+    session = actions.do_create_session(alice, machine=machine, model_key=model_key(machine, "llama"),
+                                        working_dir=str(tmp_path), server_params={}, sampling={},
+                                        permission_mode="manual")
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 30, what="idle")
+    # Keep a handle on the page's sockets, to drop one the way a network would.
+    page.add_init_script("""(() => {
+        const Native = window.WebSocket;
+        window.__sockets = [];
+        window.WebSocket = function (...args) { const s = new Native(...args); window.__sockets.push(s); return s; };
+        window.WebSocket.prototype = Native.prototype;
+    })()""")
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(f"{stack.base_url}/sessions/{session.pk}/")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "count slowly")
+
+    page.wait_for_function("() => { const t = document.querySelector('.msg.assistant.streaming .raw .tail');"
+                           " return t && t.textContent.length > 0; }", timeout=30_000)
+    page.evaluate("() => window.__sockets[window.__sockets.length - 1].close()")
+    page.wait_for_function("() => window.__sockets.length === 2 && window.__sockets[1].readyState === 1")
+    page.wait_for_selector("#conn-state[data-state=live]")
+
+    def stored_up_to(seq: int) -> str:
+        connection.close()  # a fresh read of what the worker committed
+        return "".join(e.payload["text"] for e in TranscriptEvent.objects.filter(
+            session=session, kind="assistant_text", seq__lte=seq).order_by("seq"))
+
+    checks = 0
+    while checks < 5 and not TranscriptEvent.objects.filter(session=session, kind="turn_end").exists():
+        shown = page.evaluate("""() => {
+            const raw = document.querySelector('.msg.assistant.streaming .raw');
+            if (!raw) return null;
+            const tail = raw.querySelector('.tail');
+            return {seq: Number(document.getElementById('session').dataset.lastSeq),
+                    all: raw.textContent, tail: tail ? tail.textContent : ''};
+        }""")
+        if shown is None:
+            break
+        stored = stored_up_to(shown["seq"])
+        assert shown["all"] == stored + shown["tail"]  # the stored text once, the tail after it
+        assert reply.startswith(shown["all"])
+        checks += 1
+        page.wait_for_timeout(300)
+    assert checks >= 2, "the reply ended before the page could be checked mid-reply"
+    wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="turn_end").exists(), 60, what="the end")
+    page.wait_for_function(f"() => document.querySelector('#a-{TranscriptEvent.objects.filter(session=session, kind='assistant_text').order_by('seq').first().seq} .md')")
+    assert words(page.inner_text(".msg.assistant")) == words(reply)

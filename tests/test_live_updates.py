@@ -92,3 +92,45 @@ def test_case_c19_fragments_carry_non_empty_ids_and_the_socket_is_not_on_a_swapp
     page = client.get(f"/sessions/{session.pk}/").content.decode()
     # The page script owns the socket; no element carries a ws-connect htmx attribute.
     assert "ws-connect" not in page and 'id="session"' in page and 'data-last-seq="3"' in page
+
+
+def tail_ops(ws) -> list[dict]:
+    return [op for message in ws.tails for op in message["ops"]]
+
+
+def test_a_tail_reaches_a_page_that_holds_exactly_the_workers_last_stored_event(session, connect):
+    """docs/live-page.md: text streamed but not stored yet is shown in the open block's
+    tail — only to a page at the worker's last stored event, only in a block of its kind."""
+    record_event(session.pk, "message_taken", {"text": "hi", "queued_id": None})
+    record_event(session.pk, "assistant_text", {"text": "Hel"})
+    ws = connect(session)
+    wait_for(lambda: ws.seqs == [1, 2], 10, what="catch-up")
+    broadcast.push_tail(session.pk, 1, "assistant_text", "stale")  # the page is past it
+    broadcast.push_tail(session.pk, 2, "reasoning", "other kind")  # no such block open
+    broadcast.push_tail(session.pk, 2, "assistant_text", "lo wor")
+    wait_for(lambda: tail_ops(ws), 10, what="the tail")
+    broadcast.push_tail(session.pk, 2, "assistant_text", "lo world")
+    wait_for(lambda: len(tail_ops(ws)) == 2, 10, what="the next tail")
+    assert tail_ops(ws) == [{"op": "tail", "id": "a-2", "text": "lo wor"}, {"op": "tail", "id": "a-2", "text": "lo world"}]
+    assert all("seq" not in message for message in ws.tails)  # never counted by the page
+    record_event(session.pk, "assistant_text", {"text": "lo world!"})
+    wait_for(lambda: ws.seqs == [1, 2, 3], 10, what="the stored text")
+    assert ws.messages[-1]["ops"] == [{"op": "text", "id": "a-2", "text": "lo world!"}]
+
+
+def test_case_c17_a_page_reconnecting_mid_reply_gets_the_text_once_whatever_tails_it_saw(session, connect):
+    record_event(session.pk, "message_taken", {"text": "hi", "queued_id": None})
+    record_event(session.pk, "assistant_text", {"text": "one "})
+    first = connect(session)
+    wait_for(lambda: first.seqs == [1, 2], 10, what="catch-up")
+    broadcast.push_tail(session.pk, 2, "assistant_text", "two ")
+    wait_for(lambda: tail_ops(first), 10, what="the tail")
+    first.close()
+    record_event(session.pk, "assistant_text", {"text": "two three "})
+    again = connect(session, after=2)  # the page's last seq: a tail is never counted
+    broadcast.push_tail(session.pk, 2, "assistant_text", "two three ")  # late, from before the store
+    record_event(session.pk, "assistant_text", {"text": "four"})
+    wait_for(lambda: again.seqs and again.seqs[-1] == 4, 10, what="catch-up after reconnect")
+    texts = [op["text"] for m in again.messages for op in m["ops"] if op["op"] == "text"]
+    assert "one " + "".join(texts) == "one two three four"
+    assert again.seqs == [3, 4] and tail_ops(again) == []

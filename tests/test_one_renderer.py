@@ -123,8 +123,18 @@ def apply(soup: BeautifulSoup, op: dict) -> None:
     elif op["op"] == "text":
         element = soup.find(id=op["id"])
         raw = element.select_one(".raw") if element is not None else None
-        if raw is not None:
+        tail = raw.select_one(".tail") if raw is not None else None
+        if tail is not None:
+            tail.insert_before(op["text"])
+            tail.clear()
+        elif raw is not None:
             raw.append(op["text"])
+    elif op["op"] == "tail":
+        element = soup.find(id=op["id"])
+        tail = element.select_one(".raw .tail") if element is not None else None
+        if tail is not None:
+            tail.clear()
+            tail.append(op["text"])
 
 
 def dom(soup: BeautifulSoup) -> str:
@@ -146,6 +156,29 @@ def live_from(events, k: int) -> BeautifulSoup:
     return soup
 
 
+def live_with_tails_from(events, k: int) -> BeautifulSoup:
+    """As live_from, with the tails a streaming reply shows between its stored events: after
+    every stored fragment, the next fragments' text as the tail of the open block (what
+    the consumer sends: docs/live-page.md)."""
+    soup = page(events[:k])
+
+    def call_events(call_id: str, before_seq: int):
+        return [e for e in events if e.kind in TOOL_KINDS and e.payload.get("id") == call_id and e.seq < before_seq]
+
+    view = TranscriptView(SESSION, call_events=call_events)
+    view.prime(prime_window(events[:k]))
+    for index, event in enumerate(events[k:], start=k):
+        for op in view.feed(event):
+            apply(soup, op)
+        block = view.block
+        if block is None or event.kind not in ("assistant_text", "reasoning"):
+            continue
+        coming = [e.payload["text"] for e in events[index + 1:index + 3] if e.kind == event.kind]
+        if coming:
+            apply(soup, {"op": "tail", "id": block.dom_id, "text": "".join(coming)})
+    return soup
+
+
 def assert_one_renderer(events) -> None:
     whole = dom(page(events))
     for k in range(len(events) + 1):
@@ -163,6 +196,26 @@ def test_thumbnails_are_part_of_what_both_ways_draw():
     assert [img["src"].rsplit("/", 1)[1] for img in whole.select("#transcript .msg.user img.thumb")] == [
         "a" * 64 + ".png", "b" * 64 + ".gif", "b" * 64 + ".gif"]
     assert len(page(events[:3]).select("#queue img.thumb")) == 1  # the queued bubble shows it too
+
+
+@pytest.mark.parametrize("events", TRANSCRIPTS.values(), ids=TRANSCRIPTS.keys())
+def test_tails_shown_between_stored_fragments_leave_the_page_as_page_at_every_cut(events):
+    whole = dom(page(events))
+    for k in range(len(events) + 1):
+        assert dom(live_with_tails_from(events, k)) == whole, f"page(events[:{k}]) + live with tails differs"
+
+
+def test_a_tail_shows_in_the_open_block_and_the_stored_text_replaces_it():
+    events = script(("message_taken", {"text": "hi", "queued_id": None, "author": "alice"}),
+                    ("assistant_text", {"text": "Hel"}))
+    soup = page(events)
+    apply(soup, {"op": "tail", "id": "a-2", "text": "lo wor"})
+    assert soup.find(id="a-2").select_one(".raw").get_text() == "Hello wor"
+    apply(soup, {"op": "tail", "id": "a-2", "text": "lo world"})  # each tail replaces the last
+    assert soup.find(id="a-2").select_one(".raw").get_text() == "Hello world"
+    apply(soup, {"op": "text", "id": "a-2", "text": "lo world!"})
+    assert soup.find(id="a-2").select_one(".raw").get_text() == "Hello world!"
+    assert soup.find(id="a-2").select_one(".tail").get_text() == ""
 
 
 @pytest.mark.django_db
@@ -195,3 +248,116 @@ def test_a_recorded_turn_with_a_question_renders_the_same_either_way(alice, tmp_
         assert_one_renderer(events)
     finally:
         server.close()
+
+
+# --- a long transcript is paged by turns (docs/live-page.md) ------------------------------------
+
+def resequenced(*runs) -> list[Event]:
+    """The transcripts above one after another, as one session's: seq renumbered, and call
+    and queue ids made unique to their run (the agent never reuses a call id in a session)."""
+
+    def renamed(payload: dict, n: int) -> dict:
+        ids = {key: f"{payload[key]}-{n}" for key in ("id", "queued_id") if payload.get(key)}
+        return {**payload, **ids}
+
+    events = [(e, n) for n, run in enumerate(runs) for e in run]
+    return [Event(seq=i + 1, kind=e.kind, payload=renamed(e.payload, n)) for i, (e, n) in enumerate(events)]
+
+
+#: Many turns of every shape, one cut off mid-reply (a worker died: no turn_end, the next
+#: message closes its block), and the last one still streaming.
+LONG = resequenced(
+    *TRANSCRIPTS.values(),
+    script(("message_taken", {"text": "cut", "queued_id": None, "author": "alice"}),
+           ("assistant_text", {"text": "half a "}), ("assistant_text", {"text": "*reply*"})),
+    *TRANSCRIPTS.values(),
+    script(("message_taken", {"text": "last", "queued_id": None, "author": "alice"}),
+           ("reasoning", {"text": "so"}), ("assistant_text", {"text": "still "}), ("assistant_text", {"text": "going"})),
+)
+
+
+def whole_page(events, session_id: int) -> str:
+    items = "".join(render_item(item) for item in build_items(events, session_id))
+    queue = "".join(render_queued(session_id, q) for q in transcript.pending_queue(events))
+    return dom(BeautifulSoup(f'<div id="transcript">{items}</div><div id="queue">{queue}</div>', "html.parser"))
+
+
+def served_page(client, session_id: int) -> BeautifulSoup:
+    """The session page as served, its transcript and queue only."""
+    response = client.get(f"/sessions/{session_id}/")
+    assert response.status_code == 200
+    served = BeautifulSoup(response.content.decode(), "html.parser")
+    inner = {part: "".join(str(node) for node in served.find(id=part).contents) for part in ("transcript", "queue")}
+    return BeautifulSoup(f'<div id="transcript">{inner["transcript"]}</div><div id="queue">{inner["queue"]}</div>',
+                         "html.parser")
+
+
+def show_all_earlier(client, soup: BeautifulSoup) -> int:
+    """Click "Show earlier turns" until there is none, swapping as htmx does (outerHTML of
+    the control); how many clicks it took."""
+    clicks = 0
+    while (control := soup.select_one("#transcript > .earlier")) is not None:
+        assert control.get("id"), "a control htmx swaps must have an id (C19)"
+        button = control.find("button")
+        assert button["hx-target"] == f"#{control['id']}" and button["hx-swap"] == "outerHTML"
+        response = client.get(button["hx-get"])
+        assert response.status_code == 200
+        control.replace_with(*BeautifulSoup(response.content.decode(), "html.parser").contents)
+        clicks += 1
+    return clicks
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("turns", [2])
+def test_a_paged_page_plus_live_plus_earlier_turns_equals_the_whole_page_at_every_cut(alice, client, tmp_path,
+                                                                                     monkeypatch, turns):
+    """page(events[:k]) drawn with only its last turns, brought up to date by the live
+    operations for events[k:], then every earlier page shown, is page(events)."""
+    from sessions_app import views
+    from sessions_app.models import TranscriptEvent
+
+    monkeypatch.setattr(views, "TURNS_PER_PAGE", turns)
+    machine = Machine.objects.create(name="paged", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf",
+                                          working_dir=str(tmp_path), status="idle")
+    client.force_login(alice)
+    whole = whole_page(LONG, session.pk)
+    total_turns = sum(e.kind == "message_taken" for e in LONG)
+    stored = 0
+    for k in range(len(LONG) + 1):
+        TranscriptEvent.objects.bulk_create(
+            TranscriptEvent(session=session, seq=e.seq, kind=e.kind, payload=e.payload) for e in LONG[stored:k])
+        stored = k
+        AgentSession.objects.filter(pk=session.pk).update(last_seq=k)
+        soup = served_page(client, session.pk)
+        shown_turns = len(soup.select("#transcript > .msg.user"))
+        assert shown_turns == min(turns, sum(e.kind == "message_taken" for e in LONG[:k]))
+
+        def call_events(call_id: str, before_seq: int):
+            return [e for e in LONG if e.kind in TOOL_KINDS and e.payload.get("id") == call_id and e.seq < before_seq]
+
+        view = TranscriptView(session.pk, call_events=call_events)
+        view.prime(prime_window(LONG[:k]))  # as the consumer does for a page that has events[:k]
+        for event in LONG[k:]:
+            for op in view.feed(event):
+                apply(soup, op)
+        TranscriptEvent.objects.bulk_create(
+            TranscriptEvent(session=session, seq=e.seq, kind=e.kind, payload=e.payload) for e in LONG[k:])
+        show_all_earlier(client, soup)
+        assert dom(soup) == whole, f"paged page(events[:{k}]) + live + earlier turns differs"
+        TranscriptEvent.objects.filter(session=session, seq__gt=k).delete()
+    assert total_turns > 3 * turns
+
+
+@pytest.mark.django_db
+def test_earlier_turns_refuse_a_before_that_is_not_a_seq_with_a_sentence(alice, bob, client, tmp_path):
+    machine = Machine.objects.create(name="paged", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf",
+                                          working_dir=str(tmp_path), status="idle", last_seq=3)
+    client.force_login(alice)
+    for before in ["", "x", "-1", "0", "5", "١"]:
+        response = client.get(f"/sessions/{session.pk}/earlier/", {"before": before})
+        assert response.status_code == 400 and b"sequence number" in response.content, before
+    assert client.get(f"/sessions/{session.pk}/earlier/", {"before": "4"}).status_code == 200
+    client.force_login(bob)  # a private session of someone else: as if missing
+    assert client.get(f"/sessions/{session.pk}/earlier/", {"before": "4"}).status_code == 404

@@ -181,9 +181,17 @@
       const el = document.getElementById(op.id);
       if (el) el.remove();
     } else if (op.op === "text") {
+      // Stored text: it goes before the block's tail, which it replaces (docs/live-page.md).
       const el = document.getElementById(op.id);
       const raw = el && el.querySelector(".raw");
-      if (raw) raw.appendChild(document.createTextNode(op.text));  // text, never markup
+      const tail = raw && raw.querySelector(".tail");
+      if (raw) raw.insertBefore(document.createTextNode(op.text), tail);  // text, never markup
+      if (tail) tail.textContent = "";
+    } else if (op.op === "tail") {
+      // Text streamed but not stored yet, shown until the stored text replaces it.
+      const el = document.getElementById(op.id);
+      const tail = el && el.querySelector(".raw .tail");
+      if (tail) tail.textContent = op.text;  // text, never markup
     } else if (op.op === "value") {
       const el = document.getElementById(op.id);
       if (el && el.value !== op.value) el.value = op.value;
@@ -198,11 +206,12 @@
     // New markup may carry hx- attributes (question buttons, withdraw): let htmx see it.
     const fresh = op.op === "append" ? (document.getElementById(op.target) || {}).lastElementChild
       : op.op === "replace" ? document.getElementById(op.id)
-      : op.op === "text" ? document.getElementById(op.id) : null;
-    if (fresh && op.op !== "text" && window.htmx) window.htmx.process(fresh);
+      : op.op === "text" || op.op === "tail" ? document.getElementById(op.id) : null;
+    const textOnly = op.op === "text" || op.op === "tail";  // plain text: no new markup to process
+    if (fresh && !textOnly && window.htmx) window.htmx.process(fresh);
     if (fresh) {
-      schedulePreview(fresh);
-      if (op.op !== "text") decorate(fresh);
+      schedulePreview(fresh);  // the preview renders the stored text and the tail together
+      if (!textOnly) decorate(fresh);
     }
   }
 
@@ -214,7 +223,12 @@
     const scheme = location.protocol === "https:" ? "wss://" : "ws://";
     socket = new WebSocket(scheme + location.host + root.dataset.wsPath + "?after=" + lastSeq);
     setConn("connecting");
-    socket.onopen = function () { retry = 500; setConn("live"); };
+    socket.onopen = function () {
+      retry = 500;
+      setConn("live");
+      // A tail is never counted in lastSeq: the catch-up brings its text again, stored.
+      document.querySelectorAll("#transcript .tail").forEach(function (t) { t.textContent = ""; });
+    };
     socket.onmessage = function (e) {
       const msg = JSON.parse(e.data);
       if (msg.seq === undefined) {             // not a transcript event (who is watching): apply as is

@@ -1,0 +1,127 @@
+"""A reply's text reaches the watchers within agent.FRAGMENT_FLUSH_EVERY and the transcript
+within agent.FRAGMENT_STORE_EVERY (docs/live-page.md, "What it costs"): few stored events
+per reply, tails in between carrying all the text not stored yet after the last stored
+event, in order, and a write that fails in the watcher's thread stops the stream's thread.
+
+The real-stack proofs are in tests/test_agent_durable.py (a worker killed while the stream
+is quiet has lost nothing older than a store window) and tests/test_live_updates.py (tails
+on the socket; a reconnecting page gets the text exactly once).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sessions_app import agent, turns
+
+SHOW = agent.FRAGMENT_FLUSH_EVERY
+STORE = agent.FRAGMENT_STORE_EVERY
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(agent.time, "monotonic", clock)
+    return clock
+
+
+class Sink:
+    """What a step would store (seq handed out from 10) and show."""
+
+    def __init__(self) -> None:
+        self.stored: list[tuple[str, str]] = []
+        self.tails: list[tuple[str, str, int]] = []
+
+    def record(self, kind: str, payload: dict) -> int:
+        self.stored.append((kind, payload["text"]))
+        return 9 + len(self.stored)
+
+    def tail(self, kind: str, text: str, after: int) -> None:
+        self.tails.append((kind, text, after))
+
+
+@pytest.fixture
+def sink():
+    return Sink()
+
+
+def test_a_blocks_first_text_is_stored_within_the_show_window_then_shown_as_tails_and_stored_in_batches(clock, sink):
+    batch = agent.Fragments(sink.record, sink.tail)
+    batch.add("assistant_text", "a")
+    clock.now += SHOW / 2
+    batch.add("assistant_text", "b")
+    assert sink.stored == []
+    clock.now += SHOW * 0.6
+    batch.add("assistant_text", "c")  # the block's first text has waited a show window
+    assert sink.stored == [("assistant_text", "abc")] and sink.tails == []
+    for word in ["d", "e", "f"]:
+        clock.now += SHOW * 0.6
+        batch.add("assistant_text", word)
+    # Shown, not stored: each tail is all the text after stored event 10.
+    assert sink.stored == [("assistant_text", "abc")]
+    assert sink.tails == [("assistant_text", "def", 10)]
+    clock.now += STORE
+    batch.add("assistant_text", "g")  # the oldest part not stored has waited a store window
+    assert sink.stored == [("assistant_text", "abc"), ("assistant_text", "defg")]
+    assert "".join(text for _, text in sink.stored) == "abcdefg"
+
+
+def test_a_quiet_stream_is_shown_then_stored_by_the_watcher_without_a_next_fragment(clock, sink):
+    batch = agent.Fragments(sink.record, sink.tail)
+    batch.add("assistant_text", "alpha")
+    batch.flush_due()
+    assert sink.stored == []  # not a window old yet
+    clock.now += SHOW * 1.01
+    batch.due()  # something else streamed (a call's arguments): the block's first text is stored
+    assert sink.stored == [("assistant_text", "alpha")]
+    batch.add("assistant_text", " beta")
+    clock.now += SHOW * 1.01
+    batch.flush_due()  # the watcher: shown at once …
+    assert sink.tails == [("assistant_text", " beta", 10)] and len(sink.stored) == 1
+    batch.flush_due()
+    assert len(sink.tails) == 1  # nothing new to show: no tail
+    clock.now += STORE
+    batch.flush_due()  # … and stored once it has waited a store window
+    assert sink.stored == [("assistant_text", "alpha"), ("assistant_text", " beta")]
+    batch.flush_due()
+    assert len(sink.stored) == 2  # nothing twice
+
+
+def test_the_watcher_stores_a_blocks_first_text_only_after_a_store_window(clock, sink):
+    batch = agent.Fragments(sink.record, sink.tail)
+    batch.add("reasoning", "hm")
+    clock.now += SHOW * 1.01
+    batch.flush_due()
+    assert sink.stored == [] and sink.tails == []  # no block on the page yet to show a tail in
+    clock.now += STORE
+    batch.flush_due()
+    assert sink.stored == [("reasoning", "hm")]
+
+
+def test_a_change_of_kind_stores_the_batch_before_it_in_order(clock, sink):
+    batch = agent.Fragments(sink.record, sink.tail)
+    batch.add("reasoning", "hm")
+    batch.add("assistant_text", "Hi")
+    batch.add("assistant_text", "")
+    batch.flush()
+    assert sink.stored == [("reasoning", "hm"), ("assistant_text", "Hi")]
+
+
+def test_a_lost_lease_in_the_watchers_thread_is_raised_in_the_streams_thread(clock):
+    def record(kind, payload):
+        raise turns.LeaseLost("taken over")
+
+    batch = agent.Fragments(record, lambda *args: None)
+    batch.add("assistant_text", "x")
+    clock.now += STORE * 1.01
+    batch.flush_due()  # the watcher's thread: nothing raised there
+    with pytest.raises(turns.LeaseLost):
+        batch.add("assistant_text", "y")
