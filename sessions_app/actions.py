@@ -21,6 +21,7 @@ from machines_app.access import machine_refusal
 from machines_app.models import ServerRecord
 
 from . import dispatch, transcript, turns
+from .lifecycle import start_live
 from .events import append, change_status, load_events, locked, record_event
 from .models import Access, AgentSession
 from .transcript import Kind, TurnEnd
@@ -109,7 +110,9 @@ def do_create_session(
 
 def do_restart(session: AgentSession, user) -> None:
     """Start the session's server again: after it exited (docs/behaviour.md §4: exited but
-    restartable), or to apply changed server parameters. Refused mid-turn."""
+    restartable), or to apply changed server parameters. Refused mid-turn, and while a
+    start is under way — but a ``loading`` session whose start was lost (no live start
+    claim: ``lifecycle.start_live``) may be restarted."""
     refusal = machine_refusal(user, session.machine)
     if refusal:
         raise SessionError(refusal)
@@ -117,7 +120,7 @@ def do_restart(session: AgentSession, user) -> None:
         current = locked(session.pk)
         if current.turn_active:
             raise SessionError("Stop the turn first, then restart.")
-        if current.status == Status.LOADING:
+        if current.status == Status.LOADING and start_live(current):
             raise SessionError("The server is already starting.")
         change_status(current, Status.LOADING, by=by(user))
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
@@ -126,7 +129,8 @@ def do_restart(session: AgentSession, user) -> None:
 def do_change_model(session: AgentSession, user, model_key: str) -> None:
     """Move the session to another model on its machine (docs/behaviour.md §10): refused mid-turn;
     otherwise stop the server and start one with the new model. The conversation goes on
-    (it lives in the transcript); the prompt cache is lost."""
+    (it lives in the transcript); the old model's prompt cache is saved with its slot and
+    restored if the session switches back (docs/behaviour.md §5 warm prompts)."""
     refusal = machine_refusal(user, session.machine)
     if refusal:
         raise SessionError(refusal)
@@ -138,7 +142,7 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
         current = locked(session.pk)
         if current.turn_active:
             raise SessionError("Stop the turn first, then change the model.")
-        if current.model_key == model_key and current.status not in (Status.EXITED, Status.UNKNOWN):
+        if current.model_key == model_key and current.status not in (Status.EXITED, Status.UNKNOWN, Status.SLEEPING):
             raise SessionError(f"The session already uses {model.display_name}.")
         AgentSession.objects.filter(pk=current.pk).update(model_key=model_key)
         change_status(current, Status.LOADING)
@@ -228,13 +232,18 @@ def do_send_message(session: AgentSession, user, text: str) -> None:
 
     Raises SessionError for a message check_message refuses or a session whose server is
     gone (docs/behaviour.md §4 ``exited``). A message sent while the model is ``loading`` is accepted
-    and waits (docs/behaviour.md §4).
+    and waits (docs/behaviour.md §4); one sent to a ``sleeping`` session starts its server
+    again and waits for it (docs/behaviour.md §5 "sleep"), in the same transaction that
+    takes it, so an idle stop under way is waited for by the start, never raced.
     """
     text = check_message(text)
     with transaction.atomic():
         session = locked(session.pk)
         if session.status == Status.EXITED:
             raise SessionError("This session's llama-server is not running. Restart the session to send messages.")
+        if session.status == Status.SLEEPING:
+            change_status(session, Status.LOADING, by=by(user))
+            dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
         turns.take_message(session, text, by(user))
 
 

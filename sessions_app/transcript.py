@@ -140,9 +140,13 @@ class StatusPayload(_StatusPayloadRequired, total=False):
     by: Actor
 
 
-class ServerReadyPayload(TypedDict):
+class _ServerReadyPayloadRequired(TypedDict):
     model_key: str
     model: str
+
+
+class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
+    warm_tokens: int  # prompt tokens restored from a saved slot (docs/behaviour.md §5 warm prompts)
 
 
 class CataloguePayload(TypedDict):
@@ -150,7 +154,7 @@ class CataloguePayload(TypedDict):
 
 
 class _ServerStoppedPayloadRequired(TypedDict):
-    reason: str
+    reason: str  # "stopped" (a person), "restart", "idle" (put to sleep: docs/behaviour.md §5)
 
 
 class ServerStoppedPayload(_ServerStoppedPayloadRequired, total=False):
