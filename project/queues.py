@@ -27,6 +27,7 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.restart_server": {"queue": SERVERS},
     "sessions_app.tasks.stop_process": {"queue": SERVERS},
     "sessions_app.tasks.sleep_server": {"queue": SERVERS},
+    "sessions_app.tasks.remove_slot": {"queue": SERVERS},
     "sessions_app.tasks.watch_servers": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},

@@ -18,7 +18,7 @@ from django.http import Http404
 
 from machines_app import catalog
 from machines_app.access import machine_refusal
-from machines_app.models import ServerRecord
+from machines_app.models import ServerRecord, SlotSave
 
 from . import dispatch, transcript, turns
 from .lifecycle import start_live
@@ -172,13 +172,18 @@ def do_update_settings(session: AgentSession, user, *, title: str, sampling: dic
 def do_delete(session: AgentSession, user) -> None:
     """Delete a session and its transcript; its server is stopped by a task (SIGTERM,
     grace, SIGKILL take seconds a web request should not wait), which is handed the
-    process itself (machine, pid, start time) since the record goes with the session."""
+    process itself (machine, pid, start time) since the record goes with the session; so
+    is the removal of each of its saved slot files."""
     with transaction.atomic():
         current = locked(session.pk)
         record = ServerRecord.objects.filter(session_id=current.pk).first()
+        slots = list(SlotSave.objects.filter(session_id=current.pk).values_list("machine_id", "pk"))
         AgentSession.objects.filter(pk=current.pk).delete()
         if record is not None:
             dispatch.enqueue_on_commit(dispatch.STOP_PROCESS, record.machine_id, record.pid, record.start_time)
+        # Its saved slots (docs/behaviour.md §5 warm prompts) go too, from the machines' disks.
+        for machine_id, save_id in slots:
+            dispatch.enqueue_on_commit(dispatch.REMOVE_SLOT, machine_id, current.pk, save_id)
 
 
 def do_stop(session: AgentSession, user) -> None:

@@ -23,6 +23,7 @@ STOP_SERVER = "sessions_app.tasks.stop_server"
 RESTART_SERVER = "sessions_app.tasks.restart_server"
 STOP_PROCESS = "sessions_app.tasks.stop_process"
 SLEEP_SERVER = "sessions_app.tasks.sleep_server"
+REMOVE_SLOT = "sessions_app.tasks.remove_slot"
 
 
 def enqueue(task: str, *args: object) -> bool:

@@ -487,6 +487,19 @@ def stop_orphan(machine_id: int, pid: int, start_time: str) -> None:
         log.warning("could not stop llama-server pid %s on machine %s: %s", pid, machine.name, exc)
 
 
+def remove_slot_file(machine_id: int, session_id: int, save_id: int) -> None:
+    """Delete one saved slot file of a session that is gone (its row went with it)."""
+    machine = Machine.objects.filter(pk=machine_id).first()
+    if machine is None:
+        return
+    try:
+        transport = transport_for(machine)
+        transport.remove(_slot_path(transport, session_id, save_id))
+    except TransportError as exc:
+        log.warning("could not remove the saved slot %s of session %s on %s: %s", save_id, session_id, machine.name,
+                    exc)
+
+
 def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:
     """Stop the session's server; status becomes ``exited``. A running turn ends (its open
     questions closed as refusals); queued messages wait for a restart (docs/behaviour.md §8, §10).

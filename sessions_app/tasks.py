@@ -40,6 +40,12 @@ def sleep_server(session_id: int, idle: bool = True, by: dict | None = None) -> 
 
 
 @shared_task
+def remove_slot(machine_id: int, session_id: int, save_id: int) -> None:
+    """Delete the saved slot file of a deleted session from its machine."""
+    lifecycle.remove_slot_file(machine_id, session_id, save_id)
+
+
+@shared_task
 def stop_process(machine_id: int, pid: int, start_time: str) -> None:
     """Stop a server whose session is gone (deleted): SIGTERM, grace, SIGKILL."""
     lifecycle.stop_orphan(machine_id, pid, start_time)

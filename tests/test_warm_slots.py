@@ -138,6 +138,16 @@ def test_a_stopped_and_restarted_session_answers_from_its_restored_prompt_cache(
     assert warm is not None and warm >= 0.9 * previous_prompt, usage
 
 
+def test_deleting_a_session_deletes_its_saved_slot_files(stack, local_machine, alice, tmp_path):
+    session = idle_session(local_machine, alice, tmp_path)
+    converse(session, alice, ["Hello."])
+    stop(session, alice)
+    path = slot_path(stack, session, SlotSave.objects.get(session=session))
+    assert path.is_file()
+    actions.do_delete(fresh(session), alice)
+    wait_for(lambda: not path.exists(), 30, what="the slot file to be removed")
+
+
 # --- C44: only the same model and parameters ---------------------------------------------------
 
 
