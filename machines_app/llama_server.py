@@ -150,9 +150,14 @@ def slot_fingerprint(*, binary: str, model_path: str, model_size: int, params: d
     GPU layers, KV cache types when set, speculation), the slot's ``n_ctx`` and the server
     build as ``/props`` reports them (``build_info``), and the ``llama-server`` path it was started
     from. A KV cache is only meaningful to the same weights
-    laid out the same way by the same code (docs/behaviour.md C44)."""
+    laid out the same way by the same code (docs/behaviour.md C44). '' when ``props`` lacks
+    ``n_ctx`` or ``build_info``."""
     settings = props.get("default_generation_settings")
     n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    if not isinstance(n_ctx, int) or not props.get("build_info"):
+        # A server that does not say its context size and build cannot be matched: no key,
+        # so nothing is saved from it or restored into it.
+        return ""
     key = {
         "binary": binary,  # a build without version info reports "b0-unknown": the binary tells builds apart too
         "model": model_path,

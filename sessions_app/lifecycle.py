@@ -104,8 +104,8 @@ def _claim_start(session_id: int, owner: str) -> bool:
     now = timezone.now()
     free = Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now)
     # One conditional UPDATE: of two starts racing for it, exactly one counts a row.
-    claimed = AgentSession.objects.filter(free, pk=session_id).update(start_owner=owner, start_expires=now + start_ttl())
-    return claimed == 1
+    rows = AgentSession.objects.filter(free, pk=session_id)
+    return rows.update(start_owner=owner, start_expires=now + start_ttl()) == 1
 
 
 class StartClaim:
@@ -383,6 +383,7 @@ def _fingerprint(session: AgentSession, transport: Transport, record: ServerReco
         log.warning("session %s: no slot key for pid %s: %s", session.pk, record.pid, exc)
         return ""
     size = ModelFile.objects.filter(machine=session.machine, key=record.model_key).values_list("file_size", flat=True)
+    # '' for a server that does not report n_ctx and its build (slot_fingerprint).
     return slot_fingerprint(
         binary=session.machine.llama_server_path,
         model_path=model.path, model_size=size.first() or 0, params=record.server_params, props=props

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from machines_app.llama_server import ServerSpec, build_argv, slot_file_name
+from machines_app.llama_server import ServerSpec, build_argv, slot_file_name, slot_fingerprint
 from machines_app.models import ServerRecord, SlotSave
 from machines_app.transports import LocalTransport, TransportError
 from sessions_app import actions, lifecycle
@@ -110,6 +110,33 @@ def test_case_c43_the_slot_directory_is_made_0700_and_a_link_there_is_refused(tm
     (slots / "planted.bin").symlink_to(target)
     assert not transport.is_own_file(str(slots / "planted.bin"))
     assert transport.is_own_file(str(target))
+
+
+PROPS = {"build_info": "b6123-abc1234", "default_generation_settings": {"n_ctx": 2048}}
+BASE = {"binary": "/opt/llama-server", "model_path": "/m/a.gguf", "model_size": 1000,
+        "params": {"contextSize": 2048}, "props": PROPS}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_path": "/m/b.gguf"},  # another model file
+        {"model_size": 1001},  # the same name, another file
+        {"params": {"contextSize": 4096}},
+        {"params": {"contextSize": 2048, "cacheTypeK": "q8_0"}},  # KV cache types, when set
+        {"props": {**PROPS, "default_generation_settings": {"n_ctx": 1024}}},
+        {"props": {**PROPS, "build_info": "b7000-def5678"}},  # another server build
+        {"binary": "/opt/llama-server-new"},
+    ],
+)
+def test_case_c44_a_slot_fits_only_the_same_model_parameters_context_and_build(change):
+    assert slot_fingerprint(**BASE) == slot_fingerprint(**dict(BASE))
+    assert slot_fingerprint(**{**BASE, **change}) != slot_fingerprint(**BASE)
+
+
+def test_a_server_that_does_not_say_its_context_or_build_gets_no_slot_key():
+    assert slot_fingerprint(**{**BASE, "props": {}}) == ""
+    assert slot_fingerprint(**{**BASE, "props": {"default_generation_settings": {"n_ctx": 2048}}}) == ""
 
 
 # --- warm after stop and start ----------------------------------------------------------------
