@@ -148,3 +148,37 @@ def test_staff_put_idle_servers_to_sleep_from_the_machine_page_and_a_message_wak
     wait_for(lambda: payloads(session, "turn_end") and not fresh(session).turn_active, 120, what="the reply")
     page.wait_for_function("() => document.querySelector('.msg.assistant .raw, .msg.assistant')?.textContent.trim()")
     assert payloads(session, "server_stopped")[-1]["by"]["username"] == "staffer"
+
+
+# --- the memory the machine page shows -------------------------------------------------------
+
+
+def own_process():
+    from machines_app.transports import ProcessId, parse_proc_stat
+
+    return ProcessId(os.getpid(), parse_proc_stat(open(f"/proc/{os.getpid()}/stat").read())[1])
+
+
+def test_the_memory_of_a_process_is_read_locally_and_over_ssh_and_no_gpu_says_none(ssh_machine):
+    from machines_app.transports import LocalTransport, transport_for
+
+    for transport in (LocalTransport(), transport_for(ssh_machine)):
+        rss = transport.memory_of(own_process())
+        assert rss is not None and rss > 10 * 1024 * 1024  # this Python process holds Django
+        # This machine has no nvidia-smi: "no GPU figures", not "no GPU memory used".
+        assert transport.gpu_memory() is None
+    gone = own_process().__class__(own_process().pid, "1")  # another start time: not this process
+    assert LocalTransport().memory_of(gone) is None
+
+
+def test_gpu_memory_is_read_from_nvidia_smi_per_process():
+    """nvidia-smi cannot be had here without a GPU: its output (the documented CSV of
+    --query-compute-apps=pid,used_memory --format=csv,noheader,nounits, MiB) is given."""
+    from machines_app.transports import LocalTransport
+
+    class WithGpu(LocalTransport):
+        def run_probe(self, argv):
+            assert argv[:2] == ["nvidia-smi", "--query-compute-apps=pid,used_memory"]
+            return "4242, 1536\n4242, 512\n77, 100\n[Not Supported], 3\n"
+
+    assert WithGpu().gpu_memory() == {4242: 2048 * 1024 * 1024, 77: 100 * 1024 * 1024}
