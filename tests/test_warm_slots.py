@@ -256,10 +256,12 @@ def test_case_c44_a_foreign_slot_file_is_refused_and_deleted(stack, local_machin
 
 def test_case_c43_a_link_planted_at_the_slot_path_is_not_written_through(stack, local_machine, alice, tmp_path):
     session = idle_session(local_machine, alice, tmp_path)
+    AgentSession.objects.filter(pk=session.pk).update(title="../../x y/z")  # never part of a file name
     converse(session, alice, ["Hello."])
     stop(session, alice)
     save = SlotSave.objects.get(session=session)
     path = slot_path(stack, session, save)
+    assert path.name == f"session-{session.pk}-slot-{save.pk}.bin" and path.is_file()
     restart(session, alice)
     converse(session, alice, ["Again."])
 
