@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -26,9 +27,11 @@ def fresh(session) -> AgentSession:
     return AgentSession.objects.get(pk=session.pk)
 
 
-def servers_of(session) -> list[int]:
-    """Pids of every process started with this session's key files (one per start)."""
-    mark = f"session-{session.pk}-".encode()
+def servers_of(session, private_dir=None) -> list[int]:
+    """Pids of every live process started with this session's key files (one per start),
+    in the private directory of the Corral that started it (this test process's unless
+    given: other Corrals on this machine have sessions of the same id)."""
+    mark = f"{private_dir or settings.CORRAL_LOG_DIR}/session-{session.pk}-".encode()
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -91,6 +94,7 @@ def test_a_start_that_holds_the_claim_makes_a_second_one_leave(fake_machine, ali
 
 
 def test_a_lost_start_can_be_restarted_and_the_beat_starts_it_by_itself(stack, local_machine, alice, tmp_path):
+    logs = stack.data_dir / "logs"  # the worker's private directory
     # A start whose task was lost with the broker: the session says loading, nobody starts it.
     session = AgentSession.objects.create(owner=alice, machine=local_machine,
                                           model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
@@ -99,16 +103,16 @@ def test_a_lost_start_can_be_restarted_and_the_beat_starts_it_by_itself(stack, l
     # Restart is not refused with "already starting": no start is alive.
     actions.do_restart(fresh(session), alice)
     wait_for(lambda: fresh(session).status == "idle", 120, what="the restarted server")
-    assert len(servers_of(session)) == 1
+    assert len(servers_of(session, logs)) == 1
 
     # Lost again, and nobody clicks: the housekeeping beat finds it and starts it.
     actions.do_stop(fresh(session), alice)
-    wait_for(lambda: fresh(session).status == "exited" and not servers_of(session), 60, what="stopped")
+    wait_for(lambda: fresh(session).status == "exited" and not servers_of(session, logs), 60, what="stopped")
     AgentSession.objects.filter(pk=session.pk).update(
         status="loading", last_activity_at=timezone.now() - timedelta(minutes=5)
     )
     wait_for(lambda: fresh(session).status == "idle", 120, what="the beat to start the lost start again")
     notices = [e.payload["message"] for e in TranscriptEvent.objects.filter(session=session, kind="notice")]
     assert lifecycle.LOST_START in notices
-    found = servers_of(session)
+    found = servers_of(session, logs)
     assert len(found) == 1, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in found]
