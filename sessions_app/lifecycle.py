@@ -448,16 +448,24 @@ def record_catalogue(session_id: int, server: Endpoint) -> None:
     record_event(session_id, Kind.CATALOGUE, {"tools": catalogue.as_payload()})
 
 
-def _stop_process(session_id: int, *, stopped: dict | None = None) -> bool:
+def _stop_process(session_id: int, *, stopped: dict | None = None, claimed: bool = False) -> bool:
     """Save the slot (a ready server's prompt cache, docs/behaviour.md §5), then SIGTERM, a
     grace period, then SIGKILL, and only then clear the record (docs/behaviour.md C21).
     ``stopped``: a ``server_stopped`` payload to record before the record goes (so a start
-    waiting for this stop follows it in the transcript). False when there was no server."""
+    waiting for this stop follows it in the transcript).
+
+    One stop at a time: the record's ``stopping`` flag is claimed with a conditional
+    UPDATE (``claimed``: the caller already did, as an idle stop does); a stop that finds
+    another under way (a Restart clicked while Stop still saves) waits for it to finish
+    instead of saving or signalling a second time. False when there was no server to stop
+    here (none, or another stop stopped it)."""
     record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
     if record is None:
         return False
-    ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
     transport = transport_for(record.machine)
+    if not claimed and not ServerRecord.objects.filter(pk=record.pk, stopping=False).update(stopping=True):
+        _wait_for_stop(record, transport)
+        return False
     try:
         _save(record, transport)
         transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
@@ -554,7 +562,7 @@ def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict
         ):
             return False
         change_status(session, Status.SLEEPING, by=by)
-    _stop_process(session_id, stopped={"reason": "idle", **({"by": by} if by else {})})
+    _stop_process(session_id, stopped={"reason": "idle", **({"by": by} if by else {})}, claimed=True)
     return True
 
 

@@ -165,6 +165,25 @@ def test_a_stopped_and_restarted_session_answers_from_its_restored_prompt_cache(
     assert warm is not None and warm >= 0.9 * previous_prompt, usage
 
 
+def test_a_restart_clicked_while_stop_still_saves_waits_for_it_and_comes_back_warm(stack, local_machine, alice,
+                                                                                  tmp_path):
+    """Stop shows ``exited`` at once while its task still saves the slot; a Restart then
+    must neither save a second time over it nor signal the server twice (bench/run.py's
+    warm-restart figure found this)."""
+    session = idle_session(local_machine, alice, tmp_path)
+    converse(session, alice, ["My sheep is called Dolly.", "She likes grass."])
+    previous_prompt = payloads(session, "usage")[-1]["prompt_tokens"]
+    actions.do_stop(fresh(session), alice)
+    wait_for(lambda: fresh(session).status == "exited", 60, what="exited")
+    restart(session, alice)  # at once: the stop's save may still be under way
+    stops = [p["reason"] for p in payloads(session, "server_stopped")]
+    assert stops == ["stopped"], stops  # one stop, not a second one by the restart
+    assert payloads(session, "server_ready")[-1].get("warm_tokens", 0) > 0
+    converse(session, alice, ["And her name?"])
+    usage = payloads(session, "usage")[-1]
+    assert usage.get("cached_tokens", usage.get("cache_n")) >= 0.9 * previous_prompt, usage
+
+
 def test_deleting_a_session_deletes_its_saved_slot_files(stack, local_machine, alice, tmp_path):
     session = idle_session(local_machine, alice, tmp_path)
     converse(session, alice, ["Hello."])
