@@ -9,7 +9,9 @@
    of 3). Goal: >= 0.97, alone and with a second session streaming at the same time (from
    the fixed-rate stand-in, bench/rate_server.py, so only Corral's work is added).
 3. Many sessions: see bench/many_sessions.py (N sessions from the fixed-rate stand-in).
-4. Slot save/restore: its figure goes here (the slot benchmark; not measured yet).
+4. Warm restart (docs/behaviour.md §5 warm prompts): a 5-turn conversation, Stop, Restart,
+   one more turn: its cached prompt tokens / turn 5's prompt tokens. Goal: >= 0.95
+   (without slot save/restore ≈ 0).
 5. Page size: server time for a session page holding 10,000 events (goal <= 150 ms) and
    how many transcript rows it draws (older turns are paged: docs/live-page.md).
 Also: prompt cache: on turn N+1, cached prompt tokens / turn N's prompt tokens, from the
@@ -232,6 +234,7 @@ def main() -> None:
                       f"new {usage.get('prompt_n')}; cached / previous prompt = {cache_ratios[-1]:.3f}")
             previous_prompt = usage["prompt_tokens"]
         print(f"   prompt cache reuse (min over turns): {min(cache_ratios):.3f}  (goal >= 0.95)")
+        warm_restart(machine, user, smol.name)
     finally:
         stack.stop()
         from sessions_app import lifecycle
@@ -275,6 +278,43 @@ def page_size(user, machine, model_key: str, client) -> None:
     rows = len(re.findall(r'<(?:div|details) class="(?:msg|usage|note|divider)[^"]*" id="', transcript))
     print(f"5. page with {seq} events: median {statistics.median(timings):.0f} ms server time  (goal <= 150 ms); "
           f"{rows} transcript rows drawn, {len(html) // 1024} KiB")
+
+
+def warm_restart(machine, user, model_key: str) -> None:
+    """4. A 5-turn conversation, its server stopped and started again, one more turn: how
+    much of the earlier prompt came warm from the restored slot (needs the worker running)."""
+    from sessions_app import actions
+    from sessions_app.models import AgentSession, TranscriptEvent
+
+    def fresh():
+        return AgentSession.objects.get(pk=session.pk)
+
+    def turn(text):
+        ends = TranscriptEvent.objects.filter(session=session, kind="turn_end").count()
+        actions.do_send_message(fresh(), user, text)
+        wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="turn_end").count() > ends
+                 and not fresh().turn_active, 120, "the turn")
+        return TranscriptEvent.objects.filter(session=session, kind="usage").last().payload
+
+    session = actions.do_create_session(
+        user, machine=machine, model_key=model_key, working_dir=str(DATA), server_params={"contextSize": 4096},
+        sampling={"temperature": 0, "seed": SEED, "max_tokens": 40}, permission_mode="manual",
+    )
+    wait_for(lambda: fresh().status == "idle", 180, "the model to load")
+    for n in range(5):
+        usage = turn(f"Tell me fact number {n + 1} about sheep.")
+    previous_prompt = usage["prompt_tokens"]
+    actions.do_stop(fresh(), user)
+    wait_for(lambda: fresh().status == "exited", 60, "the stop")
+    started = time.perf_counter()
+    actions.do_restart(fresh(), user)
+    wait_for(lambda: fresh().status == "idle", 180, "the restart")
+    ready_s = time.perf_counter() - started
+    usage = turn("And one more fact.")
+    warm = usage.get("cached_tokens", usage.get("cache_n")) or 0
+    print(f"4. warm restart: turn 5 prompt {previous_prompt}, after stop+start cached {warm} "
+          f"(ratio {warm / previous_prompt:.3f}, need >= 0.95); restart to ready {ready_s:.1f} s")
+    actions.do_stop(fresh(), user)
 
 
 if __name__ == "__main__":

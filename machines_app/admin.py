@@ -4,12 +4,16 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Count
 from django.http import HttpResponseRedirect
 from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+
+from sessions_app import dispatch, lifecycle
 
 from . import actions as machine_actions
 from . import ssh
 from .llama_server import BUILTIN_CHAT_TEMPLATES
 from .models import Machine, ModelFile, ServerRecord
-from .transports import TransportError, transport_for
+from .transports import ProcessId, TransportError, transport_for
 
 
 class MachineForm(forms.ModelForm):
@@ -32,7 +36,8 @@ class MachineForm(forms.ModelForm):
         model = Machine
         fields = [
             "name", "transport", "host", "port", "user", "private_key", "private_key_path", "expected_fingerprint",
-            "host_key", "models_dir", "llama_server_path", "workspace_roots", "allowed_groups", "enabled",
+            "host_key", "models_dir", "llama_server_path", "workspace_roots", "allowed_groups", "idle_stop_seconds",
+            "enabled",
         ]
 
     def clean(self):
@@ -81,10 +86,10 @@ class MachineAdmin(admin.ModelAdmin):
     )
     list_filter = ("transport", "enabled", "link_state", "allowed_groups")
     filter_horizontal = ("allowed_groups",)
-    actions = ["refresh_models", "test_connection", "repin_host_key"]
+    actions = ["refresh_models", "test_connection", "repin_host_key", "stop_idle_servers"]
     readonly_fields = (
-        "host_key_fingerprint", "link_state", "link_reason", "link_checked_at", "offered_key_fingerprint",
-        "models_refreshed_at", "models_refresh_error",
+        "running_servers", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
+        "offered_key_fingerprint", "models_refreshed_at", "models_refresh_error",
     )
 
     def get_queryset(self, request):
@@ -106,6 +111,51 @@ class MachineAdmin(admin.ModelAdmin):
     @admin.display(description="running sessions", ordering="running")
     def running_sessions(self, obj: Machine) -> int:
         return obj.running
+
+    @admin.display(description="running servers")
+    def running_servers(self, obj: Machine) -> str:
+        """Each llama-server on the machine with its session, status, resident memory and
+        GPU memory (when the machine has ``nvidia-smi``), read from the machine now."""
+        records = list(ServerRecord.objects.filter(machine=obj).select_related("session").order_by("started_at"))
+        if not records:
+            return "none"
+        try:
+            transport = transport_for(obj)
+            gpu = transport.gpu_memory()
+            memory = {r.pk: transport.memory_of(ProcessId(r.pid, r.start_time)) for r in records}
+        except TransportError as exc:
+            return f"The machine cannot be asked about its servers now: {exc}"
+        now = timezone.now()
+        rows = format_html_join(
+            "",
+            "<tr><td><a href=\"{}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td class=\"rss\">{}</td>"
+            "<td class=\"vram\">{}</td><td>{}</td></tr>",
+            (
+                (
+                    reverse("session_detail", args=[r.session_id]), r.session.display_title,
+                    r.session.get_status_display(), r.model_key, r.pid, _mib(memory[r.pk]),
+                    _mib(gpu.get(r.pid)) if gpu is not None else "no nvidia-smi",
+                    f"{int((now - r.session.last_activity_at).total_seconds())} s",
+                )
+                for r in records
+            ),
+        )
+        return format_html(
+            "<table class=\"running-servers\"><thead><tr><th>session</th><th>status</th><th>model</th><th>pid</th>"
+            "<th>memory (RSS)</th><th>GPU memory</th><th>quiet for</th></tr></thead><tbody>{}</tbody></table>"
+            "<p class=\"help\">Staff can put every idle one to sleep with the action \u201cStop all idle servers\u201d "
+            "on the machine list.</p>",
+            rows,
+        )
+
+    @admin.action(description="Stop all idle servers (they sleep; the next message starts them again)")
+    def stop_idle_servers(self, request, queryset):
+        by = {"id": request.user.pk, "username": request.user.get_username()}
+        for machine in queryset:
+            idle = lifecycle.idle_sessions(machine)
+            for session_id in idle:
+                dispatch.enqueue(dispatch.SLEEP_SERVER, session_id, False, by)
+            self.message_user(request, f"{machine.name}: putting {len(idle)} idle server(s) to sleep.")
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
@@ -183,6 +233,8 @@ class ModelFileForm(forms.ModelForm):
         if not found:
             self.add_error("chat_template_file", f"There is no file {path} on {self.instance.machine.name}.")
         return data
+def _mib(value: int | None) -> str:
+    return "–" if value is None else f"{value / (1024 * 1024):.0f} MiB"
 
 
 @admin.register(ModelFile)

@@ -6,6 +6,9 @@ database and the transcript.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import posixpath
 import secrets
 import time
 from collections.abc import Callable
@@ -20,6 +23,10 @@ from .transports import ProcessId, Transport, TransportError
 SERVER_FLAGS = {"contextSize": "-c", "gpuLayers": "-ngl", "threads": "-t"}
 
 HEALTH_INTERVAL = 0.25  # docs/behaviour.md §5: poll /health about four times a second
+
+#: Seconds a slot save or restore may take: the whole KV cache of a long conversation goes
+#: to or comes from the machine's disk (hundreds of MB for a large model and context).
+SLOT_IO_TIMEOUT = 120.0
 
 
 def new_api_key() -> str:
@@ -115,6 +122,7 @@ class ServerSpec:
     mmproj_path: str = ""
     chat_template: str = ""  # a llama.cpp built-in template name an admin set
     chat_template_file: str = ""  # or a Jinja template file's absolute path on that machine
+    slot_dir: str = ""
 
 
 def build_argv(spec: ServerSpec) -> list[str]:
@@ -124,13 +132,18 @@ def build_argv(spec: ServerSpec) -> list[str]:
     (never ``--api-key``: a command line is readable by every user through ``ps``);
     ``--tools all`` (the permission gate, not a flag, decides whether
     a call runs); one slot (``-np 1``: extra slots split the context and slow speculative
-    decoding); ``--spec-type draft-mtp`` only for a file with an MTP head and speculation not
+    decoding); ``--slot-save-path`` when a slot directory is given (docs/behaviour.md §5 warm
+    prompts); ``--spec-type draft-mtp`` only for a file with an MTP head and speculation not
     turned off (asking for it without a head makes llama-server exit).
     """
     argv = [spec.binary, "-m", spec.model_path, "--host", "127.0.0.1", "--port", str(spec.port)]
     if spec.api_key_file:
         argv += ["--api-key-file", spec.api_key_file]
     argv += ["--tools", "all", "-np", "1"]
+    if spec.slot_dir:
+        # Slot save/restore (docs/behaviour.md §5 "warm prompts"): llama-server only writes
+        # and reads files under this directory, by names it validates.
+        argv += ["--slot-save-path", spec.slot_dir]
     for param, flag in SERVER_FLAGS.items():
         value = spec.params.get(param)
         if value not in (None, ""):
@@ -218,6 +231,112 @@ def failure_message(headline: str, log_tail: str) -> str:
     return f"{headline}. It last said:\n{tail}" if tail else f"{headline}."
 
 
+# --- slot save / restore (docs/behaviour.md §5 "warm prompts") -----------------------------------
+
+
+class SlotError(Exception):
+    """A slot save or restore that llama-server refused or never answered; ``str()`` says
+    why in its own words (e.g. "Unable to restore slot, no available space in KV cache or
+    invalid slot save file")."""
+
+
+def slot_dir(private_dir: str) -> str:
+    """The directory of a machine's saved slots, inside Corral's private directory there
+    (created mode 0700 before a server that uses it starts: docs/behaviour.md C43)."""
+    return posixpath.join(private_dir, "slots")
+
+
+def slot_file_name(session_id: int, save_id: int) -> str:
+    """The file name of one saved slot, built from ids only (never from a title, a model
+    name or a path: docs/behaviour.md C43), and one llama-server's filename check accepts
+    (no separators, no leading dot, no spaces)."""
+    return f"session-{int(session_id)}-slot-{int(save_id)}.bin"
+
+
+def server_props(server: Endpoint, *, timeout: float = 10.0) -> dict:
+    """llama-server's ``GET /props``: ``build_info`` (the server build, e.g.
+    ``"b6123-abc1234"``) and ``default_generation_settings.n_ctx`` (the context size of
+    its slot) among others. Raises SlotError when it does not answer with a JSON object."""
+    try:
+        response = httpx.get(f"{server.url}/props", headers=auth_headers(server.api_key), timeout=timeout)
+        body = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SlotError(f"llama-server did not answer /props: {exc}") from None
+    if response.status_code != 200 or not isinstance(body, dict):
+        raise SlotError(f"llama-server answered /props with HTTP {response.status_code}")
+    return body
+
+
+def slot_fingerprint(
+    *, binary: str, model_path: str, model_size: int, params: dict, props: dict, mmproj_path: str = ""
+) -> str:
+    """What a saved slot must match to be restored into a server, as 64 hex digits: the
+    model file (path and size), the server parameters it was started with (context size,
+    GPU layers, KV cache types when set, speculation), the slot's ``n_ctx`` and the server
+    build as ``/props`` reports them (``build_info``), and the ``llama-server`` path it was started
+    from, and the vision projector it loaded (``--mmproj``: image embeddings in the cache
+    come from it). A KV cache is only meaningful to the same weights
+    laid out the same way by the same code (docs/behaviour.md C44). '' when ``props`` lacks
+    ``n_ctx`` or ``build_info``."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    if not isinstance(n_ctx, int) or not props.get("build_info"):
+        # A server that does not say its context size and build cannot be matched: no key,
+        # so nothing is saved from it or restored into it.
+        return ""
+    key = {
+        "binary": binary,  # a build without version info reports "b0-unknown": the binary tells builds apart too
+        "model": model_path,
+        "size": int(model_size),
+        "params": {k: params[k] for k in sorted(params)},
+        "n_ctx": n_ctx,
+        "build": props.get("build_info"),
+        **({"mmproj": mmproj_path} if mmproj_path else {}),  # absent without one: older keys still match
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _slot_action(server: Endpoint, action: str, filename: str, timeout: float) -> dict:
+    """``POST /slots/0?action=<action>`` with ``{"filename": …}`` (one slot: ``-np 1``)."""
+    try:
+        response = httpx.post(
+            f"{server.url}/slots/0",
+            params={"action": action},
+            json={"filename": filename},
+            headers=auth_headers(server.api_key),
+            timeout=timeout,
+        )
+    except httpx.HTTPError as exc:
+        raise SlotError(f"llama-server did not answer the slot {action}: {exc}") from None
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if response.status_code != 200 or not isinstance(body, dict):
+        error = body.get("error") if isinstance(body, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        raise SlotError(message or f"llama-server answered the slot {action} with HTTP {response.status_code}")
+    return body
+
+
+def save_slot(server: Endpoint, filename: str, *, timeout: float = SLOT_IO_TIMEOUT) -> int:
+    """Save slot 0's KV cache to ``filename`` in the server's ``--slot-save-path``; the
+    number of tokens saved (``n_saved``; 0 for an empty slot). Raises SlotError."""
+    body = _slot_action(server, "save", filename, timeout)
+    return int(body.get("n_saved") or 0)
+
+
+def restore_slot(server: Endpoint, filename: str, *, timeout: float = SLOT_IO_TIMEOUT) -> int:
+    """Load ``filename`` from the server's ``--slot-save-path`` into slot 0; the number of
+    tokens restored (``n_restored``). Raises SlotError for a file llama-server refuses (cut
+    short, another model's, not a slot file at all)."""
+    body = _slot_action(server, "restore", filename, timeout)
+    restored = int(body.get("n_restored") or 0)
+    if restored <= 0:
+        raise SlotError("llama-server restored no tokens from the saved slot")
+    return restored
+
+
 def wait_until_ready(
     transport: Transport,
     proc: ProcessId,
@@ -267,11 +386,18 @@ __all__ = [
     "Endpoint",
     "ServerSpec",
     "ServerStartError",
+    "SlotError",
     "TransportError",
     "auth_headers",
     "build_argv",
     "explain_start_failure",
     "failure_message",
     "new_api_key",
+    "restore_slot",
+    "save_slot",
+    "server_props",
+    "slot_dir",
+    "slot_file_name",
+    "slot_fingerprint",
     "wait_until_ready",
 ]

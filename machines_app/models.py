@@ -67,6 +67,17 @@ class Machine(models.Model):
     )
     models_refreshed_at = models.DateTimeField(null=True, blank=True)
     models_refresh_error = models.TextField(blank=True)
+    # docs/behaviour.md §5 "sleep": an idle server holds its memory (GPU memory on a GPU box)
+    # for nothing; after this long it is stopped, its prompt cache saved, and started again
+    # by the next message.
+    idle_stop_seconds = models.PositiveIntegerField(
+        "idle time",
+        null=True,
+        blank=True,
+        help_text="Seconds without activity after which a session's llama-server is stopped to free its memory "
+        "(the session shows 'sleeping'; its next message starts the server again and restores its prompt cache). "
+        "Empty: never.",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -238,6 +249,36 @@ class ServerRecord(models.Model):
     started_at = models.DateTimeField(auto_now_add=True)
     ready_at = models.DateTimeField(null=True, blank=True)
     stopping = models.BooleanField(default=False)
+    # What a saved slot must match to be restored into this server (llama_server.slot_fingerprint),
+    # read from the server once ready; '' when it could not be read (no save then).
+    slot_key = models.CharField(max_length=64, blank=True)
 
     def __str__(self) -> str:
         return f"llama-server pid {self.pid} on {self.machine} port {self.port}"
+
+
+class SlotSave(models.Model):
+    """A session's KV cache saved to its machine's disk by llama-server's slot save
+    (docs/behaviour.md §5 "warm prompts"): one per session and model file, so a session
+    switched away from a model and back finds that model's cache.
+
+    ``fingerprint`` is the ``slot_key`` of the server that saved it; the file is restored
+    only into a server with the same one, and deleted when a server of that model has
+    another (docs/behaviour.md C44). The file itself is ``llama_server.slot_file_name(session,
+    pk)`` in the machine's slot directory.
+    """
+
+    session = models.ForeignKey("sessions_app.AgentSession", on_delete=models.CASCADE, related_name="slot_saves")
+    machine = models.ForeignKey(Machine, on_delete=models.CASCADE)
+    model_key = models.CharField(max_length=1000)
+    fingerprint = models.CharField(max_length=64)
+    n_tokens = models.PositiveIntegerField(default=0, help_text="Tokens in the saved KV cache (n_saved).")
+    saved_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["session", "machine", "model_key"], name="one_slot_save_per_session_model")
+        ]
+
+    def __str__(self) -> str:
+        return f"slot of session {self.session_id} for {self.model_key} ({self.n_tokens} tokens)"

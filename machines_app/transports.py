@@ -11,6 +11,7 @@ import os
 import posixpath
 import random
 import shlex
+import shutil
 import signal
 import socket
 import stat
@@ -138,12 +139,61 @@ class Transport(ABC):
         """Whether ``path`` is an existing file on that machine."""
 
     @abstractmethod
+    def make_private_dir(self, path: str) -> None:
+        """Create the directory ``path`` (its parent existing or made too) readable by its
+        owner only (0700), or make an existing one so. A link at ``path`` is refused, never
+        followed (docs/behaviour.md C43). Raises TransportError."""
+
+    @abstractmethod
+    def is_own_file(self, path: str) -> bool:
+        """Whether ``path`` is a regular file itself: a link there (to a file or not) is
+        not, so a file Corral reads back is never one a link points at (docs/behaviour.md C43).
+        Raises TransportError when the machine cannot be asked."""
+
+    @abstractmethod
     def private_dir(self) -> str:
         """A directory on that machine, readable by its owner only, where Corral keeps a
         session's server log and key file (created on first use)."""
 
     def release_port(self, port: int) -> None:
         """This backend no longer needs to reach ``port`` (its server was stopped)."""
+
+    @abstractmethod
+    def read_proc(self, pid: int, name: str) -> str:
+        """The text of ``/proc/<pid>/<name>`` on that machine ('' when the process is gone)."""
+
+    @abstractmethod
+    def run_probe(self, argv: list[str]) -> str | None:
+        """Run a short read-only command there (``argv[0]`` looked up on the PATH); its
+        output, or None when the program is not there or fails."""
+
+    def memory_of(self, proc: ProcessId) -> int | None:
+        """Resident memory of that process in bytes (``VmRSS`` of ``/proc/<pid>/status``,
+        proc(5)); None when it is gone or another process has its pid."""
+        if not self.process_alive(proc):
+            return None
+        for line in self.read_proc(proc.pid, "status").splitlines():
+            if line.startswith("VmRSS:"):
+                fields = line.split()
+                if len(fields) >= 2 and fields[1].isdigit():
+                    return int(fields[1]) * 1024  # proc(5) reports kB
+        return None
+
+    def gpu_memory(self) -> dict[int, int] | None:
+        """GPU memory in use per process id, in bytes, from ``nvidia-smi
+        --query-compute-apps=pid,used_memory`` (MiB); None when the machine has no
+        ``nvidia-smi`` (no NVIDIA GPU, or no driver)."""
+        output = self.run_probe(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        )
+        if output is None:
+            return None
+        used: dict[int, int] = {}
+        for row in output.splitlines():
+            parts = [part.strip() for part in row.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                used[int(parts[0])] = used.get(int(parts[0]), 0) + int(parts[1]) * 1024 * 1024
+        return used
 
     def stop(self, proc: ProcessId, grace: float = 5.0) -> None:
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL (docs/behaviour.md C21: a llama-server
@@ -204,8 +254,11 @@ class LocalTransport(Transport):
         try:
             # A session of its own: the server outlives a worker restart (adoption, docs/behaviour.md §5)
             # and stop can signal its whole process group.
+            # umask 077: what the server writes itself (its saved slots) is its owner's only,
+            # as a remote server's is (docs/behaviour.md C43).
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+                argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
+                umask=0o077,
             )
         except OSError as exc:
             raise TransportError(f"could not start {argv[0]}: {exc.strerror or exc}") from exc
@@ -285,6 +338,43 @@ class LocalTransport(Transport):
         try:
             return Path(self.expand_path(path)).is_dir()
         except (OSError, ValueError):  # a name too long, a NUL, no permission: not a directory we can use
+            return False
+
+    def read_proc(self, pid: int, name: str) -> str:
+        try:
+            return Path(f"/proc/{int(pid)}/{name}").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def run_probe(self, argv: list[str]) -> str | None:
+        if shutil.which(argv[0]) is None:
+            return None
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    def make_private_dir(self, path: str) -> None:
+        try:
+            Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+            # Opened without following a link: a link planted at the path fails here.
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise TransportError(f"could not make the private directory {path}: {exc.strerror or exc}") from exc
+
+    def is_own_file(self, path: str) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except (OSError, ValueError):
             return False
 
     def private_dir(self) -> str:
@@ -574,6 +664,43 @@ class SSHTransport(Transport):
                 return False
             raise
         return mode is not None and stat.S_ISDIR(mode)
+
+    def read_proc(self, pid: int, name: str) -> str:
+        with self._link() as link, link.sftp() as sftp:
+            try:
+                with sftp.open(f"/proc/{int(pid)}/{name}", "r") as f:
+                    return f.read(65536).decode("utf-8", "replace")
+            except OSError:
+                return ""
+
+    def run_probe(self, argv: list[str]) -> str | None:
+        command = shlex.quote(argv[0])
+        status, output = self._run(
+            f"command -v -- {command} >/dev/null 2>&1 || exit 127; {shlex.join(argv)} 2>/dev/null", timeout=15
+        )
+        return output if status == 0 else None
+
+    def make_private_dir(self, path: str) -> None:
+        quoted = shlex.quote(path)
+        # umask 077: created 0700 from the start; `test -L` first: a link is refused, never
+        # followed (mkdir -p and chmod would follow it).
+        script = (
+            "umask 077 && "
+            f"if [ -L {quoted} ]; then echo 'a link is in the way'; exit 3; fi && "
+            f"mkdir -p -- {quoted} && chmod 700 -- {quoted}"
+        )
+        status, output = self._run(script, timeout=30)
+        if status != 0:
+            raise TransportError(
+                f"could not make the private directory {path} on machine '{self.name}': {output.strip()[-300:]}"
+            )
+
+    def is_own_file(self, path: str) -> bool:
+        with self._link() as link, link.sftp() as sftp:
+            try:
+                return stat.S_ISREG(sftp.lstat(path).st_mode or 0)
+            except OSError:
+                return False
 
     def private_dir(self) -> str:
         with self._link() as link:

@@ -4,7 +4,7 @@ Three queues, each consumed by workers of its own (``./corral run`` starts one w
 queue, docs/operations.md shows the production units)::
 
     turns         sessions_app.tasks.run_turn            (one thread per streaming turn)
-    servers       start / stop / restart a llama-server, stop an orphan
+    servers       start / stop / restart / sleep a llama-server, stop an orphan
     housekeeping  watch_servers, recover_turns (beat, every few seconds), refresh_models
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
@@ -26,6 +26,8 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.stop_server": {"queue": SERVERS},
     "sessions_app.tasks.restart_server": {"queue": SERVERS},
     "sessions_app.tasks.stop_process": {"queue": SERVERS},
+    "sessions_app.tasks.sleep_server": {"queue": SERVERS},
+    "sessions_app.tasks.remove_slot": {"queue": SERVERS},
     "sessions_app.tasks.watch_servers": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},

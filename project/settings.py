@@ -232,6 +232,9 @@ CORRAL_LOG_DIR = DATA_DIR / "logs"
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (docs/behaviour.md C16).
 CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)
+# How long a server start's claim lasts without renewal (renewed every third of it while the
+# start lives): a start lost with its worker or the broker is taken for gone after this.
+CORRAL_START_CLAIM_SECONDS = env_float("CORRAL_START_CLAIM_SECONDS", 30.0, minimum=1.0)
 # An open session page refreshes its "watching now" entry this often; an entry left by a
 # daphne that died expires after three missed refreshes (docs/sharing.md).
 CORRAL_PRESENCE_SECONDS = env_float("CORRAL_PRESENCE_SECONDS", 20.0, minimum=0.1)

@@ -22,6 +22,7 @@ from machines_app.access import machine_refusal
 
 from . import dispatch, images, transcript, turns
 from .events import append, change_status, load_events, locked, record_event
+from .lifecycle import start_live
 from .models import Access, AgentSession, TranscriptEvent
 from .transcript import Kind, TurnEnd
 
@@ -117,7 +118,9 @@ def do_create_session(
 
 def do_restart(session: AgentSession, user) -> None:
     """Start the session's server again: after it exited (docs/behaviour.md §4: exited but
-    restartable), or to apply changed server parameters. Refused mid-turn."""
+    restartable), or to apply changed server parameters. Refused mid-turn, and while a
+    start is under way — but a ``loading`` session whose start was lost (no live start
+    claim: ``lifecycle.start_live``) may be restarted."""
     refusal = machine_refusal(user, session.machine)
     if refusal:
         raise SessionError(refusal)
@@ -125,7 +128,7 @@ def do_restart(session: AgentSession, user) -> None:
         current = locked(session.pk)
         if current.turn_active:
             raise SessionError("Stop the turn first, then restart.")
-        if current.status == Status.LOADING:
+        if current.status == Status.LOADING and start_live(current):
             raise SessionError("The server is already starting.")
         change_status(current, Status.LOADING, by=by(user))
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
@@ -134,7 +137,8 @@ def do_restart(session: AgentSession, user) -> None:
 def do_change_model(session: AgentSession, user, model_key: str) -> None:
     """Move the session to another model on its machine (docs/behaviour.md §10): refused mid-turn;
     otherwise stop the server and start one with the new model. The conversation goes on
-    (it lives in the transcript); the prompt cache is lost."""
+    (it lives in the transcript); the old model's prompt cache is saved with its slot and
+    restored if the session switches back (docs/behaviour.md §5 warm prompts)."""
     refusal = machine_refusal(user, session.machine)
     if refusal:
         raise SessionError(refusal)
@@ -148,7 +152,7 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
         current = locked(session.pk)
         if current.turn_active:
             raise SessionError("Stop the turn first, then change the model.")
-        if current.model_key == model_key and current.status not in (*Status.server_down(), Status.UNKNOWN):
+        if current.model_key == model_key and current.status not in (*Status.server_down(), Status.UNKNOWN, Status.SLEEPING):
             raise SessionError(f"The session already uses {model.display_name}.")
         AgentSession.objects.filter(pk=current.pk).update(model_key=model_key)
         change_status(current, Status.LOADING)
@@ -279,9 +283,12 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
     queue it behind the running one.
 
     Raises SessionError for a message check_message refuses, images check_images refuses,
-    or a session whose server is gone (docs/behaviour.md §4 ``exited``). A message sent
-    while the model is ``loading`` is accepted and waits (docs/behaviour.md §4). Images are
-    stored before the message is recorded, so a recorded message never names a missing file.
+    or a session whose server is gone (docs/behaviour.md §4 ``exited``, ``stopped``). A
+    message sent while the model is ``loading`` is accepted and waits (docs/behaviour.md §4);
+    one sent to a ``sleeping`` session starts its server again and waits for it
+    (docs/behaviour.md §5 "sleep"), in the same transaction that takes it, so an idle stop
+    under way is waited for by the start, never raced. Images are stored before the message
+    is recorded, so a recorded message never names a missing file.
     """
     uploads = uploads or []
     text = check_message(text, with_images=bool(uploads))
@@ -295,6 +302,9 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
         session = locked(session.pk)
         if session.status in Status.server_down():
             raise SessionError(SERVER_DOWN_SENTENCE)
+        if session.status == Status.SLEEPING:
+            change_status(session, Status.LOADING, by=by(user))
+            dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
         turns.take_message(session, text, by(user), refs)
 
 

@@ -4,7 +4,8 @@ Actions and the lifecycle must not import :mod:`sessions_app.tasks` (the tasks i
 them: that would be an import circle), and an enqueue that fails — the broker is down for a
 moment — must never undo or hide what the caller already stored. Work that is lost this
 way is not lost for good: the beat's ``recover_turns`` picks up every open turn whose step
-is not running, and a server start is retried by the page's Restart (docs/architecture.md).
+is not running, and ``watch_servers`` starts again a session left ``loading`` by a start that
+never ran (lifecycle.recover_starts; the page's Restart works then too: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ START_SERVER = "sessions_app.tasks.start_server"
 STOP_SERVER = "sessions_app.tasks.stop_server"
 RESTART_SERVER = "sessions_app.tasks.restart_server"
 STOP_PROCESS = "sessions_app.tasks.stop_process"
+SLEEP_SERVER = "sessions_app.tasks.sleep_server"
+REMOVE_SLOT = "sessions_app.tasks.remove_slot"
 
 
 def enqueue(task: str, *args: object) -> bool:

@@ -8,28 +8,40 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import threading
+import time
+import uuid
+from datetime import timedelta
 
 import httpx
 from django.conf import settings
-from django.db import IntegrityError
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from machines_app import catalog
 from machines_app.llama_server import (
+    SLOT_IO_TIMEOUT,
     Endpoint,
     ServerSpec,
     ServerStartError,
+    SlotError,
     build_argv,
     new_api_key,
     read_props,
+    restore_slot,
+    save_slot,
+    server_props,
+    slot_dir,
+    slot_file_name,
+    slot_fingerprint,
     wait_until_ready,
 )
-from machines_app.models import ModelFile, ServerRecord
+from machines_app.models import Machine, ModelFile, ServerRecord, SlotSave
 from machines_app.transports import ProcessId, Transport, TransportError, machine_place, transport_at, transport_for
 
 from . import dispatch, tools, turns
-from .events import record_error, record_event, set_status
+from .events import change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
 from .transcript import Kind, TurnEnd
 
@@ -82,17 +94,98 @@ def _fail(session: AgentSession, message: str, log: str = "") -> None:
         turns.finish_turn(session.pk, TurnEnd.ERROR)
 
 
+# --- one start at a time (docs/behaviour.md §5) ------------------------------------------------
+
+
+def start_ttl() -> timedelta:
+    return timedelta(seconds=settings.CORRAL_START_CLAIM_SECONDS)
+
+
+def start_live(session: AgentSession) -> bool:
+    """Whether a start (or restart) of the session's server is under way, as read from
+    ``session``: its claim is held and was renewed lately. A start lost with its worker
+    or with the broker holds none, and the session may be restarted."""
+    return bool(session.start_owner) and session.start_expires is not None and session.start_expires > timezone.now()
+
+
+def _claim_start(session_id: int, owner: str) -> bool:
+    now = timezone.now()
+    free = Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now)
+    # One conditional UPDATE: of two starts racing for it, exactly one counts a row.
+    rows = AgentSession.objects.filter(free, pk=session_id)
+    return rows.update(start_owner=owner, start_expires=now + start_ttl()) == 1
+
+
+class StartClaim:
+    """Holds the claim to start the session's server for the duration of a ``with``
+    block, renewed every third of its lifetime by a thread of its own; ``held`` says
+    whether it was got. Two start tasks for one session (a redelivered task, a restart
+    racing a start, the housekeeping beat's recovery) therefore never spawn two servers:
+    the second finds the claim held and does nothing. ``wait``: seconds to wait for a
+    held claim to be let go before giving up (a restart waits for the start it replaces).
+    """
+
+    def __init__(self, session_id: int, *, wait: float = 0.0) -> None:
+        self.session_id, self.wait = session_id, wait
+        self.owner = uuid.uuid4().hex
+        self.held = False
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._renew, name=f"start-{session_id}", daemon=True)
+
+    def _renew(self) -> None:
+        try:
+            while not self.stopped.wait(settings.CORRAL_START_CLAIM_SECONDS / 3):
+                AgentSession.objects.filter(pk=self.session_id, start_owner=self.owner).update(
+                    start_expires=timezone.now() + start_ttl()
+                )
+        finally:
+            connection.close()
+
+    def __enter__(self) -> StartClaim:
+        deadline = time.monotonic() + self.wait
+        while True:
+            self.held = _claim_start(self.session_id, self.owner)
+            if self.held or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if self.held:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.held:
+            return
+        self.stopped.set()
+        self.thread.join(5)
+        AgentSession.objects.filter(pk=self.session_id, start_owner=self.owner).update(
+            start_owner="", start_expires=None
+        )
+
+
 def start_server(session_id: int) -> None:
     """Start the session's llama-server and wait until it is ready (docs/behaviour.md §5).
 
-    A live recorded server (same pid and start time) is adopted instead of starting a
-    second one. Every failure — a model the machine does not have, a server that exits or
-    never answers — ends as an error event with the server's last words and status
-    ``exited``. Once ready: catalogue read, status ``idle``, and a waiting message runs.
+    Only the holder of the session's start claim starts anything (:class:`StartClaim`); a
+    second start task leaves at once. A live recorded server (same pid and start time) is
+    adopted instead of starting a second one; one being stopped (an idle stop saving its
+    slot) is waited for first. Every failure — a model the machine does not have, a server
+    that exits or never answers — ends as an error event with the server's last words and
+    status ``exited``. Once ready: a saved slot of the same model and parameters restored
+    (docs/behaviour.md C44), catalogue read, status ``idle``, and a waiting message runs.
     """
+    with StartClaim(session_id) as claim:
+        if not claim.held:
+            log.info("session %s: another start holds the claim; leaving it to that one", session_id)
+            return
+        _start(session_id)
+
+
+def _start(session_id: int) -> None:
     session = AgentSession.objects.select_related("machine").get(pk=session_id)
     transport = transport_for(session.machine)
     record = ServerRecord.objects.filter(session=session).first()
+    if record is not None and record.stopping:
+        record = _wait_for_stop(record, transport)
     if record is not None:
         try:
             alive = transport.process_alive(_proc(record))
@@ -102,14 +195,40 @@ def start_server(session_id: int) -> None:
             log.info("session %s: adopting llama-server pid %s", session_id, record.pid)
             if record.ready_at is None:
                 _wait(session, transport, record)
+            elif set_status(session.pk, Status.IDLE, only_from=(Status.LOADING,)):
+                # Ready before, its start lost on the way to saying so (docs/behaviour.md §5).
+                _go_on(session.pk)
             return
         record.delete()
+    _spawn(session, transport)
 
+
+def _wait_for_stop(record: ServerRecord, transport: Transport) -> ServerRecord | None:
+    """Wait for a stop under way (an idle stop saving the slot, then SIGTERM and grace) to
+    remove the record; a stop that never ends (its worker died) is finished here. None
+    once the record is gone."""
+    deadline = time.monotonic() + SLOT_IO_TIMEOUT + settings.CORRAL_STOP_GRACE + 15
+    while time.monotonic() < deadline:
+        if not ServerRecord.objects.filter(pk=record.pk).exists():
+            return None
+        time.sleep(0.2)
+    log.warning("session %s: the stop of pid %s never finished; finishing it", record.session_id, record.pid)
+    try:
+        transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+    except TransportError:
+        return record  # cannot tell: adopt-or-wait below decides as for any record
+    transport.release_port(record.port)
+    ServerRecord.objects.filter(pk=record.pk).delete()
+    return None
+
+
+def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True) -> None:
     key_path = ""
     try:
         model = catalog.model_for_session(session.machine, session.model_key)
         port = transport.free_port()
         key_path = key_path_for(session, transport, port)
+        slots = slot_dir(transport.private_dir())
         spec = ServerSpec(
             binary=session.machine.llama_server_path,
             model_path=model.path,
@@ -120,6 +239,7 @@ def start_server(session_id: int) -> None:
             mmproj_path=model.mmproj_path,
             chat_template=model.chat_template,
             chat_template_file=model.chat_template_file,
+            slot_dir=slots,
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.
@@ -139,6 +259,9 @@ def start_server(session_id: int) -> None:
             )
         log_path = log_path_for(session, transport, port)
         set_status(session.pk, Status.LOADING)
+        # Corral's own, owner-only, never a link (docs/behaviour.md C43): llama-server
+        # writes the saved KV caches there.
+        transport.make_private_dir(slots)
         api_key = new_api_key()
         transport.write_private(spec.api_key_file, api_key + "\n")
         proc = transport.spawn(build_argv(spec), log_path, cwd=None)
@@ -163,7 +286,7 @@ def start_server(session_id: int) -> None:
         # The session was deleted while its server was being spawned (its delete found
         # no record to hand to the stop task), or another start recorded one first: this
         # process is nobody's, so it stops here rather than run untracked.
-        log.warning("session %s: gone or already served while starting; stopping pid %s", session_id, proc.pid)
+        log.warning("session %s: gone or already served while starting; stopping pid %s", session.pk, proc.pid)
         try:
             transport.remove(key_path)
             transport.stop(proc, grace=settings.CORRAL_STOP_GRACE)
@@ -171,10 +294,10 @@ def start_server(session_id: int) -> None:
             log.warning("could not stop llama-server pid %s on machine %s: %s", proc.pid, session.machine.name, exc)
         transport.release_port(spec.port)
         return
-    _wait(session, transport, record)
+    _wait(session, transport, record, restore=restore)
 
 
-def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
+def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bool = True) -> None:
     try:
         wait_until_ready(
             transport,
@@ -211,20 +334,144 @@ def _wait(session: AgentSession, transport, record: ServerRecord) -> None:
         transport.remove(key_path_for(session, transport, record.port))
     except TransportError:
         pass  # the machine went away just now: the watch will say so
+    try:
+        warm = _restore(session, transport, record) if restore else None
+    except RestoreRefused as refused:
+        if not ServerRecord.objects.filter(pk=record.pk, stopping=False).exists():
+            # Stopped on purpose while restoring (a Stop, a restart): the file is not to
+            # blame; keep it, and say nothing, as for a start that was cancelled.
+            _stop_quietly(record, transport)
+            return
+        # docs/behaviour.md C44: llama-server refused the file (or died reading it) and may
+        # have left its KV cache half written: the file goes, and the server is started
+        # afresh before it answers anything.
+        _forget(refused.saved, transport)
+        record_event(session.pk, Kind.NOTICE, {"message": RESTORE_FAILED.format(reason=refused.reason)})
+        _stop_quietly(record, transport)
+        _spawn(session, transport, restore=False)
+        return
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
     endpoint = _endpoint(transport, record)
-    record_event(
-        session.pk, Kind.SERVER_READY,
-        {"model_key": record.model_key, "model": model.display_name if model else record.model_key,
-         **server_facts(session.pk, model, endpoint)},
-    )
+    ready = {"model_key": record.model_key, "model": model.display_name if model else record.model_key,
+             **server_facts(session.pk, model, endpoint)}
+    if warm:
+        ready["warm_tokens"] = warm
+    record_event(session.pk, Kind.SERVER_READY, ready)
     record_catalogue(session.pk, endpoint)
     set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
-    if AgentSession.objects.filter(pk=session.pk, turn_active=True).exists():
-        dispatch.enqueue_on_commit(dispatch.RUN_TURN, session.pk)
+    _go_on(session.pk)
+
+
+def _go_on(session_id: int) -> None:
+    """A ready server: the open turn's step runs, or the next queued message is taken."""
+    if AgentSession.objects.filter(pk=session_id, turn_active=True).exists():
+        dispatch.enqueue_on_commit(dispatch.RUN_TURN, session_id)
     else:
-        turns.resume_queue(session.pk)
+        turns.resume_queue(session_id)
+
+
+def _stop_quietly(record: ServerRecord, transport: Transport) -> None:
+    ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
+    try:
+        transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
+    except TransportError:
+        pass
+    transport.release_port(record.port)
+    ServerRecord.objects.filter(pk=record.pk).delete()
+
+
+# --- warm prompts: slot save and restore (docs/behaviour.md §5, C43, C44) ----------------------
+
+RESTORE_FAILED = (
+    "The saved prompt cache could not be restored ({reason}); it was deleted and llama-server was started "
+    "again without it. The conversation is unchanged; its first prompt is read in full."
+)
+
+
+class RestoreRefused(Exception):
+    """llama-server did not restore a saved slot: ``saved`` is the SlotSave, ``reason`` its words."""
+
+    def __init__(self, saved: SlotSave, reason: str) -> None:
+        super().__init__(reason)
+        self.saved, self.reason = saved, reason
+
+
+def _slot_path(transport: Transport, session_id: int, save_id: int) -> str:
+    return posixpath.join(slot_dir(transport.private_dir()), slot_file_name(session_id, save_id))
+
+
+def _forget(saved: SlotSave, transport: Transport) -> None:
+    """Delete a saved slot: its file (a link there is removed, not followed) and its row."""
+    try:
+        transport.remove(_slot_path(transport, saved.session_id, saved.pk))
+    except TransportError:
+        pass
+    SlotSave.objects.filter(pk=saved.pk).delete()
+
+
+def _fingerprint(session: AgentSession, transport: Transport, record: ServerRecord) -> str:
+    """The ready server's slot key (llama_server.slot_fingerprint), '' when it cannot be read."""
+    try:
+        model = catalog.model_for_session(session.machine, record.model_key)
+        props = server_props(_endpoint(transport, record))
+    except (catalog.ModelUnavailable, SlotError) as exc:
+        log.warning("session %s: no slot key for pid %s: %s", session.pk, record.pid, exc)
+        return ""
+    size = ModelFile.objects.filter(machine=session.machine, key=record.model_key).values_list("file_size", flat=True)
+    # '' for a server that does not report n_ctx and its build (slot_fingerprint).
+    return slot_fingerprint(
+        binary=session.machine.llama_server_path,
+        model_path=model.path, model_size=size.first() or 0, params=record.server_params, props=props,
+        mmproj_path=model.mmproj_path,
+    )
+
+
+def _restore(session: AgentSession, transport: Transport, record: ServerRecord) -> int | None:
+    """Restore the session's saved slot of this model into the ready server; the tokens
+    restored, or None when there is nothing (fit) to restore. A saved slot whose
+    fingerprint differs (another build, context size, parameters, a changed file) or whose
+    path holds anything but a plain file is deleted unread. Raises RestoreRefused when
+    llama-server does not restore the file (the caller decides what becomes of it)."""
+    key = _fingerprint(session, transport, record)
+    ServerRecord.objects.filter(pk=record.pk).update(slot_key=key)
+    record.slot_key = key
+    saved = SlotSave.objects.filter(session=session, machine=session.machine, model_key=record.model_key).first()
+    if saved is None or not key:
+        return None
+    path = _slot_path(transport, session.pk, saved.pk)
+    if saved.fingerprint != key or not transport.is_own_file(path):
+        _forget(saved, transport)
+        return None
+    try:
+        return restore_slot(_endpoint(transport, record), slot_file_name(session.pk, saved.pk))
+    except SlotError as exc:
+        raise RestoreRefused(saved, str(exc)) from None
+
+
+def _save(record: ServerRecord, transport: Transport) -> None:
+    """Save the server's slot before it stops, keyed by its model and fingerprint (see
+    SlotSave). Nothing when the server never became ready or has no slot key; a failed
+    save deletes what it may have left."""
+    if record.ready_at is None or not record.slot_key:
+        return
+    saved, _ = SlotSave.objects.get_or_create(
+        session_id=record.session_id, machine=record.machine, model_key=record.model_key,
+        defaults={"fingerprint": record.slot_key},
+    )
+    try:
+        # Whatever is at the path goes first: llama-server opens the name for writing, and
+        # a link planted there must not be written through (docs/behaviour.md C43).
+        transport.remove(_slot_path(transport, record.session_id, saved.pk))
+        n_saved = save_slot(_endpoint(transport, record), slot_file_name(record.session_id, saved.pk))
+    except (SlotError, TransportError) as exc:
+        log.warning("session %s: slot not saved: %s", record.session_id, exc)
+        _forget(saved, transport)
+        return
+    if n_saved <= 0:
+        _forget(saved, transport)
+        return
+    SlotSave.objects.filter(pk=saved.pk).update(fingerprint=record.slot_key, n_tokens=n_saved, saved_at=timezone.now())
 
 
 def server_facts(session_id: int, model: ModelFile | None, server: Endpoint) -> dict:
@@ -261,15 +508,26 @@ def record_catalogue(session_id: int, server: Endpoint) -> None:
     record_event(session_id, Kind.CATALOGUE, {"tools": catalogue.as_payload()})
 
 
-def _stop_process(session_id: int) -> bool:
-    """SIGTERM, a grace period, then SIGKILL, and only then clear the record (docs/behaviour.md §5,
-    docs/behaviour.md C21). False when there was no server."""
+def _stop_process(session_id: int, *, stopped: dict | None = None, claimed: bool = False) -> bool:
+    """Save the slot (a ready server's prompt cache, docs/behaviour.md §5), then SIGTERM, a
+    grace period, then SIGKILL, and only then clear the record (docs/behaviour.md C21).
+    ``stopped``: a ``server_stopped`` payload to record before the record goes (so a start
+    waiting for this stop follows it in the transcript).
+
+    One stop at a time: the record's ``stopping`` flag is claimed with a conditional
+    UPDATE (``claimed``: the caller already did, as an idle stop does); a stop that finds
+    another under way (a Restart clicked while Stop still saves) waits for it to finish
+    instead of saving or signalling a second time. False when there was no server to stop
+    here (none, or another stop stopped it)."""
     record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
     if record is None:
         return False
-    ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
     transport = transport_for(record.machine)
+    if not claimed and not ServerRecord.objects.filter(pk=record.pk, stopping=False).update(stopping=True):
+        _wait_for_stop(record, transport)
+        return False
     try:
+        _save(record, transport)
         transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
     except TransportError as exc:
         # The machine cannot be reached to stop it: say so, with what an admin needs to
@@ -280,6 +538,8 @@ def _stop_process(session_id: int) -> bool:
             "It may still be running there.",
         )
     transport.release_port(record.port)
+    if stopped is not None:
+        record_event(session_id, Kind.SERVER_STOPPED, stopped)
     record.delete()
     return True
 
@@ -292,12 +552,16 @@ def stop_when_deleted(session_id: int) -> None:
     ``pre_delete`` receiver in :mod:`sessions_app.signals`), while its ServerRecord is
     still there to read. The task is given the process itself and where it runs
     (:func:`machines_app.transports.machine_place`), since the record, the session and
-    perhaps the machine go with this delete (docs/behaviour.md §5)."""
+    perhaps the machine go with this delete (docs/behaviour.md §5). So is the removal of
+    each of its saved slot files."""
     record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
     if record is not None:
         dispatch.enqueue_on_commit(
             dispatch.STOP_PROCESS, machine_place(record.machine), record.pid, record.start_time, record.port, session_id
         )
+    # Its saved slots (docs/behaviour.md §5 warm prompts) go too, from the machines' disks.
+    for save in SlotSave.objects.filter(session_id=session_id).select_related("machine"):
+        dispatch.enqueue_on_commit(dispatch.REMOVE_SLOT, machine_place(save.machine), session_id, save.pk)
 
 
 def stop_orphan(place: dict, pid: int, start_time: str, port: int, session_id: int) -> None:
@@ -312,6 +576,17 @@ def stop_orphan(place: dict, pid: int, start_time: str, port: int, session_id: i
     except TransportError as exc:
         # Nobody is left to tell in a transcript: the worker's log says what to look for.
         log.warning("could not stop llama-server pid %s on machine %s: %s", pid, place.get("name"), exc)
+
+
+def remove_slot_file(place: dict, session_id: int, save_id: int) -> None:
+    """Delete one saved slot file of a session that is gone (its row went with it).
+    ``place`` is a :func:`machines_app.transports.machine_place`; no row is read."""
+    try:
+        transport = transport_at(place)
+        transport.remove(_slot_path(transport, session_id, save_id))
+    except TransportError as exc:
+        log.warning("could not remove the saved slot %s of session %s on %s: %s", save_id, session_id,
+                    place.get("name"), exc)
 
 
 def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:
@@ -332,10 +607,100 @@ def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = N
 def restart_server(session_id: int) -> None:
     """Stop the session's server (if any) and start one with the session's current model
     and server parameters (docs/behaviour.md §10 model change; a server-parameter change). The
-    conversation survives because it was never in the server; the prompt cache does not."""
+    conversation survives because it was never in the server; its prompt cache is saved
+    with the slot and restored when this model comes back.
+
+    A start still loading the old model is cancelled (its record is marked stopping) and
+    waited for; then this restart holds the start claim (:class:`StartClaim`)."""
     if _stop_process(session_id):
         record_event(session_id, Kind.SERVER_STOPPED, {"reason": "restart"})
-    start_server(session_id)
+    with StartClaim(session_id, wait=settings.CORRAL_READY_TIMEOUT + settings.CORRAL_STOP_GRACE + 30) as claim:
+        if not claim.held:
+            _fail(AgentSession.objects.get(pk=session_id), "The server could not be restarted: another start of it "
+                  "did not finish. Restart again.")
+            return
+        if _stop_process(session_id):
+            record_event(session_id, Kind.SERVER_STOPPED, {"reason": "restart"})
+        _start(session_id)
+
+
+def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict | None = None) -> bool:
+    """Stop an idle session's server to free its memory (docs/behaviour.md §5 "sleep"): its
+    slot is saved, status ``sleeping``, and the next message starts it again
+    (``actions.do_send_message``). Only a session that is ``idle`` with no open turn and a
+    ready server is put to sleep, and with ``idle_for`` only one quiet for that long; the
+    check and the status change are one transaction under the session's lock, so a
+    message arriving meanwhile either comes first (nothing sleeps) or finds it
+    ``sleeping`` and waits for this stop. True when it was put to sleep."""
+    with transaction.atomic():
+        session = locked(session_id)
+        if session.turn_active or session.status != Status.IDLE:
+            return False
+        if idle_for is not None and session.last_activity_at > timezone.now() - idle_for:
+            return False
+        if not ServerRecord.objects.filter(session_id=session_id, ready_at__isnull=False, stopping=False).update(
+            stopping=True
+        ):
+            return False
+        change_status(session, Status.SLEEPING, by=by)
+    _stop_process(session_id, stopped={"reason": "idle", **({"by": by} if by else {})}, claimed=True)
+    return True
+
+
+def idle_sessions(machine: Machine | None = None) -> list[int]:
+    """Sessions whose server has been idle longer than their machine's idle time (or, with
+    ``machine``, every idle one of that machine, for its "stop all idle"), oldest first."""
+    rows = ServerRecord.objects.filter(
+        ready_at__isnull=False, stopping=False, session__status=Status.IDLE, session__turn_active=False
+    )
+    if machine is not None:
+        rows = rows.filter(machine=machine)
+    else:
+        now = timezone.now()
+        rows = rows.filter(machine__idle_stop_seconds__isnull=False).select_related("session", "machine")
+        return [
+            r.session_id for r in rows.order_by("session__last_activity_at")
+            if r.session.last_activity_at <= now - timedelta(seconds=r.machine.idle_stop_seconds)
+        ]
+    return list(rows.order_by("session__last_activity_at").values_list("session_id", flat=True))
+
+
+def sleep_idle_servers() -> list[int]:
+    """The housekeeping beat's part: hand every server idle past its machine's idle time to
+    the servers queue to be put to sleep (the sleep checks again under the lock)."""
+    found = idle_sessions()
+    for session_id in found:
+        dispatch.enqueue(dispatch.SLEEP_SERVER, session_id, True)
+    return found
+
+
+def idle_seconds(session_id: int) -> timedelta | None:
+    """The idle time of the session's machine, None when it has none."""
+    seconds = (
+        AgentSession.objects.filter(pk=session_id).values_list("machine__idle_stop_seconds", flat=True).first()
+    )
+    return timedelta(seconds=seconds) if seconds else None
+
+
+LOST_START = "The server's start was lost (a worker or the broker went away); starting it again."
+
+
+def recover_starts() -> list[int]:
+    """Sessions left ``loading`` by a start that was lost — its task never ran (the broker
+    was down) or its worker died — are started again: no live start claim, and nothing
+    recorded for a claim's lifetime. The notice it records keeps it from being re-queued
+    more often than that (docs/behaviour.md §5)."""
+    now = timezone.now()
+    stale = now - start_ttl()
+    lost = AgentSession.objects.filter(
+        Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now),
+        status=Status.LOADING, last_activity_at__lt=stale,
+    ).values_list("pk", flat=True)
+    found = list(lost)
+    for session_id in found:
+        record_event(session_id, Kind.NOTICE, {"message": LOST_START})
+        dispatch.enqueue(dispatch.START_SERVER, session_id)
+    return found
 
 
 def watch_servers() -> None:

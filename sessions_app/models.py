@@ -84,6 +84,9 @@ class AgentSession(models.Model):
         # A person stopped the server (Stop server): nothing went wrong; Restart starts it again.
         STOPPED = "stopped", "stopped"
         UNKNOWN = "unknown", "unknown"
+        # Stopped by Corral after the machine's idle time (docs/behaviour.md §5 "sleep"): the
+        # next message starts the server again, its prompt cache restored.
+        SLEEPING = "sleeping", "sleeping"
 
         @classmethod
         def server_down(cls) -> tuple[str, ...]:
@@ -134,6 +137,12 @@ class AgentSession(models.Model):
     lease_owner = models.CharField(max_length=64, blank=True)
     lease_expires = models.DateTimeField(null=True, blank=True)
     interrupt_requested = models.BooleanField(default=False)
+    # docs/behaviour.md §5 "one start at a time": who is starting (or restarting) the session's
+    # server, until when. Claimed with a conditional UPDATE like the step lease and renewed
+    # while the start lives, so a second start task leaves, and a start lost with its
+    # worker or the broker is seen as gone once the claim lapses (lifecycle.start_claim).
+    start_owner = models.CharField(max_length=64, blank=True)
+    start_expires = models.DateTimeField(null=True, blank=True)
 
     objects = AgentSessionQuerySet.as_manager()
 

@@ -202,15 +202,18 @@ def settings_text(payload: dict, *, first: bool = False) -> str:
 
 
 def usage_line(usage: dict) -> str:
-    """A ``usage`` payload as one line: ``"context 812 tokens · cached 790 · reply 41 tokens ·
+    """A ``usage`` payload as one line: ``"context 812 tokens · 790 warm · reply 41 tokens ·
     38.2 tok/s · seed 7 · temperature 0.25 (model), top_k 40 (server) · finish: length"``
     (the sampling values in force and where each came from, docs/behaviour.md §17); parts
-    the server did not report are left out, and so are their separators."""
+    the server did not report are left out, and so are their separators. *Warm* is how
+    many prompt tokens came from the prompt cache — kept by the server, or restored from a
+    saved slot (docs/behaviour.md §5): ``cached_tokens``, else llama-server's own ``cache_n``."""
     parts = []
     if usage.get("prompt_tokens") is not None:
         parts.append(f"context {usage['prompt_tokens']} tokens")
-    if usage.get("cached_tokens") is not None:
-        parts.append(f"cached {usage['cached_tokens']}")
+    warm = usage.get("cached_tokens", usage.get("cache_n"))
+    if warm is not None:
+        parts.append(f"{warm} warm")
     if usage.get("completion_tokens") is not None:
         parts.append(f"reply {usage['completion_tokens']} tokens")
     speed = usage.get("predicted_per_second")
@@ -250,9 +253,16 @@ def event_item(event, session_id: int = 0) -> dict | None:
         return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {_username(payload) or 'someone'}."}
     if kind == Kind.SERVER_STOPPED:
         who = _username(payload)
+        if payload.get("reason") == "idle":
+            # docs/behaviour.md §5 "sleep": the prompt cache was saved; the next message wakes it.
+            text = f"llama-server put to sleep by {who}." if who else "llama-server put to sleep after its idle time."
+            return {"type": "note", "dom_id": dom_id, "text": text + " The next message starts it again."}
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
     if kind == Kind.SERVER_READY:
-        return {"type": "note", "dom_id": dom_id, "text": f"llama-server is ready with {payload.get('model', '')}."}
+        text = f"llama-server is ready with {payload.get('model', '')}."
+        if payload.get("warm_tokens"):
+            text += f" Prompt cache restored: {payload['warm_tokens']} tokens warm."
+        return {"type": "note", "dom_id": dom_id, "text": text}
     if kind == Kind.SETTINGS:
         return {"type": "note", "dom_id": dom_id, "text": settings_text(payload, first=seq == 1)}
     return None

@@ -33,6 +33,20 @@ def restart_server(session_id: int) -> None:
 
 
 @shared_task
+def sleep_server(session_id: int, idle: bool = True, by: dict | None = None) -> None:
+    """Put an idle session's server to sleep: with ``idle`` only if it is still idle past
+    its machine's idle time; without, whenever it is idle (staff's "stop all idle")."""
+    lifecycle.sleep_server(session_id, idle_for=lifecycle.idle_seconds(session_id) if idle else None, by=by)
+
+
+@shared_task
+def remove_slot(place: dict, session_id: int, save_id: int) -> None:
+    """Delete the saved slot file of a deleted session from its machine (``place``: a
+    :func:`machines_app.transports.machine_place`, since the machine may be gone too)."""
+    lifecycle.remove_slot_file(place, session_id, save_id)
+
+
+@shared_task
 def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: int) -> None:
     """Stop a server whose session is gone (deleted): SIGTERM, grace, SIGKILL."""
     lifecycle.stop_orphan(place, pid, start_time, port, session_id)
@@ -40,7 +54,10 @@ def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: 
 
 @shared_task
 def watch_servers() -> None:
+    """The housekeeping beat: dead servers, lost starts, servers idle past their time."""
     lifecycle.watch_servers()
+    lifecycle.recover_starts()
+    lifecycle.sleep_idle_servers()
 
 
 @shared_task(bind=True)

@@ -177,6 +177,7 @@ class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
     jinja: bool  # False when started with a built-in template (legacy engine: no tools in a request)
     sampling_defaults: dict  # default_generation_settings.params: temperature, top_k, top_p, min_p, …
     n_ctx: int  # the slot's context size in tokens, from GET /props (when the server says)
+    warm_tokens: int  # prompt tokens restored from a saved slot (docs/behaviour.md §5 warm prompts)
 
 
 class CataloguePayload(TypedDict):
@@ -184,7 +185,7 @@ class CataloguePayload(TypedDict):
 
 
 class _ServerStoppedPayloadRequired(TypedDict):
-    reason: str
+    reason: str  # "stopped" (a person), "restart", "idle" (put to sleep: docs/behaviour.md §5)
 
 
 class ServerStoppedPayload(_ServerStoppedPayloadRequired, total=False):

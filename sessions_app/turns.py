@@ -127,7 +127,7 @@ def resume_queue(session_id: int) -> None:
     while the server was stopped wait for it)."""
     with transaction.atomic():
         session = locked(session_id)
-        if session.turn_active or session.status in (*Status.server_down(), Status.LOADING):
+        if session.turn_active or session.status in (*Status.server_down(), Status.LOADING, Status.SLEEPING):
             return
         _take_next(session, load_events(session_id))
 

@@ -102,6 +102,15 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/tools":
             self._json(200, run_tool(body["tool"], body.get("params", {}), self.headers.get("x-tool-cwd", ".")))
             return
+        if self.path.startswith("/slots/"):
+            # Like llama-server: a save of a slot it never filled writes nothing; there is
+            # nothing it could restore. Never a scripted reply.
+            if "action=save" in self.path:
+                self._json(200, {"id_slot": 0, "filename": body.get("filename"), "n_saved": 0, "n_written": 0})
+            else:
+                refused = {"code": 400, "message": "Unable to restore slot", "type": "invalid_request_error"}
+                self._json(400, {"error": refused})
+            return
         with LOCK:
             REQUESTS.append(body)
             reply = SCRIPT.pop(0) if SCRIPT else {"text": "done."}

@@ -221,7 +221,9 @@ def transcript_of(*steps):
         ({"seed": 1751817247}, "seed 1751817247"),
         ({"seed": 3, "finish_reason": "length"}, "seed 3 · finish: length"),
         ({"prompt_tokens": 10, "cached_tokens": 8, "completion_tokens": 2, "predicted_per_second": 31.25, "seed": 1,
-          "finish_reason": "stop"}, "context 10 tokens · cached 8 · reply 2 tokens · 31.2 tok/s · seed 1"),
+          "finish_reason": "stop"}, "context 10 tokens · 8 warm · reply 2 tokens · 31.2 tok/s · seed 1"),
+        # llama-server's own count when the OpenAI field is missing (docs/behaviour.md §5 warm prompts)
+        ({"prompt_tokens": 812, "cache_n": 790}, "context 812 tokens · 790 warm"),
         ({}, ""),
     ],
 )
