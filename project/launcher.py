@@ -4,7 +4,7 @@ Both first prepare the data directory (folders and the secret key, see
 ``project/data_dir.py``): settings only read it, so this happens here, before any
 process imports them.
 
-``python -m project.launcher run [--port N]``: embedded Redis when ``REDIS_URL`` is not
+``python -m project.launcher run [--port N | --port=N]``: embedded Redis when ``REDIS_URL`` is not
 set, migrations, the local machine with the demo models, an admin account, then
 supervisord (the ``supervisor`` package) running daphne, one Celery worker per queue
 (``project/queues.py``) and Celery beat. supervisord restarts a process that dies (at
@@ -291,28 +291,59 @@ def test(args: list[str]) -> int:
         _stop(redis, "embedded Redis")
 
 
-def _port(argv: list[str]) -> int:
-    """``--port N`` or ``PORT``, default 8000; raises ImproperlyConfigured when not a TCP port."""
-    if "--port" in argv:
-        given = argv[argv.index("--port") + 1] if argv.index("--port") + 1 < len(argv) else ""
-        os.environ["PORT"] = given or "missing"
+class UsageError(Exception):
+    """An argument the launcher does not know (``--prot``, a stray word): its message
+    names the argument; ``main`` prints it on one line and exits with status 2, the
+    usual status of a command-line usage error."""
+
+
+USAGE = "usage: ./corral run [--port N] | ./corral setup | ./corral test [pytest args]"
+
+
+def run_port(args: list[str]) -> int:
+    """The TCP port ``run`` serves on, from its arguments ``args`` (those after ``run``).
+
+    ``--port N`` or ``--port=N``; without either, the ``PORT`` variable; default 8000.
+    Raises UsageError for any other argument (a misspelt ``--prot 8765`` must not start
+    Corral on 8000 as if nothing had been asked) and ImproperlyConfigured, naming
+    ``PORT``, when the value is not a port number (1–65535).
+    """
+    given = None
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--port":
+            given = rest.pop(0) if rest else ""
+        elif arg.startswith("--port="):
+            given = arg.removeprefix("--port=")
+        else:
+            raise UsageError(f"unknown argument {arg!r} for run ({USAGE})")
+        if not given.strip():  # ``--port`` last, or ``--port=``: a mistake, not "use the default"
+            raise UsageError(f"{arg!r} needs a port number, as in --port 8765 ({USAGE})")
+    if given is not None:
+        os.environ["PORT"] = given
     return env_int("PORT", 8000, minimum=1, maximum=65535)
 
 
 def main(argv: list[str]) -> int:
-    command = argv[0] if argv else "run"
+    command, args = (argv[0], argv[1:]) if argv else ("run", [])
     try:
         if command == "run":
-            return run(_port(argv))
+            return run(run_port(args))
         if command == "test":
-            return test(argv[1:])
+            return test(args)
         if command == "setup":
+            if args:
+                raise UsageError(f"setup takes no arguments, got {' '.join(args)!r} ({USAGE})")
             return setup()
+        raise UsageError(f"unknown command {command!r} ({USAGE})")
+    except UsageError as exc:
+        print(f"corral: {exc}", file=sys.stderr)
+        return 2
     except ImproperlyConfigured as exc:
         sys.exit(f"corral: {exc}")
     except OSError as exc:  # e.g. CORRAL_DATA_DIR on a read-only disk or owned by someone else
         sys.exit(f"corral: cannot prepare the data directory {data_dir.location()}: {exc.strerror or exc}")
-    sys.exit(f"usage: {sys.argv[0]} run [--port N] | setup | test [pytest args]")
 
 
 if __name__ == "__main__":
