@@ -150,6 +150,14 @@ def _port_taken(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+#: supervisord's ``stopwaitsecs``: how long a program has between SIGTERM and SIGKILL.
+#: An idle Corral process exits in about a second (a Celery worker notices the stop at
+#: its next poll, up to 1 s; then half a second of interpreter teardown), but all five
+#: tear down at once, and on a small busy host (2 cores, a build or tests running) that
+#: took 5–6 s each: beat and worker-turns, given 5 s, were killed while exiting
+#: cleanly. SIGKILL is for a process that hangs, not for a slow machine.
+STOP_WAIT_SECONDS = 15
+
 # One [program:x] section per Corral process. %% is a literal % (supervisor expands
 # %(here)s-style names); %%h becomes Celery's %h, the host name.
 _PROGRAM = """
@@ -177,7 +185,8 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     ``beat``. Each is restarted when it exits (``autorestart``); one that dies within
     3 s of its start is retried with a back-off growing by a second each time, up to
     10 times, then left FATAL (logged). A stop sends SIGTERM to every program's process
-    group at once and SIGKILL after its ``stopwaitsecs`` (5–10 s). supervisord's control socket and pid file live in
+    group at once and SIGKILL to one still there after STOP_WAIT_SECONDS. supervisord's
+    control socket and pid file live in
     ``data/run`` (a stale socket is removed at start; a live one means another
     ``./corral run`` owns this data directory, and supervisord refuses to start).
     """
@@ -185,18 +194,18 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     celery = f"{bin_dir / 'celery'} -A project"
     run_dir = data / "run"
     programs = {
-        "web": (f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application", 10),
+        "web": f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application",
         # A streaming turn is cut at a stop (its page says so when the turn is taken over
-        # at the next start); five seconds lets short steps finish.
+        # at the next start): the warm shutdown waits for it until STOP_WAIT_SECONDS.
         "worker-turns": (f"{celery} worker -Q {queues.TURNS} -n {queues.TURNS}@%%h -P threads -c {turn_workers} "
-                         "-l info", 5),
+                         "-l info"),
         "worker-servers": (f"{celery} worker -Q {queues.SERVERS} -n {queues.SERVERS}@%%h -P threads "
-                           f"-c {queues.SERVERS_CONCURRENCY} -l info", 10),
+                           f"-c {queues.SERVERS_CONCURRENCY} -l info"),
         # Housekeeping runs every few seconds: at INFO its "received / succeeded" lines
         # would bury everything else (the admin password printed once included).
         "worker-housekeeping": (f"{celery} worker -Q {queues.HOUSEKEEPING} -n {queues.HOUSEKEEPING}@%%h -P threads "
-                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l warning", 10),
-        "beat": (f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}", 5),
+                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l warning"),
+        "beat": f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}",
     }
     head = (
         "[supervisord]\n"
@@ -217,8 +226,8 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
     )
     body = "".join(
-        _PROGRAM.format(name=name, command=command, directory=BASE_DIR, stopwait=stopwait)
-        for name, (command, stopwait) in programs.items()
+        _PROGRAM.format(name=name, command=command, directory=BASE_DIR, stopwait=STOP_WAIT_SECONDS)
+        for name, command in programs.items()
     )
     # One group: a stop signals every program at once instead of one after another.
     group = f"\n[group:corral]\nprograms={','.join(programs)}\n"
