@@ -186,10 +186,9 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     3 s of its start is retried with a back-off growing by a second each time, up to
     10 times, then left FATAL (logged). A stop sends SIGTERM to every program's process
     group at once and SIGKILL to one still there after STOP_WAIT_SECONDS. supervisord's
-    control socket and pid file live in
-    ``data/run`` (a stale socket is removed at start; a live one means another
-    ``./corral run`` owns this data directory, and supervisord refuses to start).
-    """
+    control socket and pid file live in ``data/run`` (a stale socket is removed at start;
+    a live one means another ``./corral run`` owns this data directory, and supervisord
+    refuses to start)."""
     bin_dir = Path(sys.executable).parent
     celery = f"{bin_dir / 'celery'} -A project"
     run_dir = data / "run"
