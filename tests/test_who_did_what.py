@@ -67,7 +67,8 @@ def test_every_user_action_records_who_did_it(session, alice, bob, monkeypatch):
     assert last(session, "settings") == {"visibility": "team_watch", "by": me(alice)}
     AgentSession.objects.filter(pk=session.pk).update(status="idle")
     actions.do_change_model(session, alice, "other.gguf")
-    assert last(session, "settings") == {"model_key": "other.gguf", "model": "Other model", "by": me(alice)}
+    assert last(session, "settings") == {"model_key": "other.gguf", "model": "Other model", "takes_images": False,
+                                        "by": me(alice)}
     AgentSession.objects.filter(pk=session.pk).update(status="exited")
     actions.do_restart(session, alice)
     assert last(session, "status") == {"status": "loading", "by": me(alice)}
