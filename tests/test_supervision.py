@@ -50,7 +50,8 @@ class Launcher:
         """``own_group``: the launcher leads a process group of its own, as in a terminal,
         where a Ctrl-C goes to every process of the foreground group."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "project.launcher", "run", "--port", str(self.port)],
+            # --port=N here, --port N in the port-in-use test below: both spellings serve.
+            [sys.executable, "-m", "project.launcher", "run", f"--port={self.port}"],
             cwd=ROOT, env=self.env, stdout=open(self.data.parent / "launcher.log", "ab"), stderr=subprocess.STDOUT,
             start_new_session=own_group,
         )
