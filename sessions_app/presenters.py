@@ -22,7 +22,7 @@ from .markdown import render_markdown
 from .models import Access, AgentSession
 from .transcript import Kind, actor, image_refs
 
-#: Kinds that neither show nor close a block.
+#: Kinds that neither show nor close a block (but a Restart's ``status``: :func:`is_restart`).
 SILENT_KINDS = frozenset({Kind.STATUS, Kind.CATALOGUE})
 #: Kinds that show nothing but end the reply block (an interrupted reply has no usage).
 CLOSING_KINDS = frozenset({Kind.TURN_END})
@@ -232,6 +232,14 @@ def usage_line(usage: dict) -> str:
     return " · ".join(parts)
 
 
+def is_restart(status_payload) -> bool:
+    """Whether a ``status`` payload is a person's Restart: ``loading`` with ``by``, which
+    only ``actions.do_restart`` writes (a first start, a model change and the watch's
+    "loading again" name no one in it). Shown as "llama-server restarted by alice."
+    (docs/sharing.md, "Who did what")."""
+    return status_payload.get("status") == "loading" and bool(_username(status_payload))
+
+
 def event_item(event, session_id: int = 0) -> dict | None:
     """The display item of one non-block event, or None when it shows nothing by itself."""
     kind, payload, seq = event.kind, event.payload, event.seq
@@ -257,7 +265,11 @@ def event_item(event, session_id: int = 0) -> dict | None:
             # docs/behaviour.md §5 "sleep": the prompt cache was saved; the next message wakes it.
             text = f"llama-server put to sleep by {who}." if who else "llama-server put to sleep after its idle time."
             return {"type": "note", "dom_id": dom_id, "text": text + " The next message starts it again."}
+        if payload.get("reason") == "restart":  # the restart's own note names who asked (below)
+            return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped for the restart."}
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
+    if kind == Kind.STATUS and is_restart(payload):
+        return {"type": "note", "dom_id": dom_id, "text": f"llama-server restarted by {_username(payload)}."}
     if kind == Kind.SERVER_READY:
         text = f"llama-server is ready with {payload.get('model', '')}."
         if payload.get("warm_tokens"):
@@ -474,6 +486,9 @@ class TranscriptView:
         if kind == Kind.STATUS:
             if render:
                 ops.append({"op": "status", Kind.STATUS: payload.get("status"), "html": render_status(payload["status"])})
+            if is_restart(payload):  # the one status event that shows: a note, like a stop's
+                self._close(ops, render)
+                self._show(event_item(event, self.session_id), ops, render)
             return ops
         if kind == Kind.SERVER_READY:
             self.ready = dict(payload)

@@ -75,6 +75,22 @@ def test_every_kind_of_response_carries_the_policy(alice, charlie_staff, django_
             assert parser.found == [], what  # what the policy would block, i.e. what would break
 
 
+@pytest.mark.django_db
+def test_the_favicon_is_served_and_every_page_points_to_it(alice):
+    """``/favicon.ico`` used to answer 404: a console error on every first visit (browsers
+    ask for it on pages without a <link rel="icon">, such as the admin's)."""
+    anonymous = Client()
+    answer = anonymous.get("/favicon.ico", follow=True)
+    assert answer.redirect_chain == [("/static/corral/favicon.svg", 301)]
+    assert answer.status_code == 200 and answer["Content-Type"] == "image/svg+xml"
+    icon = b"".join(answer.streaming_content)
+    assert icon.startswith(b"<svg") and b"<script" not in icon
+    for page in (anonymous.get("/login/"), _logged_in(alice).get("/")):
+        links = re.findall(r'<link rel="icon" href="([^"]+)"', page.content.decode())
+        assert links == ["/static/corral/favicon.svg"]
+    assert _policy(answer)["img-src"] == ["'self'"]  # the icon is the page's own: no data: needed
+
+
 class _InlineCode(HTMLParser):
     """Collects what a strict CSP would block: inline <script>/<style>, on*= handlers,
     style= attributes, javascript: URLs."""

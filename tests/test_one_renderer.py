@@ -84,6 +84,15 @@ TRANSCRIPTS = {
         ("server_stopped", {"reason": "stopped"}),
         ("turn_end", {"reason": "stopped"}),
     ),
+    "a restart between turns": script(
+        ("message_taken", {"text": "hi", "queued_id": None, "by": {"id": 1, "username": "alice"}}),
+        ("assistant_text", {"text": "Hello"}),
+        ("status", {"status": "loading", "by": {"id": 2, "username": "bob"}}),
+        ("server_stopped", {"reason": "restart"}),
+        ("server_ready", {"model_key": "m.gguf", "model": "M"}),
+        ("status", {"status": "idle"}),
+        ("message_taken", {"text": "again", "queued_id": None, "by": {"id": 1, "username": "alice"}}),
+    ),
     "messages with images, queued and taken": script(
         ("message_taken", {"text": "what is this?", "queued_id": None, "by": {"id": 1, "username": "alice"},
                            "images": [IMAGE_A, IMAGE_B]}),

@@ -102,6 +102,7 @@ def test_stop_server_disables_the_message_box_and_restart_in_it_brings_it_back(s
     send(page, "Are you back?")
     page.locator(".msg.assistant .md", has_text="Back again.").wait_for()
     assert page.locator(".note", has_text="llama-server stopped by alice.").count() == 1
+    assert page.locator(".note", has_text="llama-server restarted by alice.").count() == 1
 
 
 def test_a_rename_changes_the_heading_and_tab_title_of_every_watching_page(stack, page, fake_machine, alice,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -213,7 +214,8 @@ def test_corral_run_has_debug_only_on_a_plain_loopback_run(monkeypatch, https, d
 
 @pytest.mark.parametrize(
     ("argv", "env", "words"),
-    [(["run", "--port", "eighty"], {}, "PORT='eighty' is not valid"), (["run", "--port"], {}, "is not valid"),
+    [(["run", "--port", "eighty"], {}, "PORT='eighty' is not valid"),
+     (["run", "--port=0"], {}, "PORT='0' is not valid"),
      (["run"], {"PORT": "99999"}, "at most 65535"), (["run"], {"CORRAL_HTTPS": "sure"}, "CORRAL_HTTPS='sure'"),
      (["test"], {"CORRAL_DATA_DIR": "/proc/corral-data"}, "cannot prepare the data directory /proc/corral-data"),
      (["run"], {"CORRAL_TURN_WORKERS": "many"}, "CORRAL_TURN_WORKERS='many'"),
@@ -227,3 +229,41 @@ def test_the_launcher_refuses_bad_input_with_a_message_not_a_traceback(tmp_path,
     assert result.returncode == 1
     assert result.stderr.startswith("corral: ") and words in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "port"),
+    [(["--port", "8765"], 8765), (["--port=8765"], 8765), ([], 8000), (["--port", "1", "--port=2"], 2)],
+)
+def test_corral_run_takes_its_port_in_either_spelling(monkeypatch, args, port):
+    monkeypatch.delenv("PORT", raising=False)
+    assert launcher.run_port(args) == port
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [(["--prot", "8765"], "'--prot'"), (["8765"], "'8765'"), (["--port", "8765", "-v"], "'-v'"),
+     (["--port"], "'--port' needs a port number"), (["--port="], "'--port=' needs a port number")],
+)
+def test_corral_run_refuses_an_argument_it_does_not_know_naming_it(monkeypatch, args, named):
+    """A misspelt ``--prot 8765`` used to be ignored: Corral started on 8000 as if
+    nothing had been asked."""
+    monkeypatch.setenv("PORT", "8000")
+    with pytest.raises(launcher.UsageError, match=re.escape(named)):
+        launcher.run_port(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [(["run", "--prot", "1"], "unknown argument '--prot' for run"), (["setup", "now"], "setup takes no arguments"),
+     (["serve"], "unknown command 'serve'")],
+)
+def test_a_usage_mistake_is_one_line_and_exit_status_2(tmp_path, argv, words):
+    for command in ([sys.executable, "-m", "project.launcher", *argv], [str(ROOT / "corral"), *argv]):
+        result = subprocess.run(command, cwd=ROOT, env=_child_env(tmp_path), capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, command
+        assert result.stderr.startswith(f"corral: {words}") and result.stderr.count("\n") == 1, command
+        # ./corral checks its arguments before it installs, builds or imports anything.
+        assert result.stdout == "", command
+    assert not (tmp_path / "data").exists()

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -45,10 +46,14 @@ class Launcher:
         self.env.update(CORRAL_DATA_DIR=str(data), CORRAL_ADMIN_PASSWORD="admin-password-1", CORRAL_TURN_WORKERS="2")
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, *, own_group: bool = False) -> None:
+        """``own_group``: the launcher leads a process group of its own, as in a terminal,
+        where a Ctrl-C goes to every process of the foreground group."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "project.launcher", "run", "--port", str(self.port)],
+            # --port=N here, --port N in the port-in-use test below: both spellings serve.
+            [sys.executable, "-m", "project.launcher", "run", f"--port={self.port}"],
             cwd=ROOT, env=self.env, stdout=open(self.data.parent / "launcher.log", "ab"), stderr=subprocess.STDOUT,
+            start_new_session=own_group,
         )
         wait_for(lambda: set(self.running()) == PROGRAMS, 120, interval=0.5, what="every program RUNNING")
         wait_for(self.serves, 60, interval=0.5, what="daphne to answer")
@@ -155,6 +160,43 @@ def test_sigint_stops_everything_and_a_second_run_starts_over_stale_files(launch
 
     launcher.start()  # the same data directory and port, at once
     assert set(launcher.running()) == PROGRAMS
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c", "slow exits"])
+def test_an_idle_stack_stops_cleanly_and_logs_each_line_once(launcher, stop):
+    """No program is killed (supervisord's SIGKILL after stopwaitsecs), nothing fails on
+    the way out, and each supervisord line appears once (it printed each twice: its log
+    file was /dev/stdout, and in the foreground it copies its log to stdout too). A Ctrl-C
+    in a terminal reaches the launcher's whole process group: the embedded Redis must not
+    be in it, or it is gone before the workers' warm shutdown. "slow exits": on a busy
+    host beat and worker-turns took 5–6 s to exit cleanly and were killed at 5 s; here
+    they are held (SIGSTOP) for 7 s of their stop, then let go."""
+    launcher.start(own_group=True)
+    log_file = launcher.data.parent / "launcher.log"
+    # Consumers up (workers at INFO say so), so each stop goes through Celery's warm shutdown.
+    wait_for(lambda: re.search(r"turns@\S+ ready", (text := log_file.read_text())) and re.search(r"servers@\S+ ready",
+             text), 60, interval=0.5, what="the turns and servers workers ready")
+    everything = launcher.tree()
+    held = [launcher.running()[name] for name in ("beat", "worker-turns")] if stop == "slow exits" else []
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)  # the SIGTERM supervisord sends waits until SIGCONT
+    if stop == "ctrl-c":
+        os.killpg(launcher.proc.pid, signal.SIGINT)
+    else:
+        launcher.proc.send_signal(signal.SIGTERM)
+    if held:
+        wait_for(lambda: "waiting for" in log_file.read_text(), 30, interval=0.2, what="supervisord stopping them")
+        time.sleep(7)
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+    assert launcher.proc.wait(60) == 0
+    assert _gone(everything) == []
+    log = log_file.read_text()
+    for name in PROGRAMS:
+        assert log.count(f"spawned: '{name}' with pid") == 1, name
+        assert log.count(f"stopped: {name} (") == 1, name
+    assert "SIGKILL" not in log
+    assert "Traceback" not in log
 
 
 def test_a_launcher_killed_outright_takes_every_corral_process_with_it(launcher):

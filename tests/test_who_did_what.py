@@ -67,7 +67,8 @@ def test_every_user_action_records_who_did_it(session, alice, bob, monkeypatch):
     assert last(session, "settings") == {"visibility": "team_watch", "by": me(alice)}
     AgentSession.objects.filter(pk=session.pk).update(status="idle")
     actions.do_change_model(session, alice, "other.gguf")
-    assert last(session, "settings") == {"model_key": "other.gguf", "model": "Other model", "by": me(alice)}
+    assert last(session, "settings") == {"model_key": "other.gguf", "model": "Other model", "takes_images": False,
+                                        "by": me(alice)}
     AgentSession.objects.filter(pk=session.pk).update(status="exited")
     actions.do_restart(session, alice)
     assert last(session, "status") == {"status": "loading", "by": me(alice)}
@@ -141,13 +142,17 @@ STORY = [
     Event(13, "interrupted", {"by": "ann"}),
     Event(14, "message_taken", {"text": "x", "queued_id": None, "by": HOSTILE}),
     Event(15, "server_stopped", {"reason": "stopped", "by": ALICE}),
-    Event(16, "server_stopped", {"reason": "restart"}),
+    Event(16, "server_stopped", {"reason": "stopped"}),
+    Event(17, "status", {"status": "loading", "by": BOB}),  # bob's Restart
+    Event(18, "server_stopped", {"reason": "restart"}),
+    Event(19, "status", {"status": "loading"}),  # a first start or a model change: no note
 ]
 SENTENCES = [
     '<div class="who">bob</div>', "Allowed once by alice", "Interrupted by bob.", "cleared by alice",
     "bob changed settings: title → Flock", "alice changed settings: visibility → the team may act",
     '<div class="who">ann</div>', "Interrupted by ann.", '<div class="who">&lt;b&gt;mallory&lt;/b&gt;</div>',
-    "llama-server stopped by alice.", "llama-server stopped.</div>",
+    "llama-server stopped by alice.", "llama-server stopped.</div>", "llama-server restarted by bob.",
+    "llama-server stopped for the restart.",
 ]
 
 
@@ -164,6 +169,7 @@ def test_the_page_names_who_did_it_on_first_paint_and_live_alike():
         assert sentence in first_paint, sentence
         assert sentence in live_html, sentence
     assert "<b>mallory" not in first_paint + live_html
+    assert first_paint.count("restarted by") == live_html.count("restarted by") == 1
 
 
 @pytest.mark.django_db
