@@ -152,8 +152,8 @@ class Block:
 
 #: How a ``settings`` payload key reads on the page (the session's own field names are
 #: the code's; ``model_key`` is a path, shown only when no display name came with it).
-SETTING_LABELS = {"model": "model", "model_key": "model", "permission_mode": "tool calls", "sampling": "sampling",
-                  "server_params": "server", "system_prompt": "system prompt", "title": "title",
+SETTING_LABELS = {"model": "model", "model_key": "model", "permission_mode": "tool calls", "server_params": "server",
+                  "sampling": "sampling", "system_prompt": "system prompt", "title": "title",
                   "visibility": "visibility"}
 #: Server parameters by the words of the form (llama-server's flags: docs/behaviour.md §5).
 SERVER_PARAM_WORDS = {"contextSize": "context size", "gpuLayers": "GPU layers", "threads": "threads",
@@ -176,7 +176,7 @@ def _setting(key: str, value) -> str:
         if not value:
             return "defaults"
         words = SERVER_PARAM_WORDS if key == "server_params" else {}
-        return ", ".join(f"{words.get(k, k)} {v}" for k, v in value.items())
+        return ", ".join(f"{words.get(k, k)} {v}" for k, v in sorted(value.items()))
     return str(value)
 
 
@@ -187,7 +187,9 @@ def settings_text(payload: dict, *, first: bool = False) -> str:
     ``"bob changed settings: title → Flock"``. A ``reason`` (the gate turned back on) is
     the line's last sentence."""
     who = _username(payload)
-    keys = [k for k in payload if k in SETTING_LABELS and not (k == "model_key" and "model" in payload)]
+    # In SETTING_LABELS' order, never the payload's: PostgreSQL's jsonb keeps keys in an
+    # order of its own, and the line must read the same from either database.
+    keys = [k for k in SETTING_LABELS if k in payload and not (k == "model_key" and "model" in payload)]
     reason = payload.get("reason")
     if first and "model_key" in payload:
         model = payload.get("model") or payload["model_key"]
@@ -199,6 +201,16 @@ def settings_text(payload: dict, *, first: bool = False) -> str:
     if reason:
         text = f"{text} {reason}" if text else str(reason)
     return text
+
+
+#: The order the usage line names sampling values in: a fixed one, since PostgreSQL's
+#: jsonb does not keep a payload's key order (the page and the live op must agree).
+SAMPLING_ORDER = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "max_tokens", "seed")
+
+
+def _sampling_order(item: tuple[str, object]) -> tuple[int, str]:
+    name = item[0]
+    return (SAMPLING_ORDER.index(name) if name in SAMPLING_ORDER else len(SAMPLING_ORDER), name)
 
 
 def usage_line(usage: dict) -> str:
@@ -225,7 +237,8 @@ def usage_line(usage: dict) -> str:
     if isinstance(in_force, dict) and in_force:
         sources = usage.get("sampling_from") if isinstance(usage.get("sampling_from"), dict) else {}
         parts.append(", ".join(
-            f"{name} {value}" + (f" ({sources[name]})" if sources.get(name) else "") for name, value in in_force.items()
+            f"{name} {value}" + (f" ({sources[name]})" if sources.get(name) else "")
+            for name, value in sorted(in_force.items(), key=_sampling_order)
         ))
     if usage.get("finish_reason") and usage["finish_reason"] != "stop":
         parts.append(f"finish: {usage['finish_reason']}")

@@ -74,3 +74,25 @@ def test_the_tool_list_and_a_ready_note_arrive_live():
     assert "on gpu-box (the model's machine)" in ops[0]["html"] and "MCP server calc" in ops[0]["html"]
     ready = renderer.feed(Event(2, "server_ready", {"model_key": "g.gguf", "model": "Gemma 3 270m"}))
     assert "llama-server is ready with Gemma 3 270m." in ready[0]["html"]
+
+
+def test_settings_and_usage_lines_read_the_same_whatever_order_the_database_keeps_keys_in():
+    """PostgreSQL's jsonb stores a payload's keys in an order of its own (shorter keys
+    first), so a line drawn from a stored event must not follow the payload's order: the
+    page (read back) and the live op (the payload as written) would differ."""
+    from sessions_app.presenters import settings_text, usage_line
+
+    written = {"model_key": "m.gguf", "permission_mode": "manual", "server_params": {"threads": 2, "contextSize": 1024},
+               "sampling": {"top_k": 40, "temperature": 0.2}, "by": {"id": 1, "username": "alice"}}
+    read_back = dict(sorted(written.items(), key=lambda kv: (len(kv[0]), kv[0])))  # jsonb's order
+    read_back["server_params"] = dict(reversed(written["server_params"].items()))
+    read_back["sampling"] = dict(reversed(written["sampling"].items()))
+    assert list(read_back) != list(written)
+    assert settings_text(read_back, first=True) == settings_text(written, first=True)
+    assert settings_text(read_back) == settings_text(written)
+
+    usage = {"prompt_tokens": 10, "sampling": {"top_k": 40, "temperature": 0.25, "min_p": 0.05},
+             "sampling_from": {"temperature": "model", "top_k": "server", "min_p": "session"}}
+    shuffled = {**usage, "sampling": dict(reversed(usage["sampling"].items()))}
+    assert usage_line(shuffled) == usage_line(usage)
+    assert "temperature 0.25 (model), top_k 40 (server), min_p 0.05 (session)" in usage_line(usage)
