@@ -319,12 +319,20 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
         raise SessionError(f"The image could not be stored on the server ({exc.strerror or exc}).") from None
     with transaction.atomic():
         session = locked(session.pk)
-        if session.status in Status.server_down():
-            raise SessionError(SERVER_DOWN_SENTENCE)
-        if session.status == Status.SLEEPING:
-            change_status(session, Status.LOADING, by=by(user))
-            dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
+        _wake(session, user)
         turns.take_message(session, text, by(user), refs)
+
+
+def _wake(session: AgentSession, user) -> None:
+    """Before a message is taken on ``session`` (locked by the caller): refuse when its
+    server is gone (``exited``, ``stopped``); start a ``sleeping`` one again, so the turn
+    waits for it as for ``loading`` (docs/behaviour.md §5 "sleep", C45). Every way a
+    message is sent — a new one, Regenerate, an edit — comes through here."""
+    if session.status in Status.server_down():
+        raise SessionError(SERVER_DOWN_SENTENCE)
+    if session.status == Status.SLEEPING:
+        change_status(session, Status.LOADING, by=by(user))
+        dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -355,7 +363,8 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
     history; the model no longer sees it.
 
     Raises SessionError while a turn runs, when the server is not running, or when there
-    is no message since the conversation was cleared.
+    is no message since the conversation was cleared. A ``sleeping`` server is started again
+    first, as for a new message (docs/behaviour.md §5 "sleep").
     """
     if text is not None:
         text = check_message(text)
@@ -368,6 +377,7 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
         last = transcript.last_message(load_events(session.pk))
         if last is None:
             raise SessionError("There is no message to send again since the conversation was cleared.")
+        _wake(session, user)  # a sleeping server wakes for it as for a new message (C45)
         turns.take_again(session, last["text"] if text is None else text, by(user), replaces=last["seq"],
                          images=last.get("images"),
                          edited=text is not None)
