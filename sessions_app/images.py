@@ -202,12 +202,37 @@ def read(ref: ImageRef) -> bytes | None:
     return data if hashlib.sha256(data).hexdigest() == ref["sha256"] else None
 
 
+#: Media types llama-server's image loader reads as they are (llama.cpp's mtmd decodes
+#: with stb_image: PNG, JPEG, GIF, … but not WebP, which it answers with HTTP 400 "Failed
+#: to load image or audio file").
+SERVER_READS = {"image/png", "image/jpeg", "image/gif"}
+
+
+def as_png(data: bytes) -> bytes:
+    """An image's pixels re-encoded as PNG (lossless): the same bytes in give the same bytes
+    out, so a request carrying it stays byte-identical turn after turn."""
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        pixels = image if image.mode in ("RGB", "RGBA", "L", "LA", "P", "1") else image.convert("RGBA")
+        out = io.BytesIO()
+        pixels.save(out, "PNG")
+    return out.getvalue()
+
+
 def data_uri(ref: ImageRef) -> str | None:
     """The image as the URL of an OpenAI ``image_url`` content part (``data:<media
     type>;base64,<bytes>``, what llama-server's multimodal chat accepts), or None when its
-    file cannot be read. The same bytes always give the same text, so a request's prefix
-    stays byte-identical turn after turn (docs/behaviour.md §13)."""
+    file cannot be read. A kind llama-server cannot read (WebP: :data:`SERVER_READS`) is
+    sent as PNG; the stored file and the page's thumbnail keep the original. The same bytes
+    always give the same text, so a request's prefix stays byte-identical turn after turn
+    (docs/behaviour.md §13)."""
     data = read(ref)
     if data is None:
         return None
-    return f"data:{ref['media_type']};base64,{base64.b64encode(data).decode('ascii')}"
+    media_type = ref["media_type"]
+    if media_type not in SERVER_READS:
+        try:
+            data, media_type = as_png(data), "image/png"
+        except (OSError, ValueError, Image.DecompressionBombError):
+            return None  # checked when attached; unreadable now is as good as missing
+    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"

@@ -132,3 +132,30 @@ def test_the_real_server_cannot_read_a_png_cut_short_so_corral_refuses_it_at_sen
                             [Upload("whole.png", png(64, 64, 64))])
     wait_for(lambda: TranscriptEvent.objects.filter(session=session, kind="turn_end").exists(), 120, what="a reply")
     assert TranscriptEvent.objects.get(session=session, kind="turn_end").payload["reason"] == "done"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_webp_image_reaches_the_real_server_as_png_and_is_answered_turn_after_turn(stack, smol_with_projector,  # noqa: F811
+                                                                                       alice, tmp_path, settings):
+    """llama-server's loader (stb_image) reads no WebP: sent as it is, the image failed its
+    own turn and every later one (HTTP 400 "Failed to load image or audio file")."""
+    settings.DATA_DIR = stack.data_dir
+    model = smol_with_projector.model_files.get()
+    session = actions.do_create_session(
+        alice, machine=smol_with_projector, model_key=model.key, working_dir=str(tmp_path), server_params={},
+        sampling={"max_tokens": 4, "seed": 7, "temperature": 0.0}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 120, what="llama-server ready")
+    webp = saved("RGBA", "WEBP", (40, 30))
+    for n, (text, attached) in enumerate([("What is this?", [Upload("blue.webp", webp)]), ("Sure?", [])], 1):
+        actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, text, attached)
+        wait_for(lambda n=n: TranscriptEvent.objects.filter(session=session, kind="turn_end").count() == n, 120,
+                 what=f"reply {n}")
+    events = TranscriptEvent.objects.filter(session=session).order_by("seq")
+    assert not [e.payload for e in events if e.kind == "error"]
+    assert [e.payload["reason"] for e in events if e.kind == "turn_end"] == ["done", "done"]
+    first = next(e.payload for e in events if e.kind == "message_taken")
+    assert first["images"][0]["media_type"] == "image/webp"  # stored and shown as it came
+    usage = [e.payload for e in events if e.kind == "usage"]
+    assert usage[1]["cached_tokens"] >= usage[0]["prompt_tokens"]  # the PNG sent again byte for byte
