@@ -8,6 +8,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from sessions_app import dispatch, lifecycle
+from sessions_app.actions import SessionError, check_system_prompt
 
 from . import actions as machine_actions
 from . import ssh
@@ -198,6 +199,17 @@ class MachineAdmin(admin.ModelAdmin):
             self.message_user(request, f"{machine.name} ({machine.host_entry}): host key re-pinned, {old} → {new}.")
 
 
+def admin_system_prompt(text: str) -> str:
+    """A default system prompt an admin sets (a model file's, the deployment's), held to the
+    rule of a session's own (``check_system_prompt``: no control character, surrounding white
+    space dropped), so no door lets through what the session form refuses. Raises
+    ``ValidationError`` with the same sentence."""
+    try:
+        return check_system_prompt(text)
+    except SessionError as exc:
+        raise forms.ValidationError(str(exc)) from None
+
+
 class ModelFileForm(forms.ModelForm):
     """What an admin sets on a discovered model file (docs/behaviour.md §17): its default
     system prompt and the chat template its server uses — a llama.cpp built-in name or a
@@ -211,6 +223,9 @@ class ModelFileForm(forms.ModelForm):
     class Meta:
         model = ModelFile
         fields = ["system_prompt", "chat_template", "chat_template_file"]
+
+    def clean_system_prompt(self) -> str:
+        return admin_system_prompt(self.cleaned_data["system_prompt"])
 
     def clean(self):
         data = super().clean()

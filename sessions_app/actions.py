@@ -90,6 +90,7 @@ def do_create_session(
     if refusal:
         raise SessionError(refusal)
     check_permission_mode(session_owner=owner, user=owner, mode=permission_mode)
+    title = check_title(title)
     with transaction.atomic():
         session = AgentSession.objects.create(
             owner=owner,
@@ -167,7 +168,9 @@ def do_update_settings(
 ) -> bool:
     """Rename the session and change its parameters. Sampling and the system prompt take
     effect on the next request (docs/behaviour.md §17; None leaves the prompt as it is);
-    server parameters need a restart (returns True when they changed)."""
+    server parameters need a restart (returns True when they changed). Raises SessionError
+    for a title :func:`check_title` refuses."""
+    title = check_title(title)
     with transaction.atomic():
         current = locked(session.pk)
         changes: dict = {}
@@ -223,6 +226,22 @@ def _refuse_controls(text: str, what: str) -> None:
                 f"{what} contains a control character (U+{ord(char):04X} at character {index + 1:,}), "
                 "which cannot be sent; remove it and send again."
             )
+
+
+#: The longest title a session may have (the column's length).
+MAX_TITLE_CHARS = 200
+
+
+def check_title(title: str) -> str:
+    """A session's title as stored, whichever way it comes (the new-session form, the
+    settings form, Rename, the admin): one line, as a heading and a tab title show it (runs
+    of white space, line breaks included, become one space); '' = "Session <id>". Raises
+    SessionError for a control character or more than :data:`MAX_TITLE_CHARS` characters."""
+    title = " ".join(title.split())
+    _refuse_controls(title, "The title")
+    if len(title) > MAX_TITLE_CHARS:
+        raise SessionError(f"A title can be at most {MAX_TITLE_CHARS} characters long; this one has {len(title)}.")
+    return title
 
 
 def check_system_prompt(text: str) -> str:
@@ -300,12 +319,20 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
         raise SessionError(f"The image could not be stored on the server ({exc.strerror or exc}).") from None
     with transaction.atomic():
         session = locked(session.pk)
-        if session.status in Status.server_down():
-            raise SessionError(SERVER_DOWN_SENTENCE)
-        if session.status == Status.SLEEPING:
-            change_status(session, Status.LOADING, by=by(user))
-            dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
+        _wake(session, user)
         turns.take_message(session, text, by(user), refs)
+
+
+def _wake(session: AgentSession, user) -> None:
+    """Before a message is taken on ``session`` (locked by the caller): refuse when its
+    server is gone (``exited``, ``stopped``); start a ``sleeping`` one again, so the turn
+    waits for it as for ``loading`` (docs/behaviour.md §5 "sleep", C45). Every way a
+    message is sent — a new one, Regenerate, an edit — comes through here."""
+    if session.status in Status.server_down():
+        raise SessionError(SERVER_DOWN_SENTENCE)
+    if session.status == Status.SLEEPING:
+        change_status(session, Status.LOADING, by=by(user))
+        dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -336,7 +363,8 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
     history; the model no longer sees it.
 
     Raises SessionError while a turn runs, when the server is not running, or when there
-    is no message since the conversation was cleared.
+    is no message since the conversation was cleared. A ``sleeping`` server is started again
+    first, as for a new message (docs/behaviour.md §5 "sleep").
     """
     if text is not None:
         text = check_message(text)
@@ -349,6 +377,7 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
         last = transcript.last_message(load_events(session.pk))
         if last is None:
             raise SessionError("There is no message to send again since the conversation was cleared.")
+        _wake(session, user)  # a sleeping server wakes for it as for a new message (C45)
         turns.take_again(session, last["text"] if text is None else text, by(user), replaces=last["seq"],
                          images=last.get("images"),
                          edited=text is not None)
@@ -481,18 +510,11 @@ def do_clear(session: AgentSession, user) -> None:
         append(current, Kind.CLEARED, {"by": by(user)})
 
 
-#: The longest title a session may have (the column's length).
-MAX_TITLE_CHARS = 200
-
-
 def do_rename(session: AgentSession, user, title: str) -> None:
     """Give the session a new title (empty: back to "Session <id>"), recorded as a
     ``settings`` event so every open page updates its heading and tab title at once.
-    Raises SessionError for a title longer than :data:`MAX_TITLE_CHARS` characters."""
-    title = " ".join(title.split())  # one line, as a heading shows it
-    if len(title) > MAX_TITLE_CHARS:
-        raise SessionError(f"A title can be at most {MAX_TITLE_CHARS} characters long; this one has {len(title)}.")
-    _change_setting(session, user, "title", title)
+    Raises SessionError for a title :func:`check_title` refuses."""
+    _change_setting(session, user, "title", check_title(title))
 
 
 def do_set_visibility(session: AgentSession, user, visibility: str) -> None:

@@ -15,8 +15,9 @@ from django.urls import reverse
 from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
-from machines_app.admin import InternalRowAdmin
+from machines_app.admin import InternalRowAdmin, admin_system_prompt
 
+from .actions import SessionError, check_title
 from .events import load_events
 from .models import Access, AgentSession, DeploymentSettings, McpServer, TranscriptEvent
 from .presenters import Viewer, build_items, render_item
@@ -29,8 +30,19 @@ EDITABLE_SESSION_FIELDS = ("title",)
 EVENT_TEXT_CHARS = 120
 
 
+class AgentSessionForm(forms.ModelForm):
+    """The admin's one change to a session, its title, held to the session form's rule."""
+
+    def clean_title(self) -> str:
+        try:
+            return check_title(self.cleaned_data["title"])
+        except SessionError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+
 @admin.register(AgentSession)
 class AgentSessionAdmin(admin.ModelAdmin):
+    form = AgentSessionForm
     list_display = ("__str__", "owner", "machine", "model_key", "status", "visibility", "last_activity_at")
     list_filter = ("status", "visibility", "machine")
     search_fields = ("title", "model_key", "owner__username")
@@ -127,9 +139,20 @@ class McpServerAdmin(admin.ModelAdmin):
     def has_api_key(self, obj) -> bool:
         return bool(obj.api_key)
 
+class DeploymentSettingsForm(forms.ModelForm):
+    class Meta:
+        model = DeploymentSettings
+        fields = ["system_prompt"]
+
+    def clean_system_prompt(self) -> str:
+        return admin_system_prompt(self.cleaned_data["system_prompt"])
+
+
 @admin.register(DeploymentSettings)
 class DeploymentSettingsAdmin(admin.ModelAdmin):
     """The one row of deployment-wide defaults: the admin's list links straight to it."""
+
+    form = DeploymentSettingsForm
 
     def has_add_permission(self, request):
         return not DeploymentSettings.objects.exists()

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
+from markdown_it import MarkdownIt
+
 from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload
 
 __all__ = ["read_jsonl", "to_jsonl", "to_markdown"]
@@ -31,12 +33,18 @@ def _created_at(event: EventLike) -> str | None:
     return when.isoformat() if isinstance(when, datetime) else None
 
 
+#: Characters JSON leaves raw but that many line readers (Python's ``str.splitlines``,
+#: editors) take for a line break: written as ``\\u`` escapes, so one event stays one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def to_jsonl(events: Iterable[EventLike]) -> Iterator[str]:
     """One line per event (with its ``\\n``), in the order given (callers pass seq order).
-    Non-ASCII text is written as is (UTF-8); keys keep the stored payload's order."""
+    Non-ASCII text is written as is (UTF-8) but for the Unicode line breaks U+0085, U+2028
+    and U+2029, which are escaped; keys keep the stored payload's order."""
     for event in events:
         line = {"seq": event.seq, "kind": event.kind, "payload": event.payload, "created_at": _created_at(event)}
-        yield json.dumps(line, ensure_ascii=False) + "\n"
+        yield json.dumps(line, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
 
 
 def read_jsonl(text: str) -> list[Event]:
@@ -44,7 +52,8 @@ def read_jsonl(text: str) -> list[Event]:
     for a line that is not JSON, lacks ``seq``/``kind``/``payload``, or whose payload does
     not fit its kind."""
     events = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # JSON Lines ends a line with "\n" (or "\r\n") only: a U+2028 inside a string is text.
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -70,6 +79,67 @@ def _fence(text: str, info: str = "") -> str:
     return f"{fence}{info}\n{text}\n{fence}"
 
 
+#: Characters that start or shape Markdown inside a line (CommonMark, plus GFM's tables
+#: and strike-through, since the file is most often read on a forge): escaped in plain text.
+_INLINE = re.compile(r"([\\`*_\[\]<>&|~])")
+#: What makes a line a heading, a quote, a list item or a setext underline at its start.
+_LINE_START = re.compile(r"^(\s*)([#>+\-=]|\d+(?=[.)]))")
+
+
+def _plain_line(text: str) -> str:
+    """One line of plain text that renders as itself: every construct escaped."""
+    text = _INLINE.sub(r"\\\1", text)
+    match = _LINE_START.match(text)
+    if match and match.group(2)[0].isdigit():  # "1." / "1)": escape the delimiter after the digits
+        end = match.end()
+        return f"{text[:end]}\\{text[end:]}"
+    return _LINE_START.sub(r"\1\\\2", text, count=1)
+
+
+def _plain(text: Any) -> str:
+    """``text`` (a title, a name, a model's ``general.name``) as plain text on one line:
+    line breaks become spaces, so it can never end the paragraph or heading it sits in,
+    and Markdown in it is shown, not followed."""
+    return _plain_line(re.sub(r"\s*[\r\n]+\s*", " ", str(text)).strip())
+
+
+def _quoted(label: str, text: Any) -> str:
+    """A ``> **label:** text`` block quote for an error or a notice; each line of ``text``
+    stays inside the quote (a blank line or a ``#`` cannot end it) and is plain text."""
+    lines = [_plain_line(line.rstrip()) for line in str(text).splitlines()] or [""]
+    body = "  \n> ".join(line if line else "\u00a0" for line in lines)  # hard breaks, one paragraph
+    return f"> **{label}:** {body}"
+
+
+def _code(text: Any) -> str:
+    """``text`` as an inline code span on one line, delimited by a backtick run longer than
+    any inside it (CommonMark), so a tool name cannot close its own span."""
+    text = re.sub(r"[\r\n]+", " ", str(text))
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    ticks = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
+_PARSER = MarkdownIt("commonmark")
+
+
+def _contained(text: str) -> str:
+    """Markdown written by a person or a model, with a code fence it left open closed at its
+    end: a reply cut off inside a code block (``finish_reason: length``, an interruption)
+    would otherwise turn everything after it in the file into code."""
+    lines = text.split("\n")
+    for token in _PARSER.parse(text):
+        if token.type != "fence" or token.level != 0 or token.map is None or token.map[1] < len(lines):
+            continue
+        last = lines[-1].strip()
+        closed = (token.map[1] - token.map[0] > 1 and len(last) >= len(token.markup)
+                  and set(last) == {token.markup[0]})
+        if not closed:
+            return f"{text}\n{token.markup}"
+    return text
+
+
 #: ``image_url(ref)`` → where a stored image of a user message can be fetched (the page's
 #: own image address), or None when it has none.
 ImageLink = Callable[[dict], "str | None"]
@@ -90,14 +160,15 @@ def _image_refs(images: Any, image_url: ImageLink | None) -> list[str]:
                 refs.append(f"*[an image, {image.get('media_type', '')} {image['sha256'][:12]}]*")
             continue
         name = image.get("name") if isinstance(image, dict) else None
-        alt = re.sub(r"[\[\]\n]", " ", name) if isinstance(name, str) and name else "image"
-        refs.append(f"![{alt}](<{url.replace('>', '%3E')}>)")
+        alt = _plain(name) if isinstance(name, str) and name.strip() else "image"
+        target = re.sub(r"[<>\\\s]", lambda m: f"%{ord(m.group()):02X}" if m.group() != " " else " ", url)
+        refs.append(f"![{alt}](<{target}>)")
     return refs
 
 
 def _who(payload: Any, default: str) -> str:
     who = actor(payload)
-    return who["username"] if who else default
+    return _plain(who["username"]) if who else default
 
 
 def _usage_line(payload: dict) -> str:
@@ -114,7 +185,7 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
     """The conversation as Markdown, folded from ``events`` in seq order (see the module
     docstring). Streamed fragments of one reply or one reasoning run are joined; a user
     message's stored images are linked through ``image_url``."""
-    out: list[str] = [f"# {title}"] if title else []
+    out: list[str] = [f"# {_plain(title)}"] if title else []
     run_kind: str | None = None  # the reply text or reasoning being joined
     run: list[str] = []
     calls: dict[str, dict] = {}
@@ -123,7 +194,7 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
         nonlocal run_kind, run
         text = "".join(run)
         if run_kind == Kind.ASSISTANT_TEXT and text.strip():
-            out.append(f"**Model:**\n\n{text.strip()}")
+            out.append(f"**Model:**\n\n{_contained(text.strip())}")
         elif run_kind == Kind.REASONING and text.strip():
             out.append(f"<details><summary>Reasoning</summary>\n\n{_fence(text.strip())}\n\n</details>")
         run_kind, run = None, []
@@ -140,26 +211,27 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
         if kind == Kind.MESSAGE_TAKEN:
             text = str(payload.get("text") or "")
             refs = _image_refs(payload.get("images"), image_url)
-            body = "\n\n".join([text, *refs]) if refs else text
+            body = "\n\n".join([_contained(text), *refs]) if refs else _contained(text)
             out.append(f"**{_who(payload, 'User')}:**\n\n{body}")
         elif kind == Kind.TOOL_START:
             calls[str(payload.get("id"))] = payload
             arguments = payload.get("input")
             shown = json.dumps(arguments, ensure_ascii=False, indent=2) if arguments else payload.get("arguments") or "{}"
             name = payload.get("display_name") or payload.get("tool") or "?"
-            out.append(f"**Tool call** `{payload.get('tool', '')}` ({name}), input:\n\n{_fence(str(shown), 'json')}")
+            out.append(f"**Tool call** {_code(payload.get('tool', ''))} ({_plain(name)}), input:\n\n"
+                       f"{_fence(str(shown), 'json')}")
         elif kind == Kind.TOOL_END:
             call = calls.get(str(payload.get("id")), {})
             outcome = "output" if payload.get("ok", True) else "failed"
-            out.append(f"**Tool {outcome}** `{call.get('tool', payload.get('id', ''))}`:\n\n"
+            out.append(f"**Tool {outcome}** {_code(call.get('tool', payload.get('id', '')))}:\n\n"
                        f"{_fence(str(payload.get('output') or ''))}")
         elif kind == Kind.ANSWERED:
-            out.append(f"*{_who(payload, 'Corral')} answered {payload.get('answer', '')} for "
-                       f"`{payload.get('tool') or ''}`.*")
+            out.append(f"*{_who(payload, 'Corral')} answered {_plain(payload.get('answer', ''))} for "
+                       f"{_code(payload.get('tool') or '')}.*")
         elif kind == Kind.ERROR:
-            out.append(f"> **Error:** {payload.get('message', '')}")
+            out.append(_quoted("Error", payload.get("message", "")))
         elif kind == Kind.NOTICE:
-            out.append(f"> **Note:** {payload.get('message', '')}")
+            out.append(_quoted("Note", payload.get("message", "")))
         elif kind == Kind.USAGE and (line := _usage_line(payload)):
             out.append(f"*{line}*")
         elif kind == Kind.CLEARED:
@@ -167,6 +239,6 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
         elif kind == Kind.INTERRUPTED:
             out.append(f"*Interrupted by {_who(payload, 'someone')}.*")
         elif kind == Kind.SERVER_READY:
-            out.append(f"*llama-server ready with {payload.get('model', '')}.*")
+            out.append(f"*llama-server ready with {_plain(payload.get('model', ''))}.*")
     close_run()
     return "\n\n".join(out) + "\n"

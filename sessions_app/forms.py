@@ -12,7 +12,7 @@ from machines_app.models import Machine, ModelFile
 from machines_app.transports import TransportError
 from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
-from .actions import SessionError, check_message, check_permission_mode, check_system_prompt, may_bypass
+from .actions import SessionError, check_message, check_permission_mode, check_system_prompt, check_title, may_bypass
 from .models import AgentSession, DeploymentSettings
 
 
@@ -107,6 +107,12 @@ class NewSessionForm(forms.Form):
         except InvalidModelKey as exc:
             raise forms.ValidationError(str(exc)) from None
         return key
+
+    def clean_title(self) -> str:
+        try:
+            return check_title(self.cleaned_data["title"])
+        except SessionError as exc:
+            raise forms.ValidationError(str(exc)) from None
 
     def clean_system_prompt(self) -> str:
         try:
@@ -239,6 +245,7 @@ class SessionSettingsForm(forms.Form):
     server_params = NewSessionForm.server_params
     sampling = NewSessionForm.sampling
     clean_system_prompt = NewSessionForm.clean_system_prompt
+    clean_title = NewSessionForm.clean_title
 
     def __init__(self, *args, session: AgentSession | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -21,6 +21,7 @@ import os
 import stat
 import tempfile
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +87,12 @@ def check_image(upload: Upload) -> ImageRef:
     """The reference of ``upload`` if it is an image Corral takes; raises
     :class:`ImageRefused` with a sentence naming the file otherwise.
 
-    Taken: PNG, JPEG, WebP and GIF, judged by the bytes (Pillow reads and verifies them),
+    Taken: PNG, JPEG, WebP and GIF, judged by the bytes (Pillow reads and verifies them,
+    then decodes every pixel of the first frame — what llama-server's image loader reads),
     never by the name or the type the browser claimed, at most :func:`max_bytes` long and
-    not a decompression bomb (Pillow's ``MAX_IMAGE_PIXELS``).
+    not a decompression bomb (Pillow's ``MAX_IMAGE_PIXELS``). A file whose header is sound
+    but whose pixel data is cut short or damaged is refused too: the image goes with every
+    later request of the session, so one the server cannot decode would fail them all.
     """
     name = upload.name or "The attached file"
     if upload.length > max_bytes():
@@ -107,8 +111,51 @@ def check_image(upload: Upload) -> ImageRef:
         kind = None
     if kind not in FORMATS:
         raise ImageRefused(f"{name} is not a {KINDS} image.")
+    try:
+        # verify() checks the structure (chunk CRCs, markers) without decoding; a header
+        # that promises 9000×9000 pixels over a few bytes of data passes it. Decoding is
+        # bounded by the pixel limit checked above.
+        with Image.open(io.BytesIO(upload.data)) as image:
+            image.load()
+            whole = kind != "PNG" or _png_data_complete(upload.data, image.size)
+    except (OSError, SyntaxError, ValueError, EOFError, zlib.error, Image.DecompressionBombError):
+        whole = False
+    if not whole:
+        raise ImageRefused(f"{name} is damaged or cut short: its pixels cannot be read.")
     media_type, _ = FORMATS[kind]
     return {"sha256": hashlib.sha256(upload.data).hexdigest(), "media_type": media_type, "size": len(upload.data)}
+
+
+#: PNG colour type → samples a pixel (greyscale, RGB, palette, grey + alpha, RGBA).
+_PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+#: Adam7's passes as (x start, y start, x step, y step).
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+def _png_data_complete(data: bytes, size: tuple[int, int]) -> bool:
+    """Whether the IDAT stream of a PNG holds every row its header promises. Pillow fills
+    the rows of a stream that ends early with black and says nothing; llama-server's
+    loader (stb_image) refuses the file ("not enough pixels"), so such a file would fail
+    every request that carries it. Counts the inflated bytes without keeping them."""
+    width, height = size
+    depth, colour, interlace = data[24], data[25], data[28]  # IHDR, right after the signature
+    bits = depth * _PNG_SAMPLES[colour]
+    passes = _ADAM7 if interlace else ((0, 0, 1, 1),)
+    needed = 0
+    for x0, y0, dx, dy in passes:
+        columns, rows = -(-(width - x0) // dx), -(-(height - y0) // dy)
+        if columns > 0 and rows > 0:
+            needed += rows * (1 + -(-(columns * bits) // 8))  # a filter byte, then the row
+    inflate, got, offset = zlib.decompressobj(), 0, 8
+    while offset + 8 <= len(data) and got < needed:
+        length, kind = int.from_bytes(data[offset:offset + 4], "big"), data[offset + 4:offset + 8]
+        chunk = data[offset + 8:offset + 8 + length]
+        offset += 12 + length
+        if kind == b"IDAT":
+            while chunk and got < needed:
+                got += len(inflate.decompress(chunk, 1 << 20))
+                chunk = inflate.unconsumed_tail
+    return got >= needed
 
 
 def image_dir() -> Path:
@@ -155,12 +202,37 @@ def read(ref: ImageRef) -> bytes | None:
     return data if hashlib.sha256(data).hexdigest() == ref["sha256"] else None
 
 
+#: Media types llama-server's image loader reads as they are (llama.cpp's mtmd decodes
+#: with stb_image: PNG, JPEG, GIF, … but not WebP, which it answers with HTTP 400 "Failed
+#: to load image or audio file").
+SERVER_READS = {"image/png", "image/jpeg", "image/gif"}
+
+
+def as_png(data: bytes) -> bytes:
+    """An image's pixels re-encoded as PNG (lossless): the same bytes in give the same bytes
+    out, so a request carrying it stays byte-identical turn after turn."""
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        pixels = image if image.mode in ("RGB", "RGBA", "L", "LA", "P", "1") else image.convert("RGBA")
+        out = io.BytesIO()
+        pixels.save(out, "PNG")
+    return out.getvalue()
+
+
 def data_uri(ref: ImageRef) -> str | None:
     """The image as the URL of an OpenAI ``image_url`` content part (``data:<media
     type>;base64,<bytes>``, what llama-server's multimodal chat accepts), or None when its
-    file cannot be read. The same bytes always give the same text, so a request's prefix
-    stays byte-identical turn after turn (docs/behaviour.md §13)."""
+    file cannot be read. A kind llama-server cannot read (WebP: :data:`SERVER_READS`) is
+    sent as PNG; the stored file and the page's thumbnail keep the original. The same bytes
+    always give the same text, so a request's prefix stays byte-identical turn after turn
+    (docs/behaviour.md §13)."""
     data = read(ref)
     if data is None:
         return None
-    return f"data:{ref['media_type']};base64,{base64.b64encode(data).decode('ascii')}"
+    media_type = ref["media_type"]
+    if media_type not in SERVER_READS:
+        try:
+            data, media_type = as_png(data), "image/png"
+        except (OSError, ValueError, Image.DecompressionBombError):
+            return None  # checked when attached; unreadable now is as good as missing
+    return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"

@@ -27,6 +27,7 @@ from playwright.sync_api import expect
 
 from machines_app import catalog
 from machines_app.models import Machine, ServerRecord
+from sessions_app.images import as_png
 from sessions_app.models import TranscriptEvent
 
 from .conftest import fake_server, wait_for
@@ -175,7 +176,8 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     wait_for(lambda: len(requests()) >= 2, 30, what="the second request")
     second = requests()[-1]["messages"]
     assert json.dumps(second[: len(first)]) == json.dumps(first)
-    assert second[-1]["content"][-1] == {"type": "image_url", "image_url": {"url": data_uri("image/webp", blue)}}
+    # llama-server cannot read WebP: the request carries its pixels as PNG (images.as_png).
+    assert second[-1]["content"][-1] == {"type": "image_url", "image_url": {"url": data_uri("image/png", as_png(blue))}}
     taken = TranscriptEvent.objects.filter(session=session, kind="message_taken").order_by("seq")
     assert [len(e.payload["images"]) for e in taken] == [2, 1]
     bobs.screenshot(path=str(stack.data_dir / "browser-images-bob.png"))
