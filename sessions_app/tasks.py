@@ -72,9 +72,12 @@ def recover_turns(self) -> None:
     or a step message that was lost); see turns.take_over_dead_steps, turns.recoverable.
 
     A worker counts as gone only when two pings in a row miss it, and a ping counts only
-    when this worker heard its own answer: a broken round says nothing about the others."""
-    rounds = [live_workers(), live_workers()]
-    if all(live is not None and self.request.hostname in live for live in rounds):
+    when this worker heard its own answer: a broken round says nothing about the others.
+
+    The pings are broadcast and answered by every worker, so they are sent only when some
+    step holds a lease (turns.held_leases): with none, there is no step to take over."""
+    rounds = [live_workers(), live_workers()] if turns.held_leases() else []
+    if rounds and all(live is not None and self.request.hostname in live for live in rounds):
         taken = turns.take_over_dead_steps(live=rounds[0] | rounds[1])
         if taken:
             log.warning("took over the turns of sessions %s from workers that are gone", taken)
