@@ -292,3 +292,15 @@ def test_the_recovery_beat_pings_the_workers_only_while_a_step_holds_a_lease(ses
     assert turns.claim_step(session.pk, "0123456789abcdef 10 turns@a") == ""
     tasks.recover_turns.apply()
     assert pings == [1, 1]
+
+
+def test_a_worker_builds_the_channel_layer_when_it_starts_not_at_a_turns_first_push(db, monkeypatch):
+    from celery.signals import worker_ready
+    from channels.layers import channel_layers
+
+    monkeypatch.setattr(channel_layers, "backends", {})
+    class Consumer:
+        hostname = "turns@here"
+
+    worker_ready.send(sender=Consumer())
+    assert "default" in channel_layers.backends
