@@ -51,20 +51,21 @@ class Stack:
     def __init__(self, data: Path, port: int, *, turn_workers: int = 8) -> None:
         from django.conf import settings
 
-        from project import queues
+        from project import launcher, queues
 
         env = {**os.environ, "REDIS_URL": settings.REDIS_URL, "SECRET_KEY": settings.SECRET_KEY}
         bin_dir = Path(sys.executable).parent
         celery = [str(bin_dir / "celery"), "-A", "project"]
+        quiet = launcher.QUIET_WORKER.split()  # as ./corral run starts them
         programs = {
             "web": [str(bin_dir / "daphne"), "-b", "127.0.0.1", "-p", str(port), "project.asgi:application"],
             "worker-turns": [*celery, "worker", "-Q", queues.TURNS, "-n", f"{queues.TURNS}@bench", "-P", "threads",
-                             "-c", str(turn_workers), "-l", "warning"],
+                             "-c", str(turn_workers), *quiet, "-l", "warning"],
             "worker-servers": [*celery, "worker", "-Q", queues.SERVERS, "-n", f"{queues.SERVERS}@bench",
-                               "-P", "threads", "-c", str(queues.SERVERS_CONCURRENCY), "-l", "warning"],
+                               "-P", "threads", "-c", str(queues.SERVERS_CONCURRENCY), *quiet, "-l", "warning"],
             "worker-housekeeping": [*celery, "worker", "-Q", queues.HOUSEKEEPING, "-n",
                                     f"{queues.HOUSEKEEPING}@bench", "-P", "threads",
-                                    "-c", str(queues.HOUSEKEEPING_CONCURRENCY), "-l", "warning"],
+                                    "-c", str(queues.HOUSEKEEPING_CONCURRENCY), *quiet, "-l", "warning"],
             "beat": [*celery, "beat", "-l", "warning", "-s", str(data / "celerybeat-schedule")],
         }
         logs = data / "logs"

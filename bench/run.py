@@ -20,7 +20,7 @@ Also: prompt cache: on turn N+1, cached prompt tokens / turn N's prompt tokens, 
 It runs the real stack (daphne, the Celery workers, beat, llama-server on SmolLM2) in a
 throwaway data directory with SQLite and an embedded Redis, unless DATABASE_URL /
 REDIS_URL are set. Numbers are noisy on a shared machine: ``uptime`` is printed first.
-``--page-only`` runs item 5 alone (no model, no stack).
+``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 alone.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def turn_state(session_id: int) -> str:
 
 def main() -> None:
     page_only = "--page-only" in sys.argv[1:]  # item 5 alone: no model, no stack
+    cpu_only = "--cpu-only" in sys.argv[1:]  # item 1 alone
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     call_command("migrate", verbosity=0)
     from machines_app import catalog
@@ -197,6 +198,8 @@ def main() -> None:
         print("   by process: " + ", ".join(f"{k} {v / median['tokens'] * 1000:.2f}" for k, v in median["cpu"].items())
               + f" ms/token; idle stack {idle * 1000:.0f} ms CPU per second "
               f"(= {idle * median['wall'] / median['tokens'] * 1000:.2f} ms/token of the figure above)")
+        if cpu_only:
+            return
 
         with_second = []
         for run in range(RUNS):

@@ -6,10 +6,12 @@ database and the transcript.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import posixpath
 import secrets
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +44,18 @@ def auth_headers(api_key: str) -> dict[str, str]:
     ``/slots``), so the permission gate is the only way a tool runs (docs/security.md).
     """
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The one TLS context of the process, for every ``httpx`` client and call (``verify=``).
+
+    httpx builds a fresh context for each client or ``httpx.get`` unless given one, and
+    loading the CA bundle costs about 26 ms of CPU each time: once per turn step, per
+    ``/props`` poll, per tool call (docs/live-page.md "What it costs"). The context is
+    httpx's default (certifi's CAs, verification on); an ``SSLContext`` is safe to share
+    between threads."""
+    return httpx.create_ssl_context()
 
 
 @dataclass(frozen=True)
@@ -207,7 +221,7 @@ class ServerProps:
 def read_props(base_url: str, api_key: str = "", timeout: float = 10.0) -> ServerProps:
     """``GET /props`` of a ready server, with its key. Raises ``httpx.HTTPError`` when it
     does not answer; an answer of an unexpected shape gives empty fields."""
-    response = httpx.get(f"{base_url}/props", headers=auth_headers(api_key), timeout=timeout)
+    response = httpx.get(f"{base_url}/props", headers=auth_headers(api_key), timeout=timeout, verify=tls_context())
     response.raise_for_status()
     body = response.json()
     body = body if isinstance(body, dict) else {}
@@ -258,7 +272,8 @@ def server_props(server: Endpoint, *, timeout: float = 10.0) -> dict:
     ``"b6123-abc1234"``) and ``default_generation_settings.n_ctx`` (the context size of
     its slot) among others. Raises SlotError when it does not answer with a JSON object."""
     try:
-        response = httpx.get(f"{server.url}/props", headers=auth_headers(server.api_key), timeout=timeout)
+        response = httpx.get(f"{server.url}/props", headers=auth_headers(server.api_key), timeout=timeout,
+                             verify=tls_context())
         body = response.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise SlotError(f"llama-server did not answer /props: {exc}") from None
@@ -304,6 +319,7 @@ def _slot_action(server: Endpoint, action: str, filename: str, timeout: float) -
             params={"action": action},
             json={"filename": filename},
             headers=auth_headers(server.api_key),
+            verify=tls_context(),
             timeout=timeout,
         )
     except httpx.HTTPError as exc:
@@ -356,7 +372,7 @@ def wait_until_ready(
     Raises ServerStartError with the log tail; TransportError when the machine is lost.
     """
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0, headers=auth_headers(api_key)) as http:
+    with httpx.Client(timeout=2.0, headers=auth_headers(api_key), verify=tls_context()) as http:
         while True:
             if not transport.process_alive(proc):
                 # The log may still be flushing the last lines.

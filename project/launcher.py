@@ -177,6 +177,13 @@ stdout_logfile_maxbytes=0
 """
 
 
+#: Celery's worker-to-worker chatter, which Corral does not use (it tells live workers by a
+#: ping, tasks.recover_turns): a ``worker-heartbeat`` event every 2 s from every worker,
+#: received by every other (gossip), and the start-up exchange (mingle). Off, an idle
+#: stack spends less CPU (docs/live-page.md "What it costs").
+QUIET_WORKER = "--without-gossip --without-mingle --without-heartbeat"
+
+
 def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_workers: int) -> str:
     """supervisord's configuration for ``./corral run``: the text of an ini file.
 
@@ -197,13 +204,13 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
         # A streaming turn is cut at a stop (its page says so when the turn is taken over
         # at the next start): the warm shutdown waits for it until STOP_WAIT_SECONDS.
         "worker-turns": (f"{celery} worker -Q {queues.TURNS} -n {queues.TURNS}@%%h -P threads -c {turn_workers} "
-                         "-l info"),
+                         f"{QUIET_WORKER} -l info"),
         "worker-servers": (f"{celery} worker -Q {queues.SERVERS} -n {queues.SERVERS}@%%h -P threads "
-                           f"-c {queues.SERVERS_CONCURRENCY} -l info"),
+                           f"-c {queues.SERVERS_CONCURRENCY} {QUIET_WORKER} -l info"),
         # Housekeeping runs every few seconds: at INFO its "received / succeeded" lines
         # would bury everything else (the admin password printed once included).
         "worker-housekeeping": (f"{celery} worker -Q {queues.HOUSEKEEPING} -n {queues.HOUSEKEEPING}@%%h -P threads "
-                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} -l warning"),
+                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} {QUIET_WORKER} -l warning"),
         "beat": f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}",
     }
     head = (

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from machines_app.llama_server import auth_headers
+from machines_app.llama_server import auth_headers, tls_context
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -346,6 +346,7 @@ def _run_builtin(
             # Bytes, so a working directory outside ASCII reaches the server as UTF-8.
             headers={"x-tool-cwd": cwd.encode("utf-8"), **auth_headers(api_key)},
             timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT)),
+            verify=tls_context(),
         )
     except httpx.TimeoutException:
         return _unreachable(entry, f"no answer within {_seconds(timeout)}")

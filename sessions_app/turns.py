@@ -343,6 +343,16 @@ def holder_is_dead(owner: str, *, live: Collection[str] | None = None,
     return False
 
 
+def held_leases() -> bool:
+    """Whether any open turn's step holds an unexpired lease: the only steps
+    :func:`take_over_dead_steps` can take over (one indexed-column query)."""
+    return _held().exists()
+
+
+def _held():
+    return AgentSession.objects.filter(turn_active=True, lease_expires__gt=timezone.now()).exclude(lease_owner="")
+
+
 def take_over_dead_steps(*, live: Collection[str] | None = None,
                          restarted: tuple[str, int] | None = None) -> list[int]:
     """Let go of the lease of every open turn whose step's worker is dead (see
@@ -350,7 +360,7 @@ def take_over_dead_steps(*, live: Collection[str] | None = None,
     caller to queue a step each. The next step claims the lease as one that lost its
     holder and goes on, or ends the turn truthfully, from the transcript."""
     now = timezone.now()
-    held = AgentSession.objects.filter(turn_active=True, lease_expires__gt=now).exclude(lease_owner="")
+    held = _held()
     taken = []
     for session_id, owner in held.values_list("pk", "lease_owner"):
         if not holder_is_dead(owner, live=live, restarted=restarted):

@@ -660,3 +660,34 @@ def test_it_ignores_entries_that_are_not_objects() -> None:
 )
 def test_it_parses_tool_call_arguments(arguments: str, parsed: dict[str, Any]) -> None:
     assert ToolCall("c", "f", arguments).parsed_arguments() == parsed
+
+
+def test_no_http_client_builds_its_own_tls_context(monkeypatch):
+    # A new TLS context loads the CA bundle: ~26 ms of CPU per turn step, /props poll or tool
+    # call (docs/live-page.md "What it costs"). Every client shares tls_context().
+    import ast
+    import ssl
+
+    from machines_app.llama_server import tls_context
+    from sessions_app.completions import AbortableHTTP
+
+    from .conftest import ROOT
+
+    tls_context()
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    AbortableHTTP().close()
+    assert built == []
+
+    # Every shape of the fault: each httpx client or call in the project passes verify=.
+    unshared = []
+    for path in [*(ROOT / "sessions_app").rglob("*.py"), *(ROOT / "machines_app").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "httpx"
+                    and node.func.attr in {"Client", "AsyncClient", "HTTPTransport", "get", "post", "put",
+                                           "delete", "request", "stream"}
+                    and not any(k.arg == "verify" for k in node.keywords)):
+                unshared.append(f"{path.name}:{node.lineno}")
+    assert unshared == []

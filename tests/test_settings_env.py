@@ -267,3 +267,15 @@ def test_a_usage_mistake_is_one_line_and_exit_status_2(tmp_path, argv, words):
         # ./corral checks its arguments before it installs, builds or imports anything.
         assert result.stdout == "", command
     assert not (tmp_path / "data").exists()
+
+
+def test_the_run_workers_leave_out_celerys_worker_to_worker_chatter(tmp_path):
+    # Heartbeat events every 2 s from every worker, received by every other (gossip), cost an
+    # idle stack CPU and Corral reads none of them (it pings: docs/live-page.md "What it costs").
+    from project import launcher
+
+    config = launcher.supervisor_config(data=tmp_path, port=8000, daphne_args=[], turn_workers=2)
+    workers = [line for line in config.splitlines() if line.startswith("command=") and " worker " in line]
+    assert len(workers) == 3
+    for line in workers:
+        assert {"--without-gossip", "--without-mingle", "--without-heartbeat"} <= set(line.split())

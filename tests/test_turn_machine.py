@@ -274,3 +274,33 @@ def test_turns_waiting_for_a_worker_are_counted_in_queue_order(session, alice, t
     AgentSession.objects.filter(pk=first.pk).update(status=Status.AWAITING_INPUT)  # waits for a person
     AgentSession.objects.filter(pk=second.pk).update(status=Status.LOADING)  # waits for the model
     assert turns.waiting_for_worker() == {third.pk: 0}
+
+
+def test_the_recovery_beat_pings_the_workers_only_while_a_step_holds_a_lease(session, alice, queued, monkeypatch,
+                                                                              django_capture_on_commit_callbacks):
+    # A ping is broadcast and answered by every worker: the idle stack must not pay for it
+    # (docs/live-page.md "What it costs"); a held lease still gets its two rounds.
+    from sessions_app import tasks
+
+    pings = []
+    monkeypatch.setattr(tasks, "live_workers", lambda: pings.append(1) or {"turns@a"})
+    monkeypatch.setattr(tasks.run_turn, "delay", lambda *_args: None)
+    tasks.recover_turns.apply()
+    assert pings == []
+
+    send(session, alice, "hi", django_capture_on_commit_callbacks)
+    assert turns.claim_step(session.pk, "0123456789abcdef 10 turns@a") == ""
+    tasks.recover_turns.apply()
+    assert pings == [1, 1]
+
+
+def test_a_worker_builds_the_channel_layer_when_it_starts_not_at_a_turns_first_push(db, monkeypatch):
+    from celery.signals import worker_ready
+    from channels.layers import channel_layers
+
+    monkeypatch.setattr(channel_layers, "backends", {})
+    class Consumer:
+        hostname = "turns@here"
+
+    worker_ready.send(sender=Consumer())
+    assert "default" in channel_layers.backends
