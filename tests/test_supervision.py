@@ -238,7 +238,7 @@ def test_a_turn_whose_worker_is_killed_ends_truthfully_and_its_server_outlives_t
     )
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 60, what="the server to be ready")
     actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "talk slowly")
-    wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 30, what="the stream to start")
+    wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 60, what="the stream to start")
 
     _restarted_alone(launcher, "worker-turns")
     wait_for(lambda: payloads(session, "turn_end"), 10, what="the turn taken over (not the 60 s lease)")
