@@ -21,7 +21,7 @@ from machines_app import catalog
 from machines_app.access import machine_refusal
 
 from . import dispatch, images, transcript, turns
-from .events import append, change_status, load_events, locked, record_event
+from .events import append, change_status, load_events, load_queue_events, locked, record_event
 from .lifecycle import start_live
 from .models import Access, AgentSession, TranscriptEvent
 from .transcript import Kind, TurnEnd
@@ -346,10 +346,13 @@ def access_image(user, session_id: int, sha256: str) -> transcript.ImageRef:
     session = access_session(user, session_id)
     if not _SHA256.fullmatch(sha256):
         raise Http404("No such image")
-    carriers = TranscriptEvent.objects.filter(
-        session=session, kind__in=[Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED], payload__icontains=sha256
+    # Sent messages, and queued ones still waiting (their bubble shows the image); a
+    # withdrawn message's image is no longer the session's to show.
+    taken = TranscriptEvent.objects.filter(
+        session=session, kind=Kind.MESSAGE_TAKEN, payload__icontains=sha256
     ).values_list("payload", flat=True)
-    for payload in carriers:
+    pending = transcript.pending_queue(load_queue_events(session.pk, upto=session.last_seq))
+    for payload in [*taken, *pending]:
         for ref in transcript.image_refs(payload):
             if ref["sha256"] == sha256:
                 return ref
@@ -367,7 +370,7 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
     first, as for a new message (docs/behaviour.md §5 "sleep").
     """
     if text is not None:
-        text = check_message(text)
+        text = check_message(text, with_images=True)  # empty only for a message with images (below)
     with transaction.atomic():
         session = locked(session.pk)
         if session.server_down:
@@ -377,6 +380,8 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
         last = transcript.last_message(load_events(session.pk))
         if last is None:
             raise SessionError("There is no message to send again since the conversation was cleared.")
+        if text == "" and not last.get("images"):
+            raise SessionError("Type a message first.")
         _wake(session, user)  # a sleeping server wakes for it as for a new message (C45)
         turns.take_again(session, last["text"] if text is None else text, by(user), replaces=last["seq"],
                          images=last.get("images"),

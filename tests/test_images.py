@@ -402,3 +402,34 @@ def test_stored_files_are_named_by_hash_only(data_dir):
     images.store(Upload("../../../evil.png", data), ref)
     assert os.listdir(data_dir / "images") == [f"{ref['sha256']}.jpg"]
     assert stat.S_IMODE((data_dir / "images").stat().st_mode) == 0o700
+
+
+def test_an_image_of_a_withdrawn_queued_message_is_served_no_more(alice, machine, data_dir):
+    """A queued message's bubble shows its image to the session's watchers; once it is
+    withdrawn, it is no longer the session's to show (only sent and waiting messages count)."""
+    session = make_session(alice, machine, "gemma.gguf")
+    AgentSession.objects.filter(pk=session.pk).update(turn_active=True)  # a turn runs: the message queues
+    send(logged_in(alice), session, "later, with a picture", ("later.png", PNG))
+    queued = TranscriptEvent.objects.get(session=session, kind="message_queued").payload
+    url = f"/sessions/{session.pk}/images/{PNG_REF['sha256']}.png"
+    assert logged_in(alice).get(url).content == PNG  # waiting: its bubble shows it
+
+    actions.do_drop_queued(AgentSession.objects.get(pk=session.pk), alice, queued["id"])
+    assert logged_in(alice).get(url).status_code == 404
+
+
+def test_a_message_of_images_only_may_be_edited_to_no_text_and_a_text_one_may_not(alice, machine, data_dir):
+    from sessions_app.actions import SessionError, do_send_again
+
+    session = make_session(alice, machine, "gemma.gguf")
+    send(logged_in(alice), session, "", ("only.png", PNG))
+    AgentSession.objects.filter(pk=session.pk).update(turn_active=False)
+    do_send_again(AgentSession.objects.get(pk=session.pk), alice, "")
+    again = TranscriptEvent.objects.filter(session=session, kind="message_taken").last().payload
+    assert again["text"] == "" and again["replaces"] and [r["sha256"] for r in again["images"]] == [PNG_REF["sha256"]]
+
+    texted = make_session(alice, machine, "gemma.gguf")
+    send(logged_in(alice), texted, "words")
+    AgentSession.objects.filter(pk=texted.pk).update(turn_active=False)
+    with pytest.raises(SessionError, match="Type a message first"):
+        do_send_again(AgentSession.objects.get(pk=texted.pk), alice, "  ")
