@@ -13,6 +13,7 @@ byte.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import threading
@@ -150,7 +151,11 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     }""")
     expect(page.locator(".msg.user img.thumb")).to_have_count(2)
     page.locator(".msg.assistant .md", has_text="done.").wait_for()
-    assert (stack.data_dir / "images").is_dir() and len(list((stack.data_dir / "images").iterdir())) == 2
+    # Each stored once under its hash (the stack's data directory is shared with other
+    # tests, so only these two names are looked for), and the refused huge file not at all.
+    stored = {path.name for path in (stack.data_dir / "images").iterdir()}
+    assert {f"{hashlib.sha256(red).hexdigest()}.png", f"{hashlib.sha256(green).hexdigest()}.gif"} <= stored
+    assert f"{hashlib.sha256(huge).hexdigest()}.png" not in stored
 
     # The request: text, then the two images as data URIs of exactly the bytes sent.
     def requests() -> list[dict]:
