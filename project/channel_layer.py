@@ -1,63 +1,33 @@
-"""The Channels layer: channels_redis's, with a Redis read timeout its blocking read fits in.
+"""The Channels layer: channels_redis's pub/sub layer, its channel names kept apart per
+Redis database.
 
-A websocket consumer waits for its next group message with a blocking ``BZPOPMIN`` of
-``brpop_timeout`` seconds (5 in channels_redis 4). redis-py gives up on any read after
-its ``socket_timeout``: 5 s by default since redis-py 8, or whatever the Redis URL says
-(``redis://…?socket_timeout=1``). When that is not longer than the blocking read, every
-idle socket's read fails with ``TimeoutError: Timeout reading from …``, the consumer
-dies, the page shows "reconnecting…" and the log fills with tracebacks, every few
-seconds (docs/live-page.md).
+Why pub/sub (docs/live-page.md, "What it costs"): a message to a session's watchers is one
+``PUBLISH``, and Redis pushes it to every daphne subscribed to the session's group, which
+hands it to its consumers in memory. channels_redis's default layer keeps a sorted set per
+group and a queue per consumer: a group read and a script to send, and for every consumer a
+cleanup script, a blocking ``BZPOPMIN`` and a ``ZREM`` to receive — three round trips per
+message per watcher, most of daphne's CPU while a reply streams. What the default layer
+kept and pub/sub does not — messages waiting for a consumer that is not reading — Corral
+never needs: every message says something already stored, and a page that misses one
+catches up from the database by ``seq`` (docs/behaviour.md C17).
 
-This layer keeps the configured timeout (it still notices a Redis that went silent) but
-never lets it be shorter than the blocking read plus :data:`READ_MARGIN`.
+Subscriptions belong to a daphne's Redis connection, so a daphne that dies (no consumer's
+disconnect ever runs) leaves every group at once, as its connection closes; there is no
+group expiry to wait for.
+
+Redis keeps one pub/sub namespace for the whole server, whatever database a client
+selects: two Corral deployments on one Redis, each in its own database, would otherwise
+receive each other's transcript messages. :func:`channel_prefix` puts the database number
+into every channel name.
 """
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, urlencode
-
-from channels_redis.core import RedisChannelLayer as ChannelsRedisLayer
-
-#: Seconds a read may take beyond the blocking read's own timeout: Redis answers an empty
-#: BZPOPMIN only when that timeout is over, and the answer still has to arrive.
-READ_MARGIN = 5.0
+from redis.connection import parse_url
 
 
-def read_timeout_for(host: dict, blocking_seconds: float) -> dict:
-    """``host`` (a channels_redis host entry) with a ``socket_timeout`` longer than a
-    blocking read of ``blocking_seconds``.
-
-    The timeout is taken from the URL (``address``) when it names one — redis-py lets
-    URL options win over keyword arguments, so it moves out of the URL — else from the
-    entry; an explicit ``None`` (no timeout at all) is kept. A value that is not a
-    number is left where it is, for redis-py to refuse with its own message.
-    """
-    host = dict(host)
-    floor = blocking_seconds + READ_MARGIN
-    configured: object = host.get("socket_timeout", floor)
-    address = host.get("address")
-    if isinstance(address, str):
-        # Only the query is rewritten: urlunsplit would turn "unix:///path" into "unix:/path".
-        base, _, query_string = address.partition("?")
-        query = parse_qsl(query_string, keep_blank_values=True)
-        in_url = [value for key, value in query if key == "socket_timeout"]
-        if in_url:
-            try:
-                configured = float(in_url[-1])
-            except ValueError:
-                return host
-            rest = urlencode([(key, value) for key, value in query if key != "socket_timeout"])
-            host["address"] = f"{base}?{rest}" if rest else base
-    if configured is None:
-        host["socket_timeout"] = None
-    else:
-        host["socket_timeout"] = max(float(configured), floor)  # type: ignore[arg-type]
-    return host
-
-
-class RedisChannelLayer(ChannelsRedisLayer):
-    """channels_redis's layer whose connections wait longer than its blocking read."""
-
-    def __init__(self, hosts=None, **kwargs) -> None:
-        super().__init__(hosts=hosts, **kwargs)
-        self.hosts = [read_timeout_for(host, self.brpop_timeout) for host in self.hosts]
+def channel_prefix(redis_url: str) -> str:
+    """The prefix of every channel and group name for the Redis at ``redis_url``:
+    ``"corral-db<n>."`` where ``n`` is the database the URL selects (``/n`` or ``?db=n``,
+    0 when it names none). Raises ``ValueError`` for a URL redis-py cannot read."""
+    return f"corral-db{int(parse_url(redis_url).get('db') or 0)}."

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
-__all__ = ["env_bool", "env_choice", "env_db", "env_float", "env_int", "env_list", "env_str", "env_url"]
+__all__ = ["env_bool", "env_choice", "env_db", "env_float", "env_int", "env_list", "env_redis_url", "env_str", "env_url"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -116,6 +116,20 @@ def env_url(name: str, default: str, schemes: frozenset[str] | set[str]) -> str:
         return default
     if urlsplit(value).scheme not in schemes or "://" not in value:
         raise _bad(name, _without_password(value), f"expected a URL starting with {' or '.join(sorted(schemes))}://")
+    return value
+
+
+def env_redis_url(name: str, default: str) -> str:
+    """A Redis URL (``redis://``, ``rediss://``, ``unix://``) that redis-py can read: a
+    database that is not a number (``/abc``, ``?db=x``) is refused here, naming the
+    variable, rather than at the first connection."""
+    value = env_url(name, default, {"redis", "rediss", "unix"})
+    from redis.connection import parse_url
+
+    try:
+        parse_url(value)
+    except ValueError as exc:
+        raise _bad(name, _without_password(value), str(exc).rstrip(".")) from None
     return value
 
 

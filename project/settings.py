@@ -16,7 +16,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
 
 from project import data_dir, queues
-from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_str, env_url
+from project.channel_layer import channel_prefix
+from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_redis_url, env_str
 
 BASE_DIR = data_dir.BASE_DIR
 
@@ -178,23 +179,14 @@ STATIC_ROOT = DATA_DIR / "static"
 # Serve static files straight from the apps and STATICFILES_DIRS (no collectstatic step).
 WHITENOISE_USE_FINDERS = True
 
-REDIS_URL = env_url("REDIS_URL", "redis://127.0.0.1:6379/0", {"redis", "rediss", "unix"})
-# How long a websocket channel stays in its session's group without re-joining (seconds).
-CORRAL_GROUP_EXPIRY_SECONDS = env_int("CORRAL_GROUP_EXPIRY_SECONDS", 300, minimum=5)
-# How often a live websocket consumer re-joins (consumers.py): a fifth of the expiry.
-CORRAL_GROUP_REFRESH_SECONDS = CORRAL_GROUP_EXPIRY_SECONDS / 5
-
+REDIS_URL = env_redis_url("REDIS_URL", "redis://127.0.0.1:6379/0")
 CHANNEL_LAYERS = {
     "default": {
-        # channels_redis's layer, with a Redis read timeout longer than its blocking read
-        # (else every idle websocket dies after a few seconds: docs/live-page.md).
-        "BACKEND": "project.channel_layer.RedisChannelLayer",
-        # capacity: a fast stream must not overflow a browser's channel (docs/behaviour.md C17); a
-        # browser that still misses something catches up from the database.
-        # group_expiry: a socket whose daphne died never says goodbye, so its channel stays
-        # in the session's group until this many seconds pass; live consumers re-join every
-        # CORRAL_GROUP_REFRESH_SECONDS (consumers.py), well inside it.
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60, "group_expiry": CORRAL_GROUP_EXPIRY_SECONDS},
+        # channels_redis's pub/sub layer: one PUBLISH per message, pushed to every daphne
+        # subscribed (project/channel_layer.py; docs/live-page.md "What it costs"). A page that
+        # misses a message catches up from the database (docs/behaviour.md C17).
+        "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": channel_prefix(REDIS_URL)},
     },
 }
 

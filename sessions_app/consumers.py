@@ -26,7 +26,6 @@ from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
-from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from . import broadcast, presence
@@ -107,14 +106,11 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_add(group, self.channel_name)
             self.joined.append(group)
         await self._join()
-        self.membership = asyncio.ensure_future(self._keep_membership())
         await database_sync_to_async(self._prime)()
         await self._catch_up()
 
     async def disconnect(self, code: int) -> None:
-        if hasattr(self, "membership"):
-            self.membership.cancel()
-        # Leave at once, so no push goes to a socket that is gone (not when the group expires).
+        # Leave at once: the last of this daphne's consumers in a group unsubscribes it.
         for group in getattr(self, "joined", []):
             await self.channel_layer.group_discard(group, self.channel_name)
         self.joined = []
@@ -171,18 +167,6 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(
             {"presence": names, "ops": [{"op": "replace", "id": "presence", "html": render_presence(names)}]}
         )
-
-    async def _keep_membership(self) -> None:
-        """Re-join the group every CORRAL_GROUP_REFRESH_SECONDS while connected. A group
-        forgets a member after the layer's ``group_expiry`` (settings): so the channel of
-        a socket whose daphne died (no disconnect ever ran) leaves soon, while live ones
-        stay."""
-        while True:
-            await asyncio.sleep(settings.CORRAL_GROUP_REFRESH_SECONDS)
-            try:
-                await self.channel_layer.group_add(self.group, self.channel_name)
-            except Exception:  # a Redis outage: the next round tries again
-                logger.warning("re-joining the group of session %s failed", self.session_id, exc_info=True)
 
     async def dispatch(self, message: dict) -> None:
         """Channels' own dispatch, without its hop to the database thread before each

@@ -4,12 +4,11 @@ the stand-in llama-server)."""
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 
 import pytest
-from django.test import Client, override_settings
+from django.test import Client
 
 from machines_app.models import Machine, ServerRecord
 from project import queues
@@ -108,12 +107,11 @@ def test_a_full_turn_pool_never_delays_health_checks_and_waiting_sessions_show_t
         stack.start_worker()
 
 
-def test_the_channel_of_a_socket_whose_daphne_died_leaves_the_group_and_live_ones_stay(stack, alice, tmp_path):
-    """A daphne killed outright never runs its consumers' disconnect: their channels stay
-    in the session's group until the layer's group expiry. With the expiry at 5 s (live
-    consumers re-join every second), the dead one goes and the live one stays."""
-    import redis
-    from django.conf import settings
+def test_a_daphne_that_died_leaves_the_group_at_once_and_a_live_one_gets_the_events(stack, alice, tmp_path):
+    """A daphne killed outright never runs its consumers' disconnect. Its subscriptions
+    belong to its Redis connection, which closes with the process: the group loses it at
+    once, and the next daphne's page gets every event."""
+    from .test_live_connection import members
 
     machine = Machine.objects.create(name="m", models_dir=str(tmp_path))
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
@@ -121,41 +119,20 @@ def test_the_channel_of_a_socket_whose_daphne_died_leaves_the_group_and_live_one
     client = Client()
     client.force_login(alice)
     cookie = f"sessionid={client.cookies['sessionid'].value}"
-    members_key = f"asgi:group:{broadcast.group_name(session.pk)}"
-    db = redis.Redis.from_url(settings.REDIS_URL)
-    five_second_groups = copy.deepcopy(settings.CHANNEL_LAYERS)
-    five_second_groups["default"]["CONFIG"]["group_expiry"] = 5
-
-    stack.stop_web()
-    stack.env["CORRAL_GROUP_EXPIRY_SECONDS"] = "5"
-    stack.start_web()
+    group = broadcast.group_name(session.pk)
     dead = live = None
     try:
         dead = WSRecorder(stack.ws_url(session.pk), cookie=cookie, origin=stack.base_url)
-        wait_for(lambda: db.zcard(members_key) == 1, 10, what="the first socket to join")
-        first = set(db.zrange(members_key, 0, -1))
+        wait_for(lambda: members(group) == 1, 10, what="the first socket to join")
         stack.procs.pop("web").kill()  # SIGKILL: no disconnect runs
+        wait_for(lambda: members(group) == 0, 5, interval=0.05, what="the dead daphne to leave the group")
         stack.start_web()
         live = WSRecorder(stack.ws_url(session.pk), cookie=cookie, origin=stack.base_url)
-        wait_for(lambda: db.zcard(members_key) == 2, 10, what="the second socket to join")
-        (live_channel,) = [m for m in db.zrange(members_key, 0, -1) if m not in first]
-        joined = db.zscore(members_key, live_channel)
-        wait_for(lambda: db.zscore(members_key, live_channel) > joined, 10, what="the live consumer to re-join")
-        # Expired members are dropped when the group is next sent to; a push of an event
-        # every page already has (seq 0) is one that the consumers ignore.
-        with override_settings(CHANNEL_LAYERS=five_second_groups):
-            def only_one_member() -> bool:
-                broadcast.push_event(session.pk, 0, "notice", {"message": ""})
-                return db.zcard(members_key) == 1
-
-            wait_for(only_one_member, 20, interval=0.5, what="the dead channel to leave")
-            record_event(session.pk, "notice", {"message": "still here"})
-            wait_for(lambda: any(m["ops"] for m in live.messages), 10, what="the live socket to get the event")
-            assert db.zrange(members_key, 0, -1) == [live_channel]
+        wait_for(lambda: members(group) == 1, 10, what="the second socket to join")
+        record_event(session.pk, "notice", {"message": "still here"})
+        wait_for(lambda: any(m["ops"] for m in live.messages), 10, what="the live socket to get the event")
+        assert members(group) == 1
     finally:
         for recorder in (dead, live):
             if recorder is not None:
                 recorder.close()
-        stack.stop_web()
-        del stack.env["CORRAL_GROUP_EXPIRY_SECONDS"]
-        stack.start_web()

@@ -148,7 +148,7 @@ def test_importing_settings_writes_nothing_and_a_missing_key_is_a_clear_error(tm
     ("name", "value"),
     [("DEBUG", "ture"), ("CORRAL_HTTPS", "maybe"), ("CORRAL_STOP_GRACE", "5s"), ("CORRAL_LEASE_SECONDS", "0"),
      ("ALLOWED_HOSTS", "corral.example,"), ("REDIS_URL", "127.0.0.1:6379"), ("LOG_LEVEL", "LOUD"),
-     ("CORRAL_LOGIN_FAILURE_LIMIT", "0"), ("CORRAL_TURN_WORKERS", "0"), ("CORRAL_GROUP_EXPIRY_SECONDS", "1")],
+     ("CORRAL_LOGIN_FAILURE_LIMIT", "0"), ("CORRAL_TURN_WORKERS", "0"), ("REDIS_URL", "redis://127.0.0.1:6379/abc?db=x")],
 )
 def test_a_bad_setting_stops_the_process_naming_the_variable(tmp_path, name, value):
     result = _settings_in(tmp_path, ["DEBUG"], SECRET_KEY="k" * 60, **{name: value})
