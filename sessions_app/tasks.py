@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
-from celery import current_app, shared_task
+from celery import shared_task
 from celery.signals import worker_ready
 from channels.layers import get_channel_layer
 
-from . import agent, lifecycle, turns
+from . import agent, lifecycle, liveness, turns
 
 log = logging.getLogger(__name__)
-PING_TIMEOUT = 1.0  # seconds a ping waits for workers' answers
+#: Seconds between recovery's two reads of the liveness keys: more than a beat, so a live
+#: worker has written its key between them.
+ROUND_GAP = liveness.BEAT_SECONDS * 1.25
 
 
 @shared_task
@@ -68,16 +71,21 @@ def run_turn(self, session_id: int) -> None:
 
 @shared_task(bind=True)
 def recover_turns(self) -> None:
-    """Take over the steps of workers gone from Celery's view (a ping), then re-enqueue
-    the step of every open turn whose step is not running (a worker that died mid-step,
-    or a step message that was lost); see turns.take_over_dead_steps, turns.recoverable.
+    """Take over the steps of workers that are gone (their liveness key lapsed:
+    sessions_app/liveness.py), then re-enqueue the step of every open turn whose step is
+    not running (a worker that died mid-step, or a step message that was lost); see
+    turns.take_over_dead_steps, turns.recoverable.
 
-    A worker counts as gone only when two pings in a row miss it, and a ping counts only
-    when this worker heard its own answer: a broken round says nothing about the others.
-
-    The pings are broadcast and answered by every worker, so they are sent only when some
-    step holds a lease (turns.held_leases): with none, there is no step to take over."""
-    rounds = [live_workers(), live_workers()] if turns.held_leases() else []
+    A worker counts as gone only when two reads of the keys, a beat and a quarter apart,
+    both miss it, and a read counts only when it holds this worker's own key: a read just
+    after Redis lost its keys (a restart) says nothing about the others, whose next beat
+    is at most a beat away. The keys are read only when some step holds a lease
+    (turns.held_leases): with none, there is no step to take over."""
+    rounds = []
+    if turns.held_leases():
+        rounds.append(live_workers())
+        time.sleep(ROUND_GAP)
+        rounds.append(live_workers())
     if rounds and all(live is not None and self.request.hostname in live for live in rounds):
         taken = turns.take_over_dead_steps(live=rounds[0] | rounds[1])
         if taken:
@@ -87,14 +95,8 @@ def recover_turns(self) -> None:
 
 
 def live_workers() -> set[str] | None:
-    """Nodenames of the workers that answer a ping within PING_TIMEOUT; None when the
-    ping itself fails (the broker is unreachable)."""
-    try:
-        replies = current_app.control.ping(timeout=PING_TIMEOUT)
-    except Exception as exc:  # kombu/redis raise many kinds
-        log.warning("could not ping the workers: %s", exc)
-        return None
-    return {name for reply in replies for name in reply}
+    """Nodenames of the workers alive now; None when that cannot be read (Redis down)."""
+    return liveness.live_workers()
 
 
 @worker_ready.connect
@@ -105,6 +107,12 @@ def take_over_after_restart(sender, **_kwargs) -> None:
     for session_id in turns.take_over_dead_steps(restarted=restarted):
         log.warning("session %s: resuming a turn after the restart of %s", session_id, sender.hostname)
         run_turn.delay(session_id)
+
+
+@worker_ready.connect
+def keep_liveness_key(sender, **_kwargs) -> None:
+    """Start this worker's liveness key (sessions_app/liveness.py), read by recover_turns."""
+    liveness.Heartbeat(sender.hostname).start()
 
 
 @worker_ready.connect

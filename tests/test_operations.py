@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from django.test import Client
@@ -65,6 +66,33 @@ def test_a_step_whose_worker_restarted_is_taken_over_within_seconds(long_leases,
     assert payloads(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
     assert [p["reason"] for p in payloads(session, "turn_end")] == ["interrupted"]
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
+
+
+def test_a_step_whose_worker_died_for_good_is_taken_over_by_another(long_leases, fake_machine, alice, tmp_path):
+    """A turns worker killed outright that never comes back (no restart under its name):
+    its liveness key lapses, recovery takes its step over (the notice says so), and the
+    turn ends truthfully on another worker — well before the 60 s lease would lapse."""
+    stack = long_leases
+    stack.stop_worker()
+    stack.start_worker(queue_names=(queues.SERVERS, queues.HOUSEKEEPING))  # with beat: recovery
+    stack.start_worker(queue_names=(queues.TURNS,), name="doomed", beat=False)
+    try:
+        machine = fake_machine([{"text": " ".join(f"word{i}" for i in range(200)), "delay": 0.25}, {"text": "Back."}])
+        session = start_session(machine, alice, tmp_path)
+        actions.do_send_message(session, alice, "talk slowly")
+        wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 20, what="the stream to start")
+        assert "doomed@" in AgentSession.objects.get(pk=session.pk).lease_owner
+        stack.stop_worker(sig=signal.SIGKILL, name="doomed")
+        killed = time.monotonic()
+        stack.start_worker(queue_names=(queues.TURNS,), name="other", beat=False)
+        wait_for(lambda: payloads(session, "turn_end"), 40, what="the takeover (not the 60 s lease)")
+        assert time.monotonic() - killed < 45
+        assert {"message": turns.RESUMING_NOTICE} in payloads(session, "notice")
+        assert payloads(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
+        assert [p["reason"] for p in payloads(session, "turn_end")] == ["interrupted"]
+    finally:
+        stack.stop_worker(name="other")
+        stack.stop_worker(name="doomed")
 
 
 def test_a_full_turn_pool_never_delays_health_checks_and_waiting_sessions_show_their_place(

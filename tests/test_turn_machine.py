@@ -8,7 +8,9 @@ test_agent_durable and test_e2e_real; these prove the rules, in milliseconds.
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from datetime import timedelta
 
 import pytest
@@ -276,22 +278,52 @@ def test_turns_waiting_for_a_worker_are_counted_in_queue_order(session, alice, t
     assert turns.waiting_for_worker() == {third.pk: 0}
 
 
-def test_the_recovery_beat_pings_the_workers_only_while_a_step_holds_a_lease(session, alice, queued, monkeypatch,
-                                                                              django_capture_on_commit_callbacks):
-    # A ping is broadcast and answered by every worker: the idle stack must not pay for it
+def test_the_recovery_beat_reads_the_liveness_keys_only_while_a_step_holds_a_lease(
+        session, alice, queued, monkeypatch, django_capture_on_commit_callbacks):
+    # With no lease held there is no step to take over: the idle stack reads nothing
     # (docs/live-page.md "What it costs"); a held lease still gets its two rounds.
     from sessions_app import tasks
 
-    pings = []
-    monkeypatch.setattr(tasks, "live_workers", lambda: pings.append(1) or {"turns@a"})
+    reads = []
+    monkeypatch.setattr(tasks, "live_workers", lambda: reads.append(1) or {"turns@a"})
+    monkeypatch.setattr(tasks, "ROUND_GAP", 0)
     monkeypatch.setattr(tasks.run_turn, "delay", lambda *_args: None)
     tasks.recover_turns.apply()
-    assert pings == []
+    assert reads == []
 
     send(session, alice, "hi", django_capture_on_commit_callbacks)
     assert turns.claim_step(session.pk, "0123456789abcdef 10 turns@a") == ""
     tasks.recover_turns.apply()
-    assert pings == [1, 1]
+    assert reads == [1, 1]
+
+
+def test_a_worker_is_live_while_its_key_is_written_and_gone_once_it_lapses(monkeypatch):
+    """Real Redis: a heartbeat's key is seen at once and lapses LAPSE_SECONDS after its
+    last write (here shortened to 0.6 s)."""
+    from sessions_app import liveness
+
+    monkeypatch.setattr(liveness, "BEAT_SECONDS", 0.2)
+    monkeypatch.setattr(liveness, "LAPSE_SECONDS", 0.6)
+    name = f"turns@liveness-test-{os.getpid()}"
+    beat = liveness.Heartbeat(name).start()
+    try:
+        deadline = time.monotonic() + 5
+        while name not in (liveness.live_workers() or set()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert name in liveness.live_workers()
+        time.sleep(1.0)  # five beats: written again and again, never lapsed
+        assert name in liveness.live_workers()
+    finally:
+        beat.stop()
+    time.sleep(0.8)
+    assert name not in liveness.live_workers()
+
+
+def test_the_liveness_keys_of_an_unreachable_redis_are_unknown_not_empty(settings):
+    from sessions_app import liveness
+
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+    assert liveness.live_workers() is None
 
 
 def test_a_worker_builds_the_channel_layer_when_it_starts_not_at_a_turns_first_push(db, monkeypatch):

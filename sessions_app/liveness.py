@@ -1,0 +1,89 @@
+"""Which Celery workers are alive, told by keys they keep in Redis (docs/operations.md,
+"Turns that outlive their worker").
+
+Every worker process keeps a key ``<prefix>worker:<nodename>`` (the prefix is the channel
+layer's, so deployments sharing a Redis in different databases stay apart) holding its
+pid: written every :data:`BEAT_SECONDS` from a thread of its own, lapsing after
+:data:`LAPSE_SECONDS` when no write renews it. The turn recovery reads them
+(:func:`live_workers`) to find steps whose worker is gone.
+
+Why keys and not Celery's ``control.ping``: a ping is a broadcast that every worker answers
+through its own Redis round trips, and recovery pings while any step holds a lease — that
+is, all the time a reply streams. That cost more CPU in the turns worker than storing the
+reply (docs/live-page.md, "What it costs"); a key costs each worker one ``SET`` every two
+seconds, and recovery one ``SCAN``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import redis
+from django.conf import settings
+
+from project.channel_layer import channel_prefix
+
+log = logging.getLogger(__name__)
+
+#: Seconds between a worker's writes of its key.
+BEAT_SECONDS = 2.0
+#: Seconds a key lives without a write: three missed writes in a row.
+LAPSE_SECONDS = 3 * BEAT_SECONDS
+
+
+def _key_prefix() -> str:
+    return channel_prefix(settings.REDIS_URL) + "worker:"
+
+
+def _client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=BEAT_SECONDS, socket_timeout=BEAT_SECONDS)
+
+
+class Heartbeat:
+    """The thread that keeps this worker's key (started once per worker process)."""
+
+    def __init__(self, nodename: str) -> None:
+        self.key = _key_prefix() + nodename
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="corral-liveness", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(BEAT_SECONDS * 2)
+
+    def _run(self) -> None:
+        client = _client()
+        failing = False
+        while True:
+            try:
+                client.set(self.key, os.getpid(), px=int(LAPSE_SECONDS * 1000))
+                if failing:
+                    log.warning("liveness key %s written again", self.key)
+                failing = False
+            except redis.RedisError as exc:
+                if not failing:  # once per outage, not every beat
+                    log.warning("could not write liveness key %s: %s", self.key, exc)
+                failing = True
+            if self.stopped.wait(BEAT_SECONDS):
+                return
+
+
+def live_workers() -> set[str] | None:
+    """Nodenames of the workers whose key is alive (written within the last
+    :data:`LAPSE_SECONDS`); None when Redis cannot be read."""
+    prefix = _key_prefix()
+    try:
+        client = _client()
+        try:
+            return {key.decode()[len(prefix):] for key in client.scan_iter(match=prefix + "*", count=1000)}
+        finally:
+            client.close()
+    except redis.RedisError as exc:
+        log.warning("could not read the workers' liveness keys: %s", exc)
+        return None
