@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from gguf import GGUFWriter
 
 from machines_app import catalog
 from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, wait_until_ready
@@ -88,21 +87,9 @@ def test_case_c08_taken_port_is_reported_with_the_log_tail(llama_server_bin, rea
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("stop_servers_after")
-def test_case_c08_a_file_that_is_not_a_model_ends_the_session_exited(stack, alice, llama_server_bin, tmp_path):
-    models = tmp_path / "models"
-    models.mkdir()
-    # A well-formed GGUF head with no tensors: discovery lists it, llama-server cannot load it.
-    writer = GGUFWriter(str(models / "hollow.gguf"), "llama")
-    writer.add_name("Hollow")
-    writer.add_context_length(2048)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    machine = Machine.objects.create(name="hollow", models_dir=str(models), llama_server_path=llama_server_bin)
-    catalog.refresh_models(machine)
+def test_case_c08_a_file_that_is_not_a_model_ends_the_session_exited(stack, alice, hollow_machine, tmp_path):
     session = actions.do_create_session(
-        alice, machine=machine, model_key="hollow.gguf", working_dir=str(tmp_path), server_params={},
+        alice, machine=hollow_machine, model_key="hollow.gguf", working_dir=str(tmp_path), server_params={},
         sampling={}, permission_mode="manual",
     )
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "exited", 60, what="exited")
