@@ -18,8 +18,13 @@ Like llama-server started with ``--api-key-file``, it answers 401 to every reque
 ``/health`` that does not carry ``Authorization: Bearer <that key>``, so every test that
 uses it also proves Corral sends the server's key.
 
+It keeps what it was asked: ``GET /requests`` gives the chat request bodies, ``GET /asked``
+every request line but those two reads (``"GET /props"``, ``"POST /slots/0?action=save"``, …).
+
 Behaviour from the environment of the wrapper script the tests write:
-FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1, FAKE_SCRIPT.
+FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1, FAKE_SCRIPT, FAKE_BUILD_INFO
+(the ``build_info`` its /props reports, as llama-server does; unsaid without it, so its
+servers get no slot key and save nothing).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ LOADING = float(os.environ.get("FAKE_LOADING_SECONDS", "0"))
 SCRIPT = json.load(open(os.environ["FAKE_SCRIPT"])) if os.environ.get("FAKE_SCRIPT") else []
 LOCK = threading.Lock()
 REQUESTS: list[dict] = []
+ASKED: list[str] = []  # "<method> <path>" of every request but the tests' own reads
+BUILD_INFO = os.environ.get("FAKE_BUILD_INFO", "")
 
 TOOLS = [
     {"display_name": "Read file", "tool": "read_file", "type": "server", "permissions": {"write": False},
@@ -62,6 +69,12 @@ def run_tool(name: str, params: dict, cwd: str) -> dict:
 
 
 class Handler(StandInHandler):
+    def _refused(self) -> bool:
+        if self.path not in ("/requests", "/asked"):
+            with LOCK:
+                ASKED.append(f"{self.command} {self.path}")
+        return super()._refused()
+
     def do_GET(self):
         if self._refused():
             return
@@ -74,8 +87,11 @@ class Handler(StandInHandler):
             self._json(200, TOOLS)
         elif self.path == "/requests":
             self._json(200, REQUESTS)
-        elif self.path == "/props":  # as llama-server reports its context size
-            self._json(200, {"default_generation_settings": {"n_ctx": N_CTX}, "total_slots": 1})
+        elif self.path == "/asked":
+            self._json(200, ASKED)
+        elif self.path == "/props":  # as llama-server reports its context size (and its build, if told)
+            self._json(200, {"default_generation_settings": {"n_ctx": N_CTX}, "total_slots": 1,
+                             **({"build_info": BUILD_INFO} if BUILD_INFO else {})})
         else:
             self._json(200, {})
 
