@@ -18,31 +18,18 @@ import json
 import os
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from _setup import ROOT  # bench/ is the script's own directory
+
+sys.path.insert(0, str(ROOT))
+from tests.stand_in import StandInHandler, api_key_of, chunk  # noqa: E402  (the tests' stand-in shares it)
 
 RATE = float(os.environ.get("RATE_TOKENS_PER_SECOND", "50"))
-API_KEY = ""
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(StandInHandler):
     protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def _json(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _refused(self) -> bool:
-        if API_KEY and self.path != "/health" and self.headers.get("Authorization") != f"Bearer {API_KEY}":
-            self._json(401, {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}})
-            return True
-        return False
 
     def do_GET(self):
         if self._refused():
@@ -62,26 +49,19 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-
-        def send(obj) -> None:
-            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-            self.wfile.flush()
-
-        def chunk(delta, finish=None):
-            return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
         start = time.monotonic()
         try:
             for i in range(tokens):
                 wait = start + i / RATE - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                send(chunk({"content": f"{i}@{time.time() * 1000:.1f} "}))
-            send(chunk({}, "length"))
+                self._event(chunk({"content": f"{i}@{time.time() * 1000:.1f} "}))
+            self._event(chunk({}, "length"))
             elapsed = max(time.monotonic() - start, 1e-6)
-            send({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": tokens + 10},
-                  "timings": {"prompt_n": 10, "cache_n": 0, "predicted_n": tokens,
-                              "predicted_per_second": tokens / elapsed}})
+            self._event({"choices": [],
+                         "usage": {"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": tokens + 10},
+                         "timings": {"prompt_n": 10, "cache_n": 0, "predicted_n": tokens,
+                                     "predicted_per_second": tokens / elapsed}})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
@@ -89,12 +69,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str]) -> None:
-    global API_KEY
     port = int(argv[argv.index("--port") + 1])
     host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
-    if "--api-key-file" in argv:
-        with open(argv[argv.index("--api-key-file") + 1]) as f:
-            API_KEY = f.read().strip()
+    Handler.api_key = api_key_of(argv)
     print(f"rate stand-in listening on {host}:{port}, {RATE} tokens/s", flush=True)
     ThreadingHTTPServer((host, port), Handler).serve_forever()
 

@@ -211,19 +211,18 @@ class ServerProps:
     ``chat_template_caps`` as reported (``supports_tools``, ``supports_system_role``, …;
     {} when the server did not say) and the sampling defaults in force for a request that
     sets none (``default_generation_settings.params``, the file's ``general.sampling.*``
-    already applied), by request name."""
+    already applied), by request name. ``n_ctx`` and ``build_info`` also key its saved
+    slots (:func:`slot_fingerprint`)."""
 
     chat_template_caps: dict
     sampling_defaults: dict
     n_ctx: int | None = None  # the slot's context size in tokens (one slot: the whole -c); None unsaid
+    build_info: str = ""  # the server build, e.g. "b6123-abc1234"; "" unsaid
 
 
-def read_props(base_url: str, api_key: str = "", timeout: float = 10.0) -> ServerProps:
-    """``GET /props`` of a ready server, with its key. Raises ``httpx.HTTPError`` when it
-    does not answer; an answer of an unexpected shape gives empty fields."""
-    response = httpx.get(f"{base_url}/props", headers=auth_headers(api_key), timeout=timeout, verify=tls_context())
-    response.raise_for_status()
-    body = response.json()
+def parse_props(body: object) -> ServerProps:
+    """The :class:`ServerProps` in a ``GET /props`` answer (its JSON body). An answer of an
+    unexpected shape gives empty fields; never raises."""
     body = body if isinstance(body, dict) else {}
     caps = body.get("chat_template_caps")
     caps = {str(k): v for k, v in caps.items() if isinstance(v, bool)} if isinstance(caps, dict) else {}
@@ -236,7 +235,19 @@ def read_props(base_url: str, api_key: str = "", timeout: float = 10.0) -> Serve
     }
     n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
     n_ctx = n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None
-    return ServerProps(chat_template_caps=caps, sampling_defaults=defaults, n_ctx=n_ctx)
+    build_info = body.get("build_info")
+    build_info = build_info if isinstance(build_info, str) else ""
+    return ServerProps(chat_template_caps=caps, sampling_defaults=defaults, n_ctx=n_ctx, build_info=build_info)
+
+
+def read_props(server: Endpoint, *, timeout: float = 10.0) -> ServerProps:
+    """``GET /props`` of a ready server, with its key: read once per start, it feeds both
+    the ``server_ready`` facts and the slot fingerprint. Raises ``httpx.HTTPError`` when
+    it does not answer 2xx, ``ValueError`` when the answer is not JSON."""
+    response = httpx.get(f"{server.url}/props", headers=auth_headers(server.api_key), timeout=timeout,
+                         verify=tls_context())
+    response.raise_for_status()
+    return parse_props(response.json())
 
 
 def failure_message(headline: str, log_tail: str) -> str:
@@ -267,23 +278,8 @@ def slot_file_name(session_id: int, save_id: int) -> str:
     return f"session-{int(session_id)}-slot-{int(save_id)}.bin"
 
 
-def server_props(server: Endpoint, *, timeout: float = 10.0) -> dict:
-    """llama-server's ``GET /props``: ``build_info`` (the server build, e.g.
-    ``"b6123-abc1234"``) and ``default_generation_settings.n_ctx`` (the context size of
-    its slot) among others. Raises SlotError when it does not answer with a JSON object."""
-    try:
-        response = httpx.get(f"{server.url}/props", headers=auth_headers(server.api_key), timeout=timeout,
-                             verify=tls_context())
-        body = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise SlotError(f"llama-server did not answer /props: {exc}") from None
-    if response.status_code != 200 or not isinstance(body, dict):
-        raise SlotError(f"llama-server answered /props with HTTP {response.status_code}")
-    return body
-
-
 def slot_fingerprint(
-    *, binary: str, model_path: str, model_size: int, params: dict, props: dict, mmproj_path: str = ""
+    *, binary: str, model_path: str, model_size: int, params: dict, props: ServerProps, mmproj_path: str = ""
 ) -> str:
     """What a saved slot must match to be restored into a server, as 64 hex digits: the
     model file (path and size), the server parameters it was started with (context size,
@@ -292,10 +288,9 @@ def slot_fingerprint(
     from, and the vision projector it loaded (``--mmproj``: image embeddings in the cache
     come from it). A KV cache is only meaningful to the same weights
     laid out the same way by the same code (docs/behaviour.md C44). '' when ``props`` lacks
-    ``n_ctx`` or ``build_info``."""
-    settings = props.get("default_generation_settings")
-    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
-    if not isinstance(n_ctx, int) or not props.get("build_info"):
+    ``n_ctx`` or ``build_info``. The key's JSON is fixed: a slot saved by an earlier Corral
+    still matches a server that has not changed (tests/test_warm_slots.py pins it)."""
+    if props.n_ctx is None or not props.build_info:
         # A server that does not say its context size and build cannot be matched: no key,
         # so nothing is saved from it or restored into it.
         return ""
@@ -304,8 +299,8 @@ def slot_fingerprint(
         "model": model_path,
         "size": int(model_size),
         "params": {k: params[k] for k in sorted(params)},
-        "n_ctx": n_ctx,
-        "build": props.get("build_info"),
+        "n_ctx": props.n_ctx,
+        "build": props.build_info,
         **({"mmproj": mmproj_path} if mmproj_path else {}),  # absent without one: older keys still match
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
@@ -398,6 +393,7 @@ __all__ = [
     "SERVER_FLAGS",
     "ServerProps",
     "chat_template_flags",
+    "parse_props",
     "read_props",
     "Endpoint",
     "ServerSpec",
@@ -411,7 +407,6 @@ __all__ = [
     "new_api_key",
     "restore_slot",
     "save_slot",
-    "server_props",
     "slot_dir",
     "slot_file_name",
     "slot_fingerprint",

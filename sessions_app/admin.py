@@ -17,8 +17,8 @@ from django.utils.safestring import mark_safe
 
 from machines_app.admin import InternalRowAdmin, admin_system_prompt
 
-from .actions import SessionError, check_title
 from .events import load_events
+from .forms import NewSessionForm
 from .models import Access, AgentSession, DeploymentSettings, McpServer, TranscriptEvent
 from .presenters import Viewer, build_items, render_item
 from .transcript import actor
@@ -33,11 +33,7 @@ EVENT_TEXT_CHARS = 120
 class AgentSessionForm(forms.ModelForm):
     """The admin's one change to a session, its title, held to the session form's rule."""
 
-    def clean_title(self) -> str:
-        try:
-            return check_title(self.cleaned_data["title"])
-        except SessionError as exc:
-            raise forms.ValidationError(str(exc)) from None
+    clean_title = NewSessionForm.clean_title
 
 
 @admin.register(AgentSession)

@@ -31,7 +31,7 @@ from django.contrib.auth import get_user_model
 from . import broadcast, presence
 from .actions import find_session
 from .models import Access, AgentSession, TranscriptEvent
-from .presenters import BLOCK_KINDS, TOOL_KINDS, TranscriptView, Viewer, prime_window, render_presence
+from .presenters import BLOCK_KINDS, TOOL_KINDS, TranscriptView, Viewer, context_size, prime_window, render_presence
 
 logger = logging.getLogger(__name__)
 
@@ -288,14 +288,13 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     @database_sync_to_async
     def _n_ctx(self) -> int | None:
-        """The context size the page's gauge shows now: the last ``server_ready``'s, else
-        the session's contextSize (the view takes later ones from the events)."""
+        """The context size the page's gauge shows now (presenters.context_size: the last
+        ``server_ready``'s, else the session's contextSize; the view takes later ones from
+        the events). Reads that one event, never the whole transcript."""
         ready = (TranscriptEvent.objects.filter(session_id=self.session_id, kind="server_ready", seq__lte=self.last_sent)
                  .order_by("-seq").values_list("payload", flat=True).first())
-        if isinstance(ready, dict) and isinstance(ready.get("n_ctx"), int):
-            return ready["n_ctx"]
         params = AgentSession.objects.filter(pk=self.session_id).values_list("server_params", flat=True).first()
-        return (params or {}).get("contextSize")
+        return context_size(ready if isinstance(ready, dict) else None, (params or {}).get("contextSize"))
 
     @database_sync_to_async
     def _machine_name(self) -> str:

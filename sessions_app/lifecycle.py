@@ -23,6 +23,7 @@ from machines_app import catalog
 from machines_app.llama_server import (
     SLOT_IO_TIMEOUT,
     Endpoint,
+    ServerProps,
     ServerSpec,
     ServerStartError,
     SlotError,
@@ -31,7 +32,6 @@ from machines_app.llama_server import (
     read_props,
     restore_slot,
     save_slot,
-    server_props,
     slot_dir,
     slot_file_name,
     slot_fingerprint,
@@ -334,8 +334,10 @@ def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bo
         transport.remove(key_path_for(session, transport, record.port))
     except TransportError:
         pass  # the machine went away just now: the watch will say so
+    endpoint = _endpoint(transport, record)
+    props = _read_props(session.pk, endpoint)
     try:
-        warm = _restore(session, transport, record) if restore else None
+        warm = _restore(session, transport, record, props) if restore else None
     except RestoreRefused as refused:
         if not ServerRecord.objects.filter(pk=record.pk, stopping=False).exists():
             # Stopped on purpose while restoring (a Stop, a restart): the file is not to
@@ -352,9 +354,8 @@ def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bo
         return
     ServerRecord.objects.filter(pk=record.pk).update(ready_at=timezone.now())
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
-    endpoint = _endpoint(transport, record)
     ready = {"model_key": record.model_key, "model": model.display_name if model else record.model_key,
-             **server_facts(session.pk, model, endpoint)}
+             **server_facts(model, props)}
     if warm:
         ready["warm_tokens"] = warm
     record_event(session.pk, Kind.SERVER_READY, ready)
@@ -410,12 +411,14 @@ def _forget(saved: SlotSave, transport: Transport) -> None:
     SlotSave.objects.filter(pk=saved.pk).delete()
 
 
-def _fingerprint(session: AgentSession, transport: Transport, record: ServerRecord) -> str:
-    """The ready server's slot key (llama_server.slot_fingerprint), '' when it cannot be read."""
+def _fingerprint(session: AgentSession, record: ServerRecord, props: ServerProps | None) -> str:
+    """The ready server's slot key (llama_server.slot_fingerprint) from its ``GET /props``
+    (``props``, None when it did not answer), '' when it cannot be made."""
+    if props is None:
+        return ""  # the transcript already says the server did not answer /props
     try:
         model = catalog.model_for_session(session.machine, record.model_key)
-        props = server_props(_endpoint(transport, record))
-    except (catalog.ModelUnavailable, SlotError) as exc:
+    except catalog.ModelUnavailable as exc:
         log.warning("session %s: no slot key for pid %s: %s", session.pk, record.pid, exc)
         return ""
     size = ModelFile.objects.filter(machine=session.machine, key=record.model_key).values_list("file_size", flat=True)
@@ -427,13 +430,16 @@ def _fingerprint(session: AgentSession, transport: Transport, record: ServerReco
     )
 
 
-def _restore(session: AgentSession, transport: Transport, record: ServerRecord) -> int | None:
-    """Restore the session's saved slot of this model into the ready server; the tokens
-    restored, or None when there is nothing (fit) to restore. A saved slot whose
+def _restore(
+    session: AgentSession, transport: Transport, record: ServerRecord, props: ServerProps | None
+) -> int | None:
+    """Restore the session's saved slot of this model into the ready server (``props``:
+    its ``GET /props``, None when it did not answer); the tokens restored, or None when
+    there is nothing (fit) to restore. A saved slot whose
     fingerprint differs (another build, context size, parameters, a changed file) or whose
     path holds anything but a plain file is deleted unread. Raises RestoreRefused when
     llama-server does not restore the file (the caller decides what becomes of it)."""
-    key = _fingerprint(session, transport, record)
+    key = _fingerprint(session, record, props)
     ServerRecord.objects.filter(pk=record.pk).update(slot_key=key)
     record.slot_key = key
     saved = SlotSave.objects.filter(session=session, machine=session.machine, model_key=record.model_key).first()
@@ -474,19 +480,27 @@ def _save(record: ServerRecord, transport: Transport) -> None:
     SlotSave.objects.filter(pk=saved.pk).update(fingerprint=record.slot_key, n_tokens=n_saved, saved_at=timezone.now())
 
 
-def server_facts(session_id: int, model: ModelFile | None, server: Endpoint) -> dict:
+def _read_props(session_id: int, server: Endpoint) -> ServerProps | None:
+    """The ready server's ``GET /props`` (read once per start: it feeds the slot key and the
+    ``server_ready`` facts), None when it does not answer. A server that does not answer
+    /props still starts; the transcript says so."""
+    try:
+        return read_props(server)
+    except (httpx.HTTPError, ValueError) as exc:
+        record_error(session_id, f"llama-server did not say what its chat template can do (GET /props: {exc}).")
+        return None
+
+
+def server_facts(model: ModelFile | None, props: ServerProps | None) -> dict:
     """What a ready server says about its chat template and sampling defaults
-    (``GET /props``, docs/behaviour.md §17), for its ``server_ready`` event. The template's
-    capabilities are also kept on the model file, so the picker knows them before the next
-    start. A server that does not answer /props still starts; the transcript says so."""
+    (``props``: its ``GET /props``, docs/behaviour.md §17; None when it did not answer),
+    for its ``server_ready`` event. The template's capabilities are also kept on the model
+    file, so the picker knows them before the next start."""
     facts: dict = {
         "chat_template": (model.chat_template_file or model.chat_template) if model else "",
         "jinja": not (model and model.chat_template and not model.chat_template_file),
     }
-    try:
-        props = read_props(server.url, server.api_key)
-    except (httpx.HTTPError, ValueError) as exc:
-        record_error(session_id, f"llama-server did not say what its chat template can do (GET /props: {exc}).")
+    if props is None:
         return facts
     facts["chat_template_caps"] = props.chat_template_caps
     facts["sampling_defaults"] = props.sampling_defaults

@@ -11,7 +11,7 @@ fragments as plain text; when it closes it is replaced by its rendered Markdown.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from django.template.loader import render_to_string
@@ -320,11 +320,20 @@ def turn_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER, *,
     return view.page_items()
 
 
+def context_size(ready: Mapping | None, otherwise: int | None) -> int | None:
+    """The context size in tokens the page's gauge shows: ``n_ctx`` as the ``server_ready``
+    payload ``ready`` says it (GET /props, docs/behaviour.md §17), else ``otherwise`` (the
+    session's contextSize, what the server was started with; None for its default). The
+    one reading of that fact for the first paint, the socket's view and the live fold."""
+    said = ready.get("n_ctx") if ready else None
+    return said if isinstance(said, int) else otherwise
+
+
 def gauge_of(events: Iterable, n_ctx: int | None = None) -> dict:
-    """The context gauge (:func:`context_gauge`) folded from ``events`` — the
-    ``server_ready``, ``usage`` and ``cleared`` events are enough — as
-    :meth:`TranscriptView.gauge` gives it after the same events; ``n_ctx`` until a
-    ``server_ready`` says (the session's contextSize)."""
+    """The context gauge (:func:`context_gauge`) folded from ``events`` — the ``usage``
+    and ``cleared`` events are enough; a ``server_ready`` among them moves ``n_ctx`` as
+    live — as :meth:`TranscriptView.gauge` gives it after the same events; ``n_ctx`` as
+    :func:`context_size` gives it."""
     view = TranscriptView(0, n_ctx=n_ctx)
     for event in events:
         view._follow_context(event.kind, event.payload)
@@ -454,8 +463,8 @@ class TranscriptView:
 
     def _follow_context(self, kind: str, payload: dict) -> bool:
         """Move the gauge on the events that change it; True when it changed."""
-        if kind == Kind.SERVER_READY and isinstance(payload.get("n_ctx"), int):
-            self.n_ctx = payload["n_ctx"]
+        if kind == Kind.SERVER_READY and (said := context_size(payload, None)) is not None:
+            self.n_ctx = said
             return True
         if kind == Kind.USAGE and isinstance(payload.get("prompt_tokens"), int):
             self.context_used = payload["prompt_tokens"] + (payload.get("completion_tokens") or 0)

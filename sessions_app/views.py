@@ -23,6 +23,7 @@ from .presenters import (
     TURNS_PER_PAGE,
     Viewer,
     attach_context,
+    context_size,
     gauge_of,
     queued_item,
     template_info,
@@ -201,9 +202,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     # So do the template the server runs and the context gauge.
     ready = transcript.last_server_ready(load_kinds(session.pk, [transcript.Kind.SERVER_READY], upto=last_seq))
     gauge = gauge_of(
-        load_kinds(session.pk, [transcript.Kind.SERVER_READY, transcript.Kind.USAGE, transcript.Kind.CLEARED],
-                   upto=last_seq),
-        n_ctx=session.server_params.get("contextSize"),
+        load_kinds(session.pk, [transcript.Kind.USAGE, transcript.Kind.CLEARED], upto=last_seq),
+        n_ctx=context_size(ready, session.server_params.get("contextSize")),
     )
     context = {
         **session_context,

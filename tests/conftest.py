@@ -119,6 +119,31 @@ def local_machine(db, real_models_dir, llama_server_bin):
     return machine
 
 
+@pytest.fixture
+def hollow_machine(db, tmp_path, llama_server_bin):
+    """A Machine with the real llama-server whose one model, ``hollow.gguf``, is a
+    well-formed GGUF head with no tensors: discovery lists it, llama-server cannot load it
+    (docs/behaviour.md C08)."""
+    from gguf import GGUFWriter
+
+    from machines_app import catalog
+    from machines_app.models import Machine
+
+    models = tmp_path / "models"
+    models.mkdir()
+    writer = GGUFWriter(str(models / "hollow.gguf"), "llama")
+    writer.add_name("Hollow")
+    writer.add_context_length(2048)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    machine = Machine.objects.create(name="hollow", models_dir=str(models), llama_server_path=llama_server_bin,
+                                     workspace_roots="")
+    catalog.refresh_models(machine)
+    return machine
+
+
 def model_key(machine, architecture: str) -> str:
     return machine.model_files.get(architecture=architecture).key
 

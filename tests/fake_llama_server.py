@@ -18,8 +18,13 @@ Like llama-server started with ``--api-key-file``, it answers 401 to every reque
 ``/health`` that does not carry ``Authorization: Bearer <that key>``, so every test that
 uses it also proves Corral sends the server's key.
 
+It keeps what it was asked: ``GET /requests`` gives the chat request bodies, ``GET /asked``
+every request line but those two reads (``"GET /props"``, ``"POST /slots/0?action=save"``, …).
+
 Behaviour from the environment of the wrapper script the tests write:
-FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1, FAKE_SCRIPT.
+FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1, FAKE_SCRIPT, FAKE_BUILD_INFO
+(the ``build_info`` its /props reports, as llama-server does; unsaid without it, so its
+servers get no slot key and save nothing).
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from stand_in import StandInHandler, api_key_of, chunk  # tests/, the script's own directory
 
 START = time.monotonic()
 LOADING = float(os.environ.get("FAKE_LOADING_SECONDS", "0"))
 SCRIPT = json.load(open(os.environ["FAKE_SCRIPT"])) if os.environ.get("FAKE_SCRIPT") else []
 LOCK = threading.Lock()
 REQUESTS: list[dict] = []
-API_KEY = ""
+ASKED: list[str] = []  # "<method> <path>" of every request but the tests' own reads
+BUILD_INFO = os.environ.get("FAKE_BUILD_INFO", "")
 
 TOOLS = [
     {"display_name": "Read file", "tool": "read_file", "type": "server", "permissions": {"write": False},
@@ -60,23 +68,12 @@ def run_tool(name: str, params: dict, cwd: str) -> dict:
     return {"error": {"message": "File Not Found", "code": 404}}
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):  # keep the log for the server's own lines
-        pass
-
-    def _json(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(StandInHandler):
     def _refused(self) -> bool:
-        if API_KEY and self.path != "/health" and self.headers.get("Authorization") != f"Bearer {API_KEY}":
-            self._json(401, {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}})
-            return True
-        return False
+        if self.path not in ("/requests", "/asked"):
+            with LOCK:
+                ASKED.append(f"{self.command} {self.path}")
+        return super()._refused()
 
     def do_GET(self):
         if self._refused():
@@ -90,8 +87,11 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, TOOLS)
         elif self.path == "/requests":
             self._json(200, REQUESTS)
-        elif self.path == "/props":  # as llama-server reports its context size
-            self._json(200, {"default_generation_settings": {"n_ctx": N_CTX}, "total_slots": 1})
+        elif self.path == "/asked":
+            self._json(200, ASKED)
+        elif self.path == "/props":  # as llama-server reports its context size (and its build, if told)
+            self._json(200, {"default_generation_settings": {"n_ctx": N_CTX}, "total_slots": 1,
+                             **({"build_info": BUILD_INFO} if BUILD_INFO else {})})
         else:
             self._json(200, {})
 
@@ -123,25 +123,18 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-
-        def send(obj) -> None:
-            self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-            self.wfile.flush()
-
-        def chunk(delta, finish=None):
-            return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
         try:
             delays = reply.get("delays", [])
             for i, word in enumerate(reply.get("text", "").split(" ")) if reply.get("text") else []:
-                send(chunk({"content": (" " if i else "") + word}))
+                self._event(chunk({"content": (" " if i else "") + word}))
                 time.sleep(delays[i] if i < len(delays) else reply.get("delay", 0.0))
             for i, call in enumerate(reply.get("tool_calls", [])):
-                send(chunk({"tool_calls": [{"index": i, "id": f"call_{len(REQUESTS)}_{i}", "type": "function",
-                                            "function": {"name": call["name"], "arguments": call.get("arguments", "")}}]}))
-            send(chunk({}, "tool_calls" if reply.get("tool_calls") else "stop"))
-            send({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3},
-                  "timings": {"prompt_n": 10, "cache_n": 0, "predicted_n": 3, "predicted_per_second": 30.0}})
+                self._event(chunk({"tool_calls": [{"index": i, "id": f"call_{len(REQUESTS)}_{i}", "type": "function",
+                                                   "function": {"name": call["name"],
+                                                                "arguments": call.get("arguments", "")}}]}))
+            self._event(chunk({}, "tool_calls" if reply.get("tool_calls") else "stop"))
+            self._event({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 3},
+                         "timings": {"prompt_n": 10, "cache_n": 0, "predicted_n": 3, "predicted_per_second": 30.0}})
             self.wfile.write(b"data: [DONE]\n\n")
         except (BrokenPipeError, ConnectionResetError):
             pass
@@ -156,10 +149,7 @@ def main(argv: list[str]) -> None:
     if "-c" in argv:
         global N_CTX
         N_CTX = int(argv[argv.index("-c") + 1])
-    if "--api-key-file" in argv:
-        global API_KEY
-        with open(argv[argv.index("--api-key-file") + 1]) as f:
-            API_KEY = f.read().strip()
+    Handler.api_key = api_key_of(argv)
     if os.environ.get("FAKE_IGNORE_TERM") == "1":
         def on_term(*_):
             print("cleaning up before exit...", flush=True)

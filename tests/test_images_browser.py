@@ -48,13 +48,17 @@ def data_uri(media_type: str, data: bytes) -> str:
 
 
 @pytest.fixture
-def vision_machine(db, tmp_path, real_models_dir):
-    """The real model files, with a vision projector beside them; the stand-in serves."""
+def vision_machine(db, tmp_path):
+    """The real SmolLM2 with a vision projector beside it, and the real Gemma in a directory
+    of its own without one; the stand-in serves."""
+    from machines_app.demo_models import packaged_model_paths
+
+    paths = packaged_model_paths()
     models = tmp_path / "vision-models"
-    models.mkdir()
-    for source in real_models_dir.iterdir():
-        (models / source.name).symlink_to(source.resolve())
-    writer = GGUFWriter(str(models / "mmproj-smol-f16.gguf"), "clip")
+    for directory, source in (("smol", paths["smollm2"]), ("gemma", paths["gemma3"])):
+        (models / directory).mkdir(parents=True)
+        (models / directory / source.name).symlink_to(source)
+    writer = GGUFWriter(str(models / "smol" / "mmproj-smol-f16.gguf"), "clip")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -96,7 +100,7 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     from sessions_app import actions
 
     key = vision_machine.model_files.get(architecture="llama").key
-    assert vision_machine.model_files.get(key=key).projector_key == "mmproj-smol-f16.gguf"
+    assert vision_machine.model_files.get(key=key).projector_key == "smol/mmproj-smol-f16.gguf"
     session = in_thread(lambda: actions.do_create_session(
         alice, machine=vision_machine, model_key=key, working_dir=str(tmp_path), server_params={}, sampling={},
         permission_mode="manual", title="Pictures"))
@@ -111,7 +115,7 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     # The server was started with the projector beside the model.
     record = ServerRecord.objects.get(session=session)
     argv = Path(f"/proc/{record.pid}/cmdline").read_bytes().decode().split("\0")
-    assert argv[argv.index("--mmproj") + 1] == str(Path(vision_machine.models_dir) / "mmproj-smol-f16.gguf")
+    assert argv[argv.index("--mmproj") + 1] == str(Path(vision_machine.models_dir) / "smol" / "mmproj-smol-f16.gguf")
 
     bobs = page.context.browser.new_context().new_page()
     log_in(bobs, stack, "bob", "bob-password-1")
@@ -188,36 +192,15 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     bobs.screenshot(path=str(stack.data_dir / "browser-images-bob.png"))
 
 
-@pytest.fixture
-def two_dir_machine(db, tmp_path):
-    """SmolLM2 with a projector beside it, Gemma in a directory of its own without one."""
-    from machines_app.demo_models import packaged_model_paths
-
-    paths = packaged_model_paths()
-    models = tmp_path / "two-dirs"
-    for directory, source in (("smol", paths["smollm2"]), ("gemma", paths["gemma3"])):
-        (models / directory).mkdir(parents=True)
-        (models / directory / source.name).symlink_to(source)
-    writer = GGUFWriter(str(models / "smol" / "mmproj-smol-f16.gguf"), "clip")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    machine = Machine.objects.create(name="two-dirs", models_dir=str(models),
-                                     llama_server_path=fake_server(tmp_path), workspace_roots="")
-    catalog.refresh_models(machine)
-    return machine
-
-
-def test_a_model_switch_offers_or_withdraws_attachments_on_every_open_page(stack, page, two_dir_machine, alice, bob,
+def test_a_model_switch_offers_or_withdraws_attachments_on_every_open_page(stack, page, vision_machine, alice, bob,
                                                                           tmp_path):
     from sessions_app import actions
 
-    smol = two_dir_machine.model_files.get(architecture="llama")
-    gemma = two_dir_machine.model_files.exclude(pk=smol.pk).get()
+    smol = vision_machine.model_files.get(architecture="llama")
+    gemma = vision_machine.model_files.exclude(pk=smol.pk).get()
     assert smol.projector_key and not gemma.projector_key
     session = in_thread(lambda: actions.do_create_session(
-        alice, machine=two_dir_machine, model_key=smol.key, working_dir=str(tmp_path), server_params={},
+        alice, machine=vision_machine, model_key=smol.key, working_dir=str(tmp_path), server_params={},
         sampling={}, permission_mode="manual", title="Switching"))
     in_thread(lambda: actions.do_set_visibility(session, alice, "team_act"))
 

@@ -171,6 +171,30 @@ def test_frames_from_the_browser_are_ignored_and_the_socket_stays_live(alice, se
     async_to_sync(scenario)()
 
 
+def test_the_socket_and_the_first_paint_read_one_context_size(alice, session):
+    """The gauge's n_ctx is the last server_ready's, else the session's contextSize — for
+    the page's first paint and for the socket alike (presenters.context_size), also when
+    the last server did not say it and an earlier one did."""
+    AgentSession.objects.filter(pk=session.pk).update(server_params={"contextSize": 1024})
+    actions.record_event(session.pk, "server_ready", {"model_key": "m.gguf", "model": "M", "n_ctx": 2048})
+    actions.record_event(session.pk, "server_ready", {"model_key": "m.gguf", "model": "M"})  # /props unanswered
+    browser = Client()
+    browser.force_login(alice)
+    assert "context 0 / 1024 tokens" in browser.get(f"/sessions/{session.pk}/").content.decode()
+    cookie = cookie_of(alice)
+
+    async def scenario() -> str:
+        comm = communicator(f"/ws/sessions/{session.pk}/?after=2", cookie)
+        assert (await comm.connect(timeout=10))[0]
+        await database_sync_to_async(actions.record_event)(
+            session.pk, "usage", {"prompt_tokens": 90, "completion_tokens": 10})
+        message = json.loads((await next_output(comm))["text"])
+        await comm.disconnect()
+        return next(op["html"] for op in message["ops"] if op.get("id") == "context-gauge")
+
+    assert "context 100 / 1024 tokens" in async_to_sync(scenario)()
+
+
 def test_a_closed_socket_leaves_its_groups_at_once(alice, session):
     cookie = cookie_of(alice)
     login_key = cookie.split("=", 1)[1]

@@ -13,10 +13,8 @@ import threading
 import httpx
 import pytest
 from django.db import connection
-from gguf import GGUFWriter
 
-from machines_app import catalog
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import ServerRecord
 from sessions_app import actions
 from sessions_app.models import AgentSession, TranscriptEvent
 
@@ -161,22 +159,9 @@ def test_a_context_overflow_offers_clear_and_the_gauge_follows(stack, page, fake
     assert requests_seen(session)[-1]["messages"] == [{"role": "user", "content": "three"}]
 
 
-def test_a_failed_start_leads_with_a_plain_sentence_and_folds_the_log(stack, page, alice, llama_server_bin,
+def test_a_failed_start_leads_with_a_plain_sentence_and_folds_the_log(stack, page, alice, hollow_machine,
                                                                      tmp_path):
-    models = tmp_path / "models"
-    models.mkdir()
-    # A well-formed GGUF head with no tensors: listed, but the real llama-server cannot load it.
-    writer = GGUFWriter(str(models / "hollow.gguf"), "llama")
-    writer.add_name("Hollow")
-    writer.add_context_length(2048)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    machine = Machine.objects.create(name="hollow", models_dir=str(models), llama_server_path=llama_server_bin,
-                                     workspace_roots="")
-    catalog.refresh_models(machine)
-    session = start_session(alice, machine, tmp_path, key="hollow.gguf")
+    session = start_session(alice, hollow_machine, tmp_path, key="hollow.gguf")
     log_in(page, stack, "alice", "alice-password-1")
     open_session(page, stack, session, status="exited")
     error = page.locator(".msg.error").last

@@ -21,6 +21,7 @@ from sessions_app.presenters import (
     TranscriptView,
     Viewer,
     build_items,
+    context_size,
     render_item,
     render_status,
     settings_text,
@@ -240,6 +241,19 @@ def test_the_gauge_knows_n_ctx_from_the_session_until_a_server_says():
     view = TranscriptView(1, n_ctx=1024)
     assert "context 100 / 1024" in gauge_ops([Event(1, "usage", {"prompt_tokens": 90, "completion_tokens": 10})],
                                             view)[-1]
+
+
+@pytest.mark.parametrize(
+    ("ready", "session_context", "n_ctx"),
+    [
+        ({"model_key": "m", "model": "M", "n_ctx": 2048}, 1024, 2048),  # the server said
+        ({"model_key": "m", "model": "M"}, 1024, 1024),  # it did not (GET /props unanswered)
+        (None, 1024, 1024),  # no server yet
+        (None, None, None),  # llama-server's own default: unknown until it says
+    ],
+)
+def test_the_gauge_s_context_size_is_the_last_server_ready_s_else_the_session_s(ready, session_context, n_ctx):
+    assert context_size(ready, session_context) == n_ctx
 
 
 # --- item 2: rename, live -----------------------------------------------------------------------

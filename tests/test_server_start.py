@@ -14,8 +14,8 @@ import stat
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-from gguf import GGUFWriter
 
 from machines_app import catalog
 from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, wait_until_ready
@@ -88,21 +88,9 @@ def test_case_c08_taken_port_is_reported_with_the_log_tail(llama_server_bin, rea
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("stop_servers_after")
-def test_case_c08_a_file_that_is_not_a_model_ends_the_session_exited(stack, alice, llama_server_bin, tmp_path):
-    models = tmp_path / "models"
-    models.mkdir()
-    # A well-formed GGUF head with no tensors: discovery lists it, llama-server cannot load it.
-    writer = GGUFWriter(str(models / "hollow.gguf"), "llama")
-    writer.add_name("Hollow")
-    writer.add_context_length(2048)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    machine = Machine.objects.create(name="hollow", models_dir=str(models), llama_server_path=llama_server_bin)
-    catalog.refresh_models(machine)
+def test_case_c08_a_file_that_is_not_a_model_ends_the_session_exited(stack, alice, hollow_machine, tmp_path):
     session = actions.do_create_session(
-        alice, machine=machine, model_key="hollow.gguf", working_dir=str(tmp_path), server_params={},
+        alice, machine=hollow_machine, model_key="hollow.gguf", working_dir=str(tmp_path), server_params={},
         sampling={}, permission_mode="manual",
     )
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "exited", 60, what="exited")
@@ -165,6 +153,24 @@ def test_case_c21_stop_kills_a_server_that_ignores_sigterm(stack, alice, fake_ma
     assert "cleaning up before exit" in Path(record.log_path).read_text()
     assert AgentSession.objects.get(pk=session.pk).status == "stopped"  # stopped on purpose, not exited
     assert not ServerRecord.objects.filter(session=session).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_start_reads_props_once_for_both_the_slot_key_and_the_ready_facts(stack, alice, fake_machine, tmp_path):
+    machine = fake_machine(FAKE_BUILD_INFO="b1-stand-in")
+    session = actions.do_create_session(
+        alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 2048}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 30, what="idle")
+    record = ServerRecord.objects.get(session=session)
+    asked = httpx.get(f"http://127.0.0.1:{record.port}/asked", headers={"Authorization": f"Bearer {record.api_key}"},
+                      timeout=5).json()
+    assert asked.count("GET /props") == 1
+    assert record.slot_key  # the slot fingerprint came from it (it needs n_ctx and build_info) …
+    ready = TranscriptEvent.objects.get(session=session, kind="server_ready").payload
+    assert ready["n_ctx"] == 2048  # … and so did the server_ready facts
 
 
 # --- the real server: stop, watch, adopt --------------------------------------------------------

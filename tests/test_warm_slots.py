@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from machines_app.llama_server import ServerSpec, build_argv, slot_file_name, slot_fingerprint
+from machines_app.llama_server import ServerSpec, build_argv, parse_props, slot_file_name, slot_fingerprint
 from machines_app.models import ServerRecord, SlotSave
 from machines_app.transports import LocalTransport, TransportError
 from sessions_app import actions, lifecycle
@@ -112,9 +112,9 @@ def test_case_c43_the_slot_directory_is_made_0700_and_a_link_there_is_refused(tm
     assert transport.is_own_file(str(target))
 
 
-PROPS = {"build_info": "b6123-abc1234", "default_generation_settings": {"n_ctx": 2048}}
+PROPS = {"build_info": "b6123-abc1234", "default_generation_settings": {"n_ctx": 2048}}  # GET /props
 BASE = {"binary": "/opt/llama-server", "model_path": "/m/a.gguf", "model_size": 1000,
-        "params": {"contextSize": 2048}, "props": PROPS}
+        "params": {"contextSize": 2048}, "props": parse_props(PROPS)}
 
 
 @pytest.mark.parametrize(
@@ -124,8 +124,8 @@ BASE = {"binary": "/opt/llama-server", "model_path": "/m/a.gguf", "model_size": 
         {"model_size": 1001},  # the same name, another file
         {"params": {"contextSize": 4096}},
         {"params": {"contextSize": 2048, "cacheTypeK": "q8_0"}},  # KV cache types, when set
-        {"props": {**PROPS, "default_generation_settings": {"n_ctx": 1024}}},
-        {"props": {**PROPS, "build_info": "b7000-def5678"}},  # another server build
+        {"props": parse_props({**PROPS, "default_generation_settings": {"n_ctx": 1024}})},
+        {"props": parse_props({**PROPS, "build_info": "b7000-def5678"})},  # another server build
         {"binary": "/opt/llama-server-new"},
     ],
 )
@@ -135,8 +135,17 @@ def test_case_c44_a_slot_fits_only_the_same_model_parameters_context_and_build(c
 
 
 def test_a_server_that_does_not_say_its_context_or_build_gets_no_slot_key():
-    assert slot_fingerprint(**{**BASE, "props": {}}) == ""
-    assert slot_fingerprint(**{**BASE, "props": {"default_generation_settings": {"n_ctx": 2048}}}) == ""
+    assert slot_fingerprint(**{**BASE, "props": parse_props({})}) == ""
+    assert slot_fingerprint(**{**BASE, "props": parse_props({"default_generation_settings": {"n_ctx": 2048}})}) == ""
+    assert slot_fingerprint(**{**BASE, "props": parse_props({"build_info": "b6123-abc1234"})}) == ""
+
+
+def test_a_slot_saved_before_props_was_read_once_still_matches():
+    # The keys the fingerprint gave when it read the raw /props body itself: the same
+    # server must give the same key, or every slot saved before would be thrown away.
+    assert slot_fingerprint(**BASE) == "acce53834172640ca6489134df09c7f2cd9123da8b730f1901f9f9481eccf474"
+    assert slot_fingerprint(**BASE, mmproj_path="/m/mmproj.gguf") == (
+        "682d9ab96771168dbd6c8cebc6013d89aec308db3aa2db0824455ff1e20d3a43")
 
 
 # --- warm after stop and start ----------------------------------------------------------------
