@@ -67,6 +67,12 @@ LENGTH_LIMIT = ("The reply stopped at its length limit (max_tokens {max_tokens})
                 "or raise max_tokens in Settings.")
 FRAGMENT_FLUSH_EVERY = 0.05  # seconds: the longest streamed text waits before watchers see it
 FRAGMENT_STORE_EVERY = 0.5  # seconds: the longest streamed text waits to be stored
+#: Seconds between the starts of two reads of a reply's stream: tokens gather in the socket
+#: and are read, handed on and shown as one burst (completions.AbortableHTTP).
+READ_EVERY = FRAGMENT_FLUSH_EVERY
+#: Seconds at least between two tails: bursts come every READ_EVERY, give or take the time a
+#: read and a burst take, and each must be shown.
+TAIL_AT_MOST_EVERY = READ_EVERY * 0.8
 INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
@@ -138,22 +144,24 @@ class Fragments:
     Each stored event costs a transaction, a push and a websocket message; one per token
     would spend more CPU than the model does (docs/behaviour.md §13). So text is stored in
     batches of ``FRAGMENT_STORE_EVERY`` seconds, one event each, and in between the
-    watchers are shown what has streamed since, every ``FRAGMENT_FLUSH_EVERY`` seconds, as
-    a *tail* (``tail(kind, text, after)``: all the text not stored yet, after stored event
-    ``after``; pushed, never stored). The first batch of a block is stored after
-    ``FRAGMENT_FLUSH_EVERY`` (a tail needs its block on the page). Order is kept: a change
-    of kind stores the batch before it.
+    watchers are shown what has streamed since as a *tail* (``tail(kind, text, after)``:
+    all the text not stored yet, after stored event ``after``; pushed, never stored).
 
-    :meth:`add` and :meth:`due` do what is due when anything streams (text, a call's
-    arguments, usage); :meth:`flush_due` — called by the step's watcher thread every
-    ``FRAGMENT_FLUSH_EVERY / 2`` s — when nothing does (a model pausing): it shows the
-    tail, and stores text that has waited ``FRAGMENT_STORE_EVERY``. So no text waits for
-    the next fragment, and a worker that dies loses at most the last
+    The stream is read in bursts (``READ_EVERY``, completions.AbortableHTTP), and
+    :meth:`at_read` runs at the end of each, before the next read: it stores a block's
+    first text (so the block is on the page at once) and shows the rest as a tail, at
+    most one every ``TAIL_AT_MOST_EVERY`` seconds. :meth:`add` keeps the batches (a change
+    of kind stores the batch before it, keeping order; text that has waited a store window
+    is stored), as does :meth:`due` for anything else that streams (a call's arguments,
+    usage). :meth:`flush_due` — the step's watcher thread, every ``FRAGMENT_FLUSH_EVERY``
+    — covers a stream gone quiet: it shows text no burst end has shown for a whole
+    ``FRAGMENT_FLUSH_EVERY``, and stores text that has waited a store window. So no text
+    waits for the next fragment, and a worker that dies loses at most the last
     ``FRAGMENT_STORE_EVERY`` of text.
 
     Thread-safe (the stream's thread and the watcher's). A write that fails in the
     watcher's thread (the lease lost: turns.LeaseLost) is raised in the stream's thread at
-    its next :meth:`add` or :meth:`flush`.
+    its next :meth:`add`, :meth:`at_read` or :meth:`flush`.
     """
 
     def __init__(self, record: Callable[[str, dict], int], tail: Callable[[str, str, int], None]) -> None:
@@ -164,6 +172,7 @@ class Fragments:
         self.parts: list[str] = []
         self.oldest = 0.0  # time.monotonic() of the first part not stored
         self.unshown: float | None = None  # … of the first part no watcher was shown
+        self.shown_at = 0.0  # … of the last tail
         self.stored_seq: int | None = None  # the last event stored of this block
         self.failed: Exception | None = None
 
@@ -184,19 +193,38 @@ class Fragments:
             self._due(now)
 
     def due(self) -> None:
-        """Store or show what is due (the stream's thread, at every delta of any kind)."""
+        """Store what is due (the stream's thread, at every delta of any kind)."""
         with self.lock:
             self._raise_failure()
             self._due(time.monotonic())
 
+    def at_read(self) -> None:
+        """The end of a burst (the stream's thread, before it reads again): store a
+        block's first text, show the rest."""
+        with self.lock:
+            self._raise_failure()
+            now = time.monotonic()
+            self._due(now)
+            if not self.parts:
+                return
+            if self.stored_seq is None:
+                self._store()
+            elif self.unshown is not None and now - self.shown_at >= TAIL_AT_MOST_EVERY:
+                self._show(now)
+
     def flush_due(self) -> None:
-        """Show what is due, and store only text that has waited a whole store window
-        (the watcher's thread: its database connection is not the stream's, so it writes
-        only when the stream has gone quiet)."""
+        """Show text no burst end has shown for a whole ``FRAGMENT_FLUSH_EVERY``, and
+        store only text that has waited a whole store window (the watcher's thread: its
+        database connection is not the stream's, so it writes only when the stream has
+        gone quiet)."""
         with self.lock:
             if self.failed is None:
                 try:
-                    self._due(time.monotonic(), quiet=True)
+                    now = time.monotonic()
+                    self._due(now, quiet=True)
+                    if (self.parts and self.stored_seq is not None and self.unshown is not None
+                            and now - self.unshown >= FRAGMENT_FLUSH_EVERY):
+                        self._show(now)
                 except Exception as exc:  # raised in the stream's thread instead
                     self.failed = exc
 
@@ -213,11 +241,10 @@ class Fragments:
                 self._store()
         elif now - self.oldest >= FRAGMENT_STORE_EVERY:
             self._store()
-        elif self.stored_seq is not None and self.unshown is not None:
-            # A tail only once the block is on the page (its first text stored).
-            if now - self.unshown >= FRAGMENT_FLUSH_EVERY:
-                self.unshown = None
-                self.tail(self.kind, "".join(self.parts), self.stored_seq)
+
+    def _show(self, now: float) -> None:
+        self.unshown, self.shown_at = None, now
+        self.tail(self.kind, "".join(self.parts), self.stored_seq)
 
     def _raise_failure(self) -> None:
         if self.failed is not None:
@@ -341,16 +368,15 @@ class Step:
         # The stream is read here; a watcher thread looks for an interrupt and closes the
         # connection, so an interrupt works even while llama-server sends nothing (a long
         # prompt being processed).
-        http = AbortableHTTP()
+        pending = Fragments(self.record, self.tail)
+        http = AbortableHTTP(read_every=READ_EVERY, before_read=pending.at_read)
         stop_watching = threading.Event()
         interrupted = threading.Event()
-
-        pending = Fragments(self.record, self.tail)
 
         def watch_interrupt() -> None:
             next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
             try:
-                while not stop_watching.wait(FRAGMENT_FLUSH_EVERY / 2):
+                while not stop_watching.wait(FRAGMENT_FLUSH_EVERY):
                     pending.flush_due()
                     if time.monotonic() < next_poll:
                         continue

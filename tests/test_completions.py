@@ -691,3 +691,47 @@ def test_no_http_client_builds_its_own_tls_context(monkeypatch):
                     and not any(k.arg == "verify" for k in node.keywords)):
                 unshared.append(f"{path.name}:{node.lineno}")
     assert unshared == []
+
+
+def test_paced_reads_gather_a_streams_chunks_into_bursts_and_call_the_hook_before_each_read():
+    """AbortableHTTP(read_every=…): a real HTTP server writes 60 chunks 5 ms apart; the
+    client reads them in bursts whose reads start at least read_every apart, with
+    before_read called before each read — far fewer reads than chunks, every byte there,
+    in order (docs/live-page.md "What it costs")."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sessions_app.completions import AbortableHTTP
+
+    class Chunks(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(60):
+                piece = f"{i};".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+                time.sleep(0.005)
+            self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Chunks)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    reads: list[float] = []
+    http = AbortableHTTP(read_every=0.05, before_read=lambda: reads.append(time.monotonic()))
+    try:
+        with http.client.stream("GET", f"http://127.0.0.1:{server.server_address[1]}/") as response:
+            body = b"".join(response.iter_bytes())
+    finally:
+        http.close()
+        server.shutdown()
+    assert body.decode() == "".join(f"{i};" for i in range(60))
+    assert 3 <= len(reads) <= 20  # ~0.3 s of chunks read in bursts 50 ms apart, not 60 reads
+    gaps = [later - earlier for earlier, later in zip(reads[1:], reads[2:], strict=False)]
+    assert all(gap >= 0.045 for gap in gaps), gaps

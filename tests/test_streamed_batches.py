@@ -53,25 +53,47 @@ def sink():
     return Sink()
 
 
-def test_a_blocks_first_text_is_stored_within_the_show_window_then_shown_as_tails_and_stored_in_batches(clock, sink):
+def test_a_blocks_first_text_is_stored_at_the_first_burst_end_then_shown_as_tails_and_stored_in_batches(clock, sink):
     batch = agent.Fragments(sink.record, sink.tail)
     batch.add("assistant_text", "a")
-    clock.now += SHOW / 2
     batch.add("assistant_text", "b")
-    assert sink.stored == []
-    clock.now += SHOW * 0.6
-    batch.add("assistant_text", "c")  # the block's first text has waited a show window
-    assert sink.stored == [("assistant_text", "abc")] and sink.tails == []
-    for word in ["d", "e", "f"]:
-        clock.now += SHOW * 0.6
+    assert sink.stored == [] and sink.tails == []  # a burst is handed on before anything is written
+    batch.at_read()  # the end of the first burst: the block goes on the page at once
+    assert sink.stored == [("assistant_text", "ab")] and sink.tails == []
+    for word in ["c", "d"]:
+        clock.now += agent.READ_EVERY
         batch.add("assistant_text", word)
+        batch.at_read()
     # Shown, not stored: each tail is all the text after stored event 10.
-    assert sink.stored == [("assistant_text", "abc")]
-    assert sink.tails == [("assistant_text", "def", 10)]
+    assert sink.tails == [("assistant_text", "c", 10), ("assistant_text", "cd", 10)]
+    batch.at_read()
+    assert len(sink.tails) == 2  # nothing new to show: no tail
+    batch.add("assistant_text", "e")
+    batch.at_read()
+    assert len(sink.tails) == 2  # a read that came back at once: shown with the next burst
     clock.now += STORE
-    batch.add("assistant_text", "g")  # the oldest part not stored has waited a store window
-    assert sink.stored == [("assistant_text", "abc"), ("assistant_text", "defg")]
-    assert "".join(text for _, text in sink.stored) == "abcdefg"
+    batch.add("assistant_text", "f")  # the oldest part not stored has waited a store window
+    assert sink.stored == [("assistant_text", "ab"), ("assistant_text", "cdef")]
+    assert "".join(text for _, text in sink.stored) == "abcdef"
+
+
+def test_a_stream_with_no_burst_ends_still_stores_its_first_text_within_a_show_window(clock, sink):
+    # A client that reads without pacing (a test's scripted stream) never calls at_read.
+    batch = agent.Fragments(sink.record, sink.tail)
+    batch.add("assistant_text", "a")
+    clock.now += SHOW * 1.01
+    batch.add("assistant_text", "b")
+    assert sink.stored == [("assistant_text", "ab")]
+
+
+def test_a_failure_at_a_burst_end_is_raised_in_the_streams_thread(clock):
+    def record(kind, payload):
+        raise turns.LeaseLost("taken over")
+
+    batch = agent.Fragments(record, lambda *args: None)
+    batch.add("assistant_text", "x")
+    with pytest.raises(turns.LeaseLost):
+        batch.at_read()
 
 
 def test_a_quiet_stream_is_shown_then_stored_by_the_watcher_without_a_next_fragment(clock, sink):
