@@ -31,3 +31,11 @@ def channel_prefix(redis_url: str) -> str:
     ``"corral-db<n>."`` where ``n`` is the database the URL selects (``/n`` or ``?db=n``,
     0 when it names none). Raises ``ValueError`` for a URL redis-py cannot read."""
     return f"corral-db{int(parse_url(redis_url).get('db') or 0)}."
+
+
+def group_channel(prefix: str, group: str) -> str:
+    """The Redis pub/sub channel of a Channels group in channels_redis's pub/sub layer
+    configured with ``prefix`` (``RedisPubSubLoopLayer._get_group_channel_name``), for
+    publishing to it without the layer (sessions_app/broadcast.py).
+    tests/test_live_connection.py checks it against the layer's own."""
+    return f"{prefix}__group__{group}"

@@ -70,10 +70,7 @@ FRAGMENT_STORE_EVERY = 0.5  # seconds: the longest streamed text waits to be sto
 #: Seconds between the starts of two reads of a reply's stream: tokens gather in the socket
 #: and are read, handed on and shown as one burst (completions.AbortableHTTP).
 READ_EVERY = FRAGMENT_FLUSH_EVERY
-#: Seconds at least between two tails: bursts come every READ_EVERY, give or take the time a
-#: read and a burst take, and each must be shown.
-TAIL_AT_MOST_EVERY = READ_EVERY * 0.8
-INTERRUPT_POLL_EVERY = 0.2  # seconds: an interrupt stops the stream within about a second
+INTERRUPT_POLL_EVERY = 0.5  # seconds: an interrupt stops the stream within about a second
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
 #: The sampling values a usage line reports as in force (docs/behaviour.md §17), besides the seed.
@@ -147,17 +144,17 @@ class Fragments:
     watchers are shown what has streamed since as a *tail* (``tail(kind, text, after)``:
     all the text not stored yet, after stored event ``after``; pushed, never stored).
 
-    The stream is read in bursts (``READ_EVERY``, completions.AbortableHTTP), and
+    The stream is read in bursts (``READ_EVERY`` apart, completions.AbortableHTTP), and
     :meth:`at_read` runs at the end of each, before the next read: it stores a block's
-    first text (so the block is on the page at once) and shows the rest as a tail, at
-    most one every ``TAIL_AT_MOST_EVERY`` seconds. :meth:`add` keeps the batches (a change
-    of kind stores the batch before it, keeping order; text that has waited a store window
-    is stored), as does :meth:`due` for anything else that streams (a call's arguments,
-    usage). :meth:`flush_due` — the step's watcher thread, every ``FRAGMENT_FLUSH_EVERY``
-    — covers a stream gone quiet: it shows text no burst end has shown for a whole
-    ``FRAGMENT_FLUSH_EVERY``, and stores text that has waited a store window. So no text
-    waits for the next fragment, and a worker that dies loses at most the last
-    ``FRAGMENT_STORE_EVERY`` of text.
+    first text (so the block is on the page at once) and shows the rest as a tail. So a
+    watcher sees each token within about ``READ_EVERY`` of its arrival. :meth:`add` keeps
+    the batches (a change of kind stores the batch before it, keeping order; text that
+    has waited a store window is stored), as does :meth:`due` for anything else that
+    streams (a call's arguments, usage). :meth:`flush_due` — the step's watcher thread,
+    when :meth:`seconds_to_due` says — covers a stream gone quiet and a client that reads
+    without bursts: it shows text not shown for ``FRAGMENT_FLUSH_EVERY``, and stores text
+    that has waited a store window. So no text waits for the next fragment, and a worker
+    that dies loses at most the last ``FRAGMENT_STORE_EVERY`` of text.
 
     Thread-safe (the stream's thread and the watcher's). A write that fails in the
     watcher's thread (the lease lost: turns.LeaseLost) is raised in the stream's thread at
@@ -172,7 +169,6 @@ class Fragments:
         self.parts: list[str] = []
         self.oldest = 0.0  # time.monotonic() of the first part not stored
         self.unshown: float | None = None  # … of the first part no watcher was shown
-        self.shown_at = 0.0  # … of the last tail
         self.stored_seq: int | None = None  # the last event stored of this block
         self.failed: Exception | None = None
 
@@ -209,8 +205,19 @@ class Fragments:
                 return
             if self.stored_seq is None:
                 self._store()
-            elif self.unshown is not None and now - self.shown_at >= TAIL_AT_MOST_EVERY:
-                self._show(now)
+            elif self.unshown is not None:
+                self._show()
+
+    def seconds_to_due(self) -> float | None:
+        """Seconds until :meth:`flush_due` has something to do; None while nothing waits
+        (the watcher then sleeps until its next interrupt poll)."""
+        with self.lock:
+            if not self.parts or self.failed is not None:
+                return None
+            due = self.oldest + FRAGMENT_STORE_EVERY
+            if self.stored_seq is not None and self.unshown is not None:
+                due = min(due, self.unshown + FRAGMENT_FLUSH_EVERY)
+            return max(0.0, due - time.monotonic())
 
     def flush_due(self) -> None:
         """Show text no burst end has shown for a whole ``FRAGMENT_FLUSH_EVERY``, and
@@ -224,7 +231,7 @@ class Fragments:
                     self._due(now, quiet=True)
                     if (self.parts and self.stored_seq is not None and self.unshown is not None
                             and now - self.unshown >= FRAGMENT_FLUSH_EVERY):
-                        self._show(now)
+                        self._show()
                 except Exception as exc:  # raised in the stream's thread instead
                     self.failed = exc
 
@@ -242,8 +249,8 @@ class Fragments:
         elif now - self.oldest >= FRAGMENT_STORE_EVERY:
             self._store()
 
-    def _show(self, now: float) -> None:
-        self.unshown, self.shown_at = None, now
+    def _show(self) -> None:
+        self.unshown = None
         self.tail(self.kind, "".join(self.parts), self.stored_seq)
 
     def _raise_failure(self) -> None:
@@ -293,7 +300,7 @@ class Step:
 
     def interrupted(self) -> bool:
         """An interrupt was asked for, the session was deleted under the step, or another
-        step holds the lease now (checked ~5×/s while a reply streams)."""
+        step holds the lease now (checked every INTERRUPT_POLL_EVERY while a reply streams)."""
         return not AgentSession.objects.filter(
             pk=self.session_id, interrupt_requested=False, lease_owner=self.owner
         ).exists()
@@ -374,9 +381,15 @@ class Step:
         interrupted = threading.Event()
 
         def watch_interrupt() -> None:
+            # Wakes for the next interrupt poll, or sooner when flush_due has something to
+            # do: a few times a second while a reply streams in bursts, not every 50 ms.
             next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
             try:
-                while not stop_watching.wait(FRAGMENT_FLUSH_EVERY):
+                while True:
+                    wait = next_poll - time.monotonic()
+                    due = pending.seconds_to_due()
+                    if stop_watching.wait(max(0.0, wait if due is None else min(wait, due))):
+                        return
                     pending.flush_due()
                     if time.monotonic() < next_poll:
                         continue

@@ -7,14 +7,18 @@ sockets: a session deleted, a browser login ended (docs/live-page.md).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
 import threading
-from concurrent.futures import TimeoutError as FutureTimeout
 
+import redis
 from channels.layers import get_channel_layer
+from django.conf import settings
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from project.channel_layer import group_channel
 
 log = logging.getLogger(__name__)
 
@@ -23,41 +27,40 @@ log = logging.getLogger(__name__)
 PUSH_TIMEOUT = 5.0
 
 
-class _PushLoop:
-    """One event loop per process, in a thread of its own, that every push from
-    synchronous code (a turn step in a Celery worker, a view) runs on.
+class _Publisher:
+    """Pushes from synchronous code (a turn step in a Celery worker, a view): one ``PUBLISH``
+    on the calling thread, through a redis-py client shared by the process (its connection
+    pool is thread-safe, and rebuilt after a fork).
 
-    ``async_to_sync`` outside an event loop makes a new loop in a new thread for every
-    call, and channels_redis keeps its Redis connections per loop: so every push opened a
-    Redis connection, used it once and closed it — most of Corral's CPU per streamed
-    event (docs/live-page.md, "What it costs"). On one long-lived loop the layer keeps its
-    connections. A process that forks gets a loop of its own (the thread does not cross
-    a fork)."""
+    What channels_redis's pub/sub layer's ``group_send`` does, without its event loop: the
+    layer's serializer and its name for a group's channel
+    (:func:`project.channel_layer.group_channel`). Going through ``group_send`` from
+    synchronous code cost every push a hand-off to an event-loop thread and back, and
+    redis-py's asyncio client: with 20 tails a second per streaming session, the largest
+    part of a turns worker's CPU (docs/live-page.md, "What it costs"). Daphne's consumers
+    receive these messages through the layer as any other."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.client: redis.Redis | None = None
         self.pid = 0
 
-    def run(self, coroutine) -> None:
-        """Run ``coroutine`` on the loop and wait for it (in order: one push after another)."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop())
-        try:
-            future.result(PUSH_TIMEOUT)
-        except FutureTimeout:
-            future.cancel()
-            raise
+    def publish(self, layer, group: str, message: dict) -> None:
+        prefix = settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"]
+        self._client().publish(group_channel(prefix, group), layer.serialize(message))
 
-    def _loop(self) -> asyncio.AbstractEventLoop:
+    def _client(self) -> redis.Redis:
         with self.lock:
-            if self.loop is None or self.pid != os.getpid():
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="corral-push", daemon=True).start()
-                self.loop, self.pid = loop, os.getpid()
-            return self.loop
+            if self.client is None or self.pid != os.getpid():
+                self.client = redis.Redis.from_url(
+                    settings.REDIS_URL, socket_timeout=PUSH_TIMEOUT, socket_connect_timeout=PUSH_TIMEOUT,
+                    retry=Retry(NoBackoff(), 0),  # a lost push is caught up from the database: never wait twice
+                )
+                self.pid = os.getpid()
+            return self.client
 
 
-_push_loop = _PushLoop()
+_publisher = _Publisher()
 
 
 def group_name(session_id: int) -> str:
@@ -79,8 +82,8 @@ def _send(group: str, message: dict) -> None:
     if layer is None:
         return
     try:
-        _push_loop.run(layer.group_send(group, message))
-    except Exception as exc:  # redis-py, channels_redis and asyncio raise many kinds
+        _publisher.publish(layer, group, message)
+    except Exception as exc:  # redis-py and the serializer raise many kinds
         log.warning("push of %s to %s lost (%s)", message.get("type"), group, exc)
 
 

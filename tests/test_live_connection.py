@@ -27,6 +27,7 @@ from django.test import Client
 from machines_app.models import Machine
 from machines_app.transports import LocalTransport
 from project.asgi import application
+from project.channel_layer import group_channel
 from sessions_app import actions, broadcast
 from sessions_app.consumers import CloseCode
 from sessions_app.models import AgentSession
@@ -77,8 +78,18 @@ def cookie_of(user) -> str:
 def members(group: str) -> int:
     """How many daphnes (Redis connections) are subscribed to ``group``: the pub/sub
     layer subscribes a process to a group while any of its consumers is a member."""
-    name = settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"] + "__group__" + group
+    name = group_channel(settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"], group)
     return redis.Redis.from_url(settings.REDIS_URL).pubsub_numsub(name)[0][1]
+
+
+def test_pushes_from_synchronous_code_go_to_the_channel_the_layer_subscribes_to():
+    """broadcast publishes without the layer's event loop; the group's channel name must
+    be the one channels_redis's pub/sub layer subscribes a consumer to."""
+    from channels_redis.pubsub import RedisPubSubLoopLayer
+
+    prefix = settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"]
+    layer = RedisPubSubLoopLayer(hosts=[settings.REDIS_URL], prefix=prefix)
+    assert group_channel(prefix, "session-7") == layer._get_group_channel_name("session-7")
 
 
 def communicator(path: str, cookie: str = "") -> WebsocketCommunicator:

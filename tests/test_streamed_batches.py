@@ -69,12 +69,27 @@ def test_a_blocks_first_text_is_stored_at_the_first_burst_end_then_shown_as_tail
     batch.at_read()
     assert len(sink.tails) == 2  # nothing new to show: no tail
     batch.add("assistant_text", "e")
-    batch.at_read()
-    assert len(sink.tails) == 2  # a read that came back at once: shown with the next burst
     clock.now += STORE
     batch.add("assistant_text", "f")  # the oldest part not stored has waited a store window
     assert sink.stored == [("assistant_text", "ab"), ("assistant_text", "cdef")]
     assert "".join(text for _, text in sink.stored) == "abcdef"
+
+
+def test_the_watcher_wakes_only_when_something_is_due(clock, sink):
+    batch = agent.Fragments(sink.record, sink.tail)
+    assert batch.seconds_to_due() is None  # nothing waits: sleep until the interrupt poll
+    batch.add("assistant_text", "a")
+    assert batch.seconds_to_due() == pytest.approx(STORE)  # the first text's store window
+    batch.at_read()
+    assert batch.seconds_to_due() is None
+    clock.now += 0.1
+    batch.add("assistant_text", "b")  # not shown yet (no burst end: a client without bursts)
+    assert batch.seconds_to_due() == pytest.approx(SHOW)
+    clock.now += SHOW * 1.01
+    assert batch.seconds_to_due() == 0
+    batch.flush_due()
+    assert sink.tails == [("assistant_text", "b", 10)]
+    assert batch.seconds_to_due() == pytest.approx(STORE - SHOW * 1.01)
 
 
 def test_a_stream_with_no_burst_ends_still_stores_its_first_text_within_a_show_window(clock, sink):
