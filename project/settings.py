@@ -207,6 +207,8 @@ CELERY_TASK_ROUTES = queues.ROUTES
 CELERY_TASK_DEFAULT_QUEUE = queues.HOUSEKEEPING
 # Periodic checks expire rather than pile up while their worker is down: the next one
 # comes a few seconds later anyway.
+# Celery's scheduler without its busy wait just before each entry is due (project/beat.py).
+CELERY_BEAT_SCHEDULER = "project.beat:Scheduler"
 CELERY_BEAT_SCHEDULE = {
     "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},

@@ -336,3 +336,19 @@ def test_a_worker_builds_the_channel_layer_when_it_starts_not_at_a_turns_first_p
 
     worker_ready.send(sender=Consumer())
     assert "default" in channel_layers.backends
+
+
+def test_beat_sleeps_a_short_wait_whole_instead_of_ticking_without_sleeping():
+    """Celery's scheduler took 10 ms off every wait; a wait under 10 ms became negative, so
+    beat ticked again at once, about a hundred times before each run (project/beat.py)."""
+    from celery.beat import PersistentScheduler
+    from django.conf import settings
+
+    from project.beat import Scheduler
+
+    plain, ours = PersistentScheduler.__new__(PersistentScheduler), Scheduler.__new__(Scheduler)
+    assert plain.adjust(0.004) < 0  # the fault: no sleep at all
+    assert ours.adjust(0.004) == 0.004 and ours.adjust(0.019) == 0.019
+    assert ours.adjust(2.0) == pytest.approx(1.99)  # longer waits keep Celery's early wake-up
+    assert ours.adjust(0) == 0 and ours.adjust(-0.5) == -0.5  # due now: tick at once
+    assert settings.CELERY_BEAT_SCHEDULER == "project.beat:Scheduler"
