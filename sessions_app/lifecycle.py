@@ -725,7 +725,7 @@ def watch_servers() -> None:
     waited for again once the machine answers (docs/ssh.md)."""
     records = ServerRecord.objects.filter(
         Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), stopping=False
-    ).select_related("machine")
+    ).select_related("machine", "session")
     for record in records:
         check_server(record)
 
@@ -737,7 +737,8 @@ def _unknown_sentence(exc: TransportError) -> str:
 def check_session_server(session_id: int) -> None:
     """Check one session's server now (a turn whose stream broke off asks this, so a dead
     server shows ``exited`` at once rather than ``idle`` until the next watch)."""
-    record = ServerRecord.objects.filter(session_id=session_id, stopping=False).select_related("machine").first()
+    record = (ServerRecord.objects.filter(session_id=session_id, stopping=False)
+              .select_related("machine", "session").first())
     if record is not None:
         check_server(record)
 
@@ -756,7 +757,10 @@ def check_server(record: ServerRecord) -> None:
             if set_status(record.session_id, Status.LOADING, only_from=(Status.UNKNOWN,)):
                 dispatch.enqueue(dispatch.START_SERVER, record.session_id)
             return
-        set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
+        # Only an unknown session has anything to change (the lock checks again): a live
+        # server's every-two-seconds check costs no transaction.
+        if record.session.status == Status.UNKNOWN:
+            set_status(record.session_id, Status.IDLE, only_from=(Status.UNKNOWN,))
         return
     # Delete first, conditionally, so two watchers never both report the death.
     if ServerRecord.objects.filter(pk=record.pk, stopping=False).delete()[0] == 0:
