@@ -189,6 +189,9 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
     run_kind: str | None = None  # the reply text or reasoning being joined
     run: list[str] = []
     calls: dict[str, dict] = {}
+    # Notes that arrive while a reply still streams (an interrupt is recorded at the click,
+    # the reply's last fragments after it): written after the reply, never splitting it.
+    notes: list[str] = []
 
     def close_run() -> None:
         nonlocal run_kind, run
@@ -198,6 +201,8 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
         elif run_kind == Kind.REASONING and text.strip():
             out.append(f"<details><summary>Reasoning</summary>\n\n{_fence(text.strip())}\n\n</details>")
         run_kind, run = None, []
+        out.extend(notes)
+        notes.clear()
 
     for event in sorted(events, key=lambda e: e.seq):
         kind, payload = event.kind, event.payload if isinstance(event.payload, dict) else {}
@@ -206,6 +211,11 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
                 close_run()
                 run_kind = kind
             run.append(str(payload.get("text") or ""))
+            continue
+        if kind == Kind.INTERRUPTED:
+            notes.append(f"*Interrupted by {_who(payload, 'someone')}.*")
+            if run_kind is None:
+                close_run()
             continue
         close_run()
         if kind == Kind.MESSAGE_TAKEN:
@@ -236,8 +246,6 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
             out.append(f"*{line}*")
         elif kind == Kind.CLEARED:
             out.append(f"---\n\n*Conversation cleared by {_who(payload, 'someone')}; the model saw nothing above.*")
-        elif kind == Kind.INTERRUPTED:
-            out.append(f"*Interrupted by {_who(payload, 'someone')}.*")
         elif kind == Kind.SERVER_READY:
             out.append(f"*llama-server ready with {_plain(payload.get('model', ''))}.*")
     close_run()

@@ -237,12 +237,18 @@ def usage_line(usage: dict) -> str:
     if isinstance(in_force, dict) and in_force:
         sources = usage.get("sampling_from") if isinstance(usage.get("sampling_from"), dict) else {}
         parts.append(", ".join(
-            f"{name} {value}" + (f" ({sources[name]})" if sources.get(name) else "")
+            f"{name} {_sampling_value(value)}" + (f" ({sources[name]})" if sources.get(name) else "")
             for name, value in sorted(in_force.items(), key=_sampling_order)
         ))
     if usage.get("finish_reason") and usage["finish_reason"] != "stop":
         parts.append(f"finish: {usage['finish_reason']}")
     return " · ".join(parts)
+
+
+def _sampling_value(value):
+    """A sampling value as a person set it: llama-server reports its defaults as 32-bit
+    floats widened (``0.800000011920929``), shown to six places (``0.8``)."""
+    return round(value, 6) if isinstance(value, float) else value
 
 
 def is_restart(status_payload) -> bool:

@@ -108,3 +108,21 @@ def test_the_jsonl_export_gives_back_every_text_including_unicode_line_breaks_an
 
     markdown = client.get(f"/sessions/{session.pk}/export.md").content.decode()
     assert "x" * 200_000 in markdown
+
+
+def test_an_interrupt_recorded_mid_reply_is_written_after_the_reply_not_inside_it():
+    """The interrupt is stored at the click; the reply's last fragments after it. The
+    export joins the reply and writes the note after it, as the page does."""
+    events = [
+        Event(1, "message_taken", {"text": "tell me", "queued_id": None, "author": "alice"}),
+        Event(2, "assistant_text", {"text": "the dragons. Aethe"}),
+        Event(3, "interrupted", {"by": {"username": "alice"}}),
+        Event(4, "assistant_text", {"text": "ra had a strong"}),
+        Event(5, "turn_end", {"reason": "interrupted"}),
+        Event(6, "interrupted", {"by": {"username": "bob"}}),
+    ]
+    markdown = export.to_markdown(events)
+    assert "the dragons. Aethera had a strong" in markdown
+    assert markdown.index("Aethera had a strong") < markdown.index("*Interrupted by alice.*")
+    assert markdown.count("**Model:**") == 1
+    assert markdown.rstrip().endswith("*Interrupted by bob.*")  # with no reply open: where it stands

@@ -152,3 +152,29 @@ def test_bypass_needs_the_permission_and_goes_away_with_it(stack, page, fake_mac
     )
     assert "You may not turn the permission gate off" in answer
     assert AgentSession.objects.get(pk=session.pk).permission_mode == "manual"
+
+
+def test_a_page_whose_login_ended_elsewhere_stops_polling_and_never_shows_the_login_page_inside(
+        stack, page, fake_machine, alice, tmp_path):
+    """Logging out in another tab closes the page's socket for good (4401); the waiting
+    note's every-3-s poll went on, followed the redirect to the login page and swapped the
+    whole login page into the session page's status row."""
+    from sessions_app.models import AgentSession
+
+    from .test_browser import log_in
+
+    machine = fake_machine([{"text": "hello"}])
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
+                                          status=AgentSession.Status.IDLE)
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(f"{stack.base_url}/sessions/{session.pk}/")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    assert page.locator("#waiting-note").count() == 1
+    other = page.context.new_page()
+    other.goto(stack.base_url + "/")
+    other.click("text=Log out")
+    other.wait_for_url("**/login/**")
+    page.wait_for_selector("#conn-state[data-state=closed]")
+    assert page.locator("#waiting-note").count() == 0
+    page.wait_for_timeout(4000)  # more than one poll period
+    assert page.locator("#id_username").count() == 0  # no login form pasted into the page

@@ -96,3 +96,14 @@ def test_settings_and_usage_lines_read_the_same_whatever_order_the_database_keep
     shuffled = {**usage, "sampling": dict(reversed(usage["sampling"].items()))}
     assert usage_line(shuffled) == usage_line(usage)
     assert "temperature 0.25 (model), top_k 40 (server), min_p 0.05 (session)" in usage_line(usage)
+
+
+def test_the_usage_line_shows_the_servers_float_defaults_as_they_were_set():
+    # llama-server reports its defaults as 32-bit floats widened to 64 bits.
+    from sessions_app.presenters import usage_line
+
+    usage = {"sampling": {"temperature": 0.800000011920929, "top_p": 0.949999988079071, "top_k": 40},
+             "sampling_from": {"temperature": "server", "top_p": "server", "top_k": "server"}}
+    line = usage_line(usage)
+    assert "temperature 0.8 (server)" in line and "top_p 0.95 (server)" in line and "top_k 40 (server)" in line
+    assert "0000000" not in line

@@ -256,6 +256,8 @@
         setConn("closed");
         const composer = document.getElementById("composer-wrap");
         if (composer) composer.remove();  // nothing sent from here would be seen
+        const waiting = document.getElementById("waiting-note");
+        if (waiting) waiting.remove();  // its poll would swap in the login page or log 404s
         return;
       }
       setConn("reconnecting");
