@@ -13,6 +13,7 @@ URL names.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -151,3 +152,46 @@ def test_a_query_option_the_broker_cannot_take_is_refused_at_start_naming_the_va
     monkeypatch.setenv("REDIS_URL", redis_url)
     with pytest.raises(ImproperlyConfigured, match="REDIS_URL.*cannot take the option"):
         env_redis_url("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def test_two_deployments_on_one_redis_in_two_databases_never_see_each_others_pushes(private_redis, settings):
+    """Redis has one pub/sub namespace for all its databases: the channel prefix
+    (project/channel_layer.py) keeps deployments in /1 and /2 apart, for pushes from
+    synchronous code (broadcast._Publisher) and from the layer alike."""
+    import asyncio
+
+    from channels_redis.pubsub import RedisPubSubChannelLayer
+
+    from project.channel_layer import channel_prefix
+    from sessions_app import broadcast
+
+    port, _ = private_redis
+    urls = [f"redis://:{PASSWORD}@127.0.0.1:{port}/{db}" for db in (1, 2)]
+
+    async def run() -> tuple[list, list]:
+        layers = [RedisPubSubChannelLayer(hosts=[url], prefix=channel_prefix(url)) for url in urls]
+        channels = [await layer.new_channel() for layer in layers]
+        for layer, channel in zip(layers, channels, strict=True):
+            await layer.group_add(broadcast.group_name(7), channel)
+        await asyncio.sleep(0.2)  # SUBSCRIBE is sent, not waited for
+        # Deployment 1 pushes from synchronous code, deployment 2 through its layer.
+        settings.REDIS_URL = urls[0]
+        settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+                                               "CONFIG": {"hosts": [urls[0]], "prefix": channel_prefix(urls[0])}}}
+        broadcast._publisher.client = None  # built again for this Redis
+        await asyncio.to_thread(broadcast.push_event, 7, 1, "notice", {"message": "one"})
+        await layers[1].group_send(broadcast.group_name(7), {"type": "transcript.event", "seq": 1, "kind": "notice",
+                                                             "payload": {"message": "two"}})
+        received: tuple[list, list] = ([], [])
+        for layer, channel, got in zip(layers, channels, received, strict=True):
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    got.append((await asyncio.wait_for(layer.receive(channel), 1))["payload"]["message"])
+        for layer in layers:
+            await layer.flush()
+        return received
+
+    try:
+        assert asyncio.run(run()) == (["one"], ["two"])
+    finally:
+        broadcast._publisher.client = None
