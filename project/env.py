@@ -120,14 +120,15 @@ def env_url(name: str, default: str, schemes: frozenset[str] | set[str]) -> str:
 
 
 def env_redis_url(name: str, default: str) -> str:
-    """A Redis URL (``redis://``, ``rediss://``, ``unix://``) that redis-py can read: a
-    database that is not a number (``/abc``, ``?db=x``) is refused here, naming the
-    variable, rather than at the first connection."""
+    """A Redis URL (``redis://``, ``rediss://``, ``unix://``) that redis-py can read and
+    Celery's broker can take (project/broker.py): a database that is not a number
+    (``/abc``, ``?db=x``), or a query option the broker has no word for (``?protocol=3``),
+    is refused here, naming the variable, rather than at the first connection."""
     value = env_url(name, default, {"redis", "rediss", "unix"})
-    from redis.connection import parse_url
+    from project.broker import celery_broker
 
     try:
-        parse_url(value)
+        celery_broker(value)
     except ValueError as exc:
         raise _bad(name, _without_password(value), str(exc).rstrip(".")) from None
     return value

@@ -16,6 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
 
 from project import data_dir, queues
+from project.broker import celery_broker
 from project.channel_layer import channel_prefix
 from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_redis_url, env_str
 
@@ -191,7 +192,10 @@ CHANNEL_LAYERS = {
 }
 
 # Celery (project/celery.py reads the CELERY_ namespace).
-CELERY_BROKER_URL = REDIS_URL
+# The same Redis, database and TLS checks, in kombu's words (project/broker.py).
+_BROKER = celery_broker(REDIS_URL)
+CELERY_BROKER_URL = _BROKER.url
+CELERY_BROKER_USE_SSL = _BROKER.use_ssl
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 # docs/behaviour.md C16: the Redis broker redelivers a task not acknowledged within the visibility
@@ -200,7 +204,7 @@ CELERY_TASK_IGNORE_RESULT = True
 # database lease instead. The timeout is still set above the longest step (a 30 min
 # completion, docs/behaviour.md §6) in case acks_late is ever turned on.
 CELERY_TASK_ACKS_LATE = False
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 2 * 60 * 60}
+CELERY_BROKER_TRANSPORT_OPTIONS = {**_BROKER.transport_options, "visibility_timeout": 2 * 60 * 60}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # One queue per kind of work, each with workers of its own (project/queues.py).
 CELERY_TASK_ROUTES = queues.ROUTES

