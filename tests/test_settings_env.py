@@ -271,7 +271,7 @@ def test_a_usage_mistake_is_one_line_and_exit_status_2(tmp_path, argv, words):
 
 def test_the_run_workers_leave_out_celerys_worker_to_worker_chatter(tmp_path):
     # Heartbeat events every 2 s from every worker, received by every other (gossip), cost an
-    # idle stack CPU and Corral reads none of them (it pings: docs/live-page.md "What it costs").
+    # idle stack CPU and Corral reads none of them (liveness is keys in Redis: docs/operations.md).
     from project import launcher
 
     config = launcher.supervisor_config(data=tmp_path, port=8000, daphne_args=[], turn_workers=2)
