@@ -109,8 +109,17 @@ class Stack:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of one process, all its threads (fields 14 and 15 of
-    ``/proc/<pid>/stat``, in clock ticks); 0 for a process that is gone."""
+    """CPU seconds (user + system) spent so far by one process, all its threads, the ones
+    that have ended included; 0 for a process that is gone.
+
+    Read from the process's CPU-time clock (``clock_getcpuclockid``: Linux names it
+    ``((~pid) << 3) | CPUCLOCK_SCHED``), which counts nanoseconds. ``/proc/<pid>/stat``
+    counts clock ticks (10 ms): over a 400-token reply that lasts 2–3 s, six processes
+    could each be off by a tick, ±0.15 ms per token on a figure whose goal is 0.5."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        pass
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

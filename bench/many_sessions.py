@@ -14,7 +14,7 @@ watcher (as a browser page would). Printed for each N:
 - p50 / p95 delay from the stand-in writing a token to the watcher first showing it (in
   the open block's tail, or stored) (goal: p95 <= 100 ms at N = 32);
 - Corral's CPU per token: the CPU of daphne, the workers, beat and Redis over the run
-  (``/proc/<pid>/stat``), divided by the tokens streamed.
+  (each process's CPU-time clock: bench/_setup.py), divided by the tokens streamed.
 
 The turns worker runs max(N) threads (``./corral run`` takes CORRAL_TURN_WORKERS, 8 by
 default: beyond it, turns wait for a free thread).

@@ -8,7 +8,11 @@
    the same llama-server directly (same model, prompt, seed, max_tokens; one run; median
    of 3). Goal: >= 0.97, alone and with a second session streaming at the same time (from
    the fixed-rate stand-in, bench/rate_server.py, so only Corral's work is added).
-3. Many sessions: see bench/many_sessions.py (N sessions from the fixed-rate stand-in).
+3. Many sessions: bench/many_sessions.py, run here with N = 1, 8, 32 sessions of 50 tokens/s
+   each from the fixed-rate stand-in, one watcher each, on a stack of its own: delivered /
+   sent (goal 1.000, in order, each watcher's text equal to the stored text), p50 / p95
+   delay from the stand-in writing a token to the watcher showing it (goal p95 <= 100 ms at
+   N = 32), and Corral's CPU per token.
 4. Warm restart (docs/behaviour.md §5 warm prompts): a 5-turn conversation, Stop, Restart,
    one more turn: its cached prompt tokens / turn 5's prompt tokens. Goal: >= 0.95
    (without slot save/restore ≈ 0).
@@ -220,7 +224,6 @@ def main() -> None:
         print(f"   browser / llama-server's own rate in the same run: "
               f"{statistics.median(r['own'] for r in alone):.3f} (what the pipeline adds; the rest is CPU "
               "that Corral's processes take from llama-server)")
-        print("3. many sessions: bench/many_sessions.py (N = 1, 8, 32 sessions × 50 tokens/s)")
         prompt_cache_and_warm_restart(session, machine, user, smol.name)
     finally:
         stack.stop()
@@ -232,7 +235,26 @@ def main() -> None:
             page_size(user, machine, smol.name, client)
 
     if not warm_only:
+        many_sessions()
         page_size(user, machine, smol.name, client)
+
+
+def many_sessions() -> None:
+    """3. bench/many_sessions.py for N = 1, 8, 32 (its own stack: this one is stopped)."""
+    import _setup
+
+    # A data directory of its own, and its own embedded Redis unless REDIS_URL was given.
+    own_env = {k: v for k, v in os.environ.items() if k != "CORRAL_DATA_DIR"}
+    if _setup.REDIS is not None:
+        own_env.pop("REDIS_URL", None)
+    print("3. many sessions (bench/many_sessions.py --sessions 1,8,32 --rate 50 --seconds 10):", flush=True)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "many_sessions.py"), "--sessions", "1,8,32",
+                          "--rate", "50", "--seconds", "10"], capture_output=True, text=True, env=own_env)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("N=")]
+    for line in lines:
+        print(f"   {line}")
+    if run.returncode != 0 or not lines:
+        print(f"   many_sessions.py failed (exit {run.returncode}): {run.stderr.strip()[-2000:]}")
 
 
 def prompt_cache_and_warm_restart(session, machine, user, model_key: str) -> None:

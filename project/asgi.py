@@ -11,6 +11,7 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from project import heap  # noqa: E402
 from project.websocket_security import SameOriginValidator  # noqa: E402
 from sessions_app.routing import websocket_urlpatterns  # noqa: E402
 
@@ -22,3 +23,7 @@ application = ProtocolTypeRouter(
         ),
     }
 )
+
+# Daphne imports this once, at start: what it built is kept for the process's life
+# (project/heap.py).
+heap.freeze_startup_objects()

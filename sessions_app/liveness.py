@@ -37,6 +37,21 @@ def _key_prefix() -> str:
     return channel_prefix(settings.REDIS_URL) + "worker:"
 
 
+def worker_pid(nodename: str) -> int | None:
+    """The pid the worker ``nodename`` wrote in its key, None when the key has lapsed or
+    Redis cannot be read: a worker restarted under the same name is told from the one
+    before it by this pid (its key is written once the worker consumes: ``worker_ready``)."""
+    try:
+        client = _client()
+        try:
+            value = client.get(_key_prefix() + nodename)
+        finally:
+            client.close()
+    except redis.RedisError:
+        return None
+    return int(value) if value is not None else None
+
+
 def _client() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=BEAT_SECONDS, socket_timeout=BEAT_SECONDS)
 

@@ -13,6 +13,9 @@ from celery import shared_task
 from celery.signals import worker_ready
 from channels.layers import get_channel_layer
 
+from machines_app.llama_server import tls_context
+from project import heap
+
 from . import agent, lifecycle, liveness, turns
 
 log = logging.getLogger(__name__)
@@ -116,8 +119,13 @@ def keep_liveness_key(sender, **_kwargs) -> None:
 
 
 @worker_ready.connect
-def load_channel_layer(**_kwargs) -> None:
-    """Build the channel layer (importing channels_redis and redis-py's asyncio client)
-    when the worker starts: left to the first push, it cost a turn's first reply about
-    0.16 s of CPU and of delay (docs/live-page.md "What it costs")."""
+def warm_up(**_kwargs) -> None:
+    """Build what every turn uses when the worker starts, then freeze the start-up heap
+    (project/heap.py). Left to the first turn, they cost its reply about 0.2 s of CPU and
+    of delay (docs/live-page.md "What it costs"): the channel layer (channels_redis and
+    redis-py's asyncio client), the TLS context of every httpx call (certifi's CA bundle,
+    ~30 ms) and a full collection of the start-up heap (50–140 ms). Connected last, so it
+    runs after the other ``worker_ready`` receivers."""
     get_channel_layer()
+    tls_context()
+    heap.freeze_startup_objects()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -172,7 +173,8 @@ class Stack:
     def start_worker(self, concurrency: int = 8, *, queue_names: tuple[str, ...] = queues.ALL, name: str = "worker",
                      beat: bool = True) -> None:
         """A Celery worker consuming ``queue_names`` (all by default) as ``procs[name]``, with
-        beat inside it when ``beat``; returns once it answers a ping."""
+        beat inside it when ``beat``; returns once it consumes (its liveness key holds its
+        pid: the workers run without Celery's remote control, so nothing answers a ping)."""
         log = open(self.data_dir / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "project", "worker", *(["-B"] if beat else []),
@@ -182,10 +184,10 @@ class Stack:
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # its embedded beat is a child: signal the whole group
         )
-        from project.celery import app
+        from sessions_app import liveness
 
-        wait_for(lambda: any(f"{name}@" in node for reply in app.control.ping(timeout=0.5) for node in reply), 60,
-                 what=f"the Celery worker {name} to answer")
+        pid, nodename = self.procs[name].pid, f"{name}@{socket.gethostname()}"
+        wait_for(lambda: liveness.worker_pid(nodename) == pid, 60, what=f"the Celery worker {name} to start")
 
     def stop_worker(self, sig: int = 15, name: str = "worker") -> None:
         proc = self.procs.pop(name, None)

@@ -326,16 +326,51 @@ def test_the_liveness_keys_of_an_unreachable_redis_are_unknown_not_empty(setting
     assert liveness.live_workers() is None
 
 
-def test_a_worker_builds_the_channel_layer_when_it_starts_not_at_a_turns_first_push(db, monkeypatch):
+def test_a_worker_builds_what_turns_use_when_it_starts_then_freezes_its_heap(db, monkeypatch):
+    """The first turn after a start paid for the channel layer, the TLS context and a full
+    collection of the start-up heap (sessions_app.tasks.warm_up, project/heap.py)."""
     from celery.signals import worker_ready
     from channels.layers import channel_layers
 
+    from machines_app.llama_server import tls_context
+    from project import heap
+    from sessions_app import tasks  # noqa: F401  (connects the worker_ready receivers, as a worker's start does)
+
     monkeypatch.setattr(channel_layers, "backends", {})
+    tls_context.cache_clear()
+    frozen = []
+    # This test process must not freeze its own heap: a test's garbage would outlive it.
+    monkeypatch.setattr(heap, "freeze_startup_objects", lambda: frozen.append(tls_context.cache_info().currsize))
+
     class Consumer:
         hostname = "turns@here"
 
     worker_ready.send(sender=Consumer())
     assert "default" in channel_layers.backends
+    assert frozen == [1]  # frozen once, after the TLS context was built
+
+
+def test_freezing_the_start_up_heap_sets_aside_every_live_object_and_collects_the_rest():
+    import gc
+
+    from project import heap
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me = garbage
+    del garbage
+    kept = Cycle()
+    kept.me = kept
+    try:
+        frozen = heap.freeze_startup_objects()
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(isinstance(o, Cycle) and o is not kept for o in gc.get_objects())  # the garbage went
+        assert not any(o is kept for o in gc.get_objects())  # frozen objects are no collection's business
+    finally:
+        gc.unfreeze()
+    assert any(o is kept for o in gc.get_objects())
 
 
 def test_beat_sleeps_a_short_wait_whole_instead_of_ticking_without_sleeping():
