@@ -289,7 +289,11 @@ def session_waiting(request: HttpRequest, session_id: int) -> HttpResponse:
 
 
 def _waiting_context(session: AgentSession) -> dict:
-    return {"session_id": session.pk, "ahead": turns.waiting_for_worker().get(session.pk)}
+    """The waiting note's context: how many turns wait ahead of this one (None when it
+    does not wait), and whether a turn is open, the only time the note polls (a page
+    left open on an idle session would otherwise ask every 3 s for nothing)."""
+    return {"session_id": session.pk, "ahead": turns.waiting_for_worker().get(session.pk),
+            "turn_open": session.turn_active}
 
 
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:

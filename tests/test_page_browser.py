@@ -338,3 +338,37 @@ def test_a_missing_page_is_styled_with_a_way_back_and_the_list_searches_as_you_t
     page.wait_for_function("() => !document.body.innerText.includes('Sheep census')")
     assert page.locator("a", has_text="Goat census").count() == 1
     assert "q=goat" in page.url  # the search is in the address, to share or reload
+
+
+# --- the waiting note ------------------------------------------------------------------------
+
+
+def test_the_waiting_note_asks_only_while_a_turn_is_open(stack, page, fake_machine, alice, tmp_path):
+    """A page left open on an idle session asked /waiting/ every 3 s for nothing (a request
+    through Django each time, for every open page). Now the note polls only while a turn is
+    open: it starts when a message is taken (the user's message on the page) and stops once
+    the turn has ended (a status change)."""
+    session = start_session(alice, fake_machine([{"text": "Served at last."}]), tmp_path)
+    log_in(page, stack, "alice", "alice-password-1")
+    polls: list[str] = []
+    page.on("request", lambda request: polls.append(request.url) if "/waiting/" in request.url else None)
+    open_session(page, stack, session)
+    page.wait_for_timeout(4000)  # more than one poll period
+    assert polls == []
+
+    stack.stop_worker()  # no worker: the turn waits for one
+    try:
+        send(page, "anyone there?")
+        page.locator("#waiting-note", has_text="waiting for a worker (0 ahead)").wait_for(timeout=10_000)
+        asked = len(polls)
+        page.wait_for_timeout(3500)
+        assert len(polls) > asked  # polling while the turn waits
+    finally:
+        stack.start_worker()
+    page.locator(".msg.assistant .md", has_text="Served at last.").wait_for(timeout=30_000)
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    page.wait_for_function("document.getElementById('waiting-note').textContent.trim() === ''")
+    page.wait_for_timeout(1000)  # the refresh after the status change has come back
+    settled = len(polls)
+    page.wait_for_timeout(4000)
+    assert len(polls) == settled  # the turn is over: no more polls

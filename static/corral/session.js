@@ -100,6 +100,13 @@
     return button;
   }
 
+  // The waiting note polls only while a turn is open (the server draws it so): ask for it
+  // again when a turn may have opened or ended, so it starts or stops polling.
+  function refreshWaiting() {
+    const note = document.getElementById("waiting-note");
+    if (note && window.htmx) window.htmx.trigger(note, "refresh");
+  }
+
   function decorate(scope) {
     if (!scope || !scope.querySelectorAll) return;
     const messages = scope.matches && scope.matches(".msg") ? [scope] : scope.querySelectorAll(".msg");
@@ -202,6 +209,7 @@
       const badge = document.getElementById("status-badge");
       if (badge) { badge.outerHTML = op.html.replace("<span ", '<span id="status-badge" '); }
       syncStatus(op.status, op.status !== root.dataset.status);
+      refreshWaiting();  // a turn may have ended (or started running)
     }
     // New markup may carry hx- attributes (question buttons, withdraw): let htmx see it.
     const fresh = op.op === "append" ? (document.getElementById(op.target) || {}).lastElementChild
@@ -209,6 +217,7 @@
       : op.op === "text" || op.op === "tail" ? document.getElementById(op.id) : null;
     const textOnly = op.op === "text" || op.op === "tail";  // plain text: no new markup to process
     if (fresh && !textOnly && window.htmx) window.htmx.process(fresh);
+    if (fresh && fresh.classList && fresh.classList.contains("user")) refreshWaiting();  // a turn opened
     if (fresh) {
       schedulePreview(fresh);  // the preview renders the stored text and the tail together
       if (!textOnly) decorate(fresh);
