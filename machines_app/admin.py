@@ -261,9 +261,9 @@ class ModelFileAdmin(admin.ModelAdmin):
     )
     list_filter = ("machine", "architecture", "has_mtp", "has_vision")
     search_fields = ("display_name", "key", "name")
-    readonly_fields = [
-        f.name for f in ModelFile._meta.fields if f.name not in ModelFileForm.Meta.fields
-    ] + ["chat_template_caps"]
+    # Every field the form does not edit, chat_template_caps included (listing it again
+    # showed it twice on the page).
+    readonly_fields = [f.name for f in ModelFile._meta.fields if f.name not in ModelFileForm.Meta.fields]
 
     def save_model(self, request, obj, form, change):
         if {"chat_template", "chat_template_file"} & set(form.changed_data):

@@ -150,6 +150,16 @@ def _port_taken(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _control_socket_live(path: Path) -> bool:
+    """Whether a supervisord answers on the control socket ``path``: another ``./corral
+    run`` owns this data directory. A socket file nobody listens on (left by a run killed
+    outright) is not live; supervisord removes it at start."""
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as s:
+        return s.connect_ex(str(path)) == 0
+
+
 #: supervisord's ``stopwaitsecs``: how long a program has between SIGTERM and SIGKILL.
 #: An idle Corral process exits in about a second (a Celery worker notices the stop at
 #: its next poll, up to 1 s; then half a second of interpreter teardown), but all five
@@ -259,6 +269,12 @@ def run(port: int) -> int:
     data = prepare_data_dir()
     if _port_taken(port):
         sys.exit(f"corral: port {port} is already in use (another ./corral run?); stop it or use --port N")
+    # Before anything starts or is written: a second run on the same data directory (on
+    # another port) would otherwise start a Redis, migrate, print its URL, overwrite the
+    # first run's supervisord.conf, then die with supervisord's word about a port.
+    if _control_socket_live(data / "run" / "supervisor.sock"):
+        sys.exit(f"corral: another ./corral run is using the data directory {data}; stop it first "
+                 "(or give this one a CORRAL_DATA_DIR of its own)")
     (data / "run").mkdir(exist_ok=True)
     redis = supervisord = None
     for sig in (signal.SIGTERM, signal.SIGINT):

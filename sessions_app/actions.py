@@ -366,7 +366,7 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
     history; the model no longer sees it.
 
     Raises SessionError while a turn runs, when the server is not running, or when there
-    is no message since the conversation was cleared. A ``sleeping`` server is started again
+    is no message yet or since the conversation was cleared. A ``sleeping`` server is started again
     first, as for a new message (docs/behaviour.md §5 "sleep").
     """
     if text is not None:
@@ -377,9 +377,12 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
             raise SessionError(SERVER_DOWN_SENTENCE)
         if session.turn_active:
             raise SessionError("Wait for the reply to finish (or stop it), then send again.")
-        last = transcript.last_message(load_events(session.pk))
+        events = load_events(session.pk)
+        last = transcript.last_message(events)
         if last is None:
-            raise SessionError("There is no message to send again since the conversation was cleared.")
+            if any(event.kind == Kind.CLEARED for event in events):
+                raise SessionError("There is no message to send again since the conversation was cleared.")
+            raise SessionError("There is no message to send again yet.")  # a new session: no Clear to blame
         if text == "" and not last.get("images"):
             raise SessionError("Type a message first.")
         _wake(session, user)  # a sleeping server wakes for it as for a new message (C45)

@@ -181,6 +181,13 @@ def _usage_line(payload: dict) -> str:
     return " · ".join(parts)
 
 
+#: The kinds :func:`to_markdown` writes a block for (besides replies, reasoning and interrupts).
+_WRITTEN = frozenset({
+    Kind.MESSAGE_TAKEN, Kind.TOOL_START, Kind.TOOL_END, Kind.ANSWERED, Kind.ERROR, Kind.NOTICE, Kind.USAGE,
+    Kind.CLEARED, Kind.SERVER_READY,
+})
+
+
 def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: ImageLink | None = None) -> str:
     """The conversation as Markdown, folded from ``events`` in seq order (see the module
     docstring). Streamed fragments of one reply or one reasoning run are joined; a user
@@ -216,6 +223,10 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
             notes.append(f"*Interrupted by {_who(payload, 'someone')}.*")
             if run_kind is None:
                 close_run()
+            continue
+        if kind not in _WRITTEN and kind != Kind.TURN_END:
+            # Writes nothing here (a status, the tool catalogue, …): a reply open across
+            # it goes on, e.g. past the ``stopped`` status of a Stop server mid-reply.
             continue
         close_run()
         if kind == Kind.MESSAGE_TAKEN:

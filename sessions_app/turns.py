@@ -307,7 +307,9 @@ def waiting_for_worker() -> dict[int, int]:
 
 # --- fast takeover ----------------------------------------------------------------------------
 
-RESUMING_NOTICE = "Resuming after a worker restart: the worker running this turn stopped."
+# Said before the next step knows whether the turn goes on (a tool call) or ends (a reply cut
+# mid-stream is partial): "Resuming" here was followed, on the page, by "Send another message".
+RESUMING_NOTICE = "Taken over after a worker restart: the worker running this turn stopped."
 
 
 def step_owner(worker: str | None) -> str:

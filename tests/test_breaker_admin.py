@@ -5,6 +5,7 @@ rule as a session's own prompt, whichever door the text comes through."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -82,3 +83,11 @@ def test_an_admins_system_prompt_with_a_control_character_is_refused_like_a_sess
     assert change(admin_client, model, system_prompt="  Be kind.\n\tAlways.  ").status_code == 302
     model.refresh_from_db()
     assert model.system_prompt == "Be kind.\n\tAlways."
+
+
+def test_a_model_files_admin_page_shows_each_field_once(local_machine, admin_client):
+    model = ModelFile.objects.get(machine=local_machine, key=model_key(local_machine, "llama"))
+    page = admin_client.get(f"/admin/machines_app/modelfile/{model.pk}/change/").content.decode()
+    rows = re.findall(r'class="form-row field-(\w+)', page)
+    assert "chat_template_caps" in rows
+    assert sorted(name for name in set(rows) if rows.count(name) > 1) == []

@@ -126,3 +126,20 @@ def test_an_interrupt_recorded_mid_reply_is_written_after_the_reply_not_inside_i
     assert markdown.index("Aethera had a strong") < markdown.index("*Interrupted by alice.*")
     assert markdown.count("**Model:**") == 1
     assert markdown.rstrip().endswith("*Interrupted by bob.*")  # with no reply open: where it stands
+
+
+def test_a_reply_cut_by_stop_server_is_one_reply_not_two():
+    """Stop server mid-reply: the ``stopped`` status is stored before the reply's last
+    fragment. A status writes nothing in the file, so it must not split the reply."""
+    events = [
+        Event(1, "message_taken", {"text": "say hi", "queued_id": None, "author": "alice"}),
+        Event(2, "status", {"status": "running"}),
+        Event(3, "assistant_text", {"text": "I am a great dragon,"}),
+        Event(4, "status", {"status": "stopped"}),
+        Event(5, "assistant_text", {"text": " and I will take you"}),
+        Event(6, "turn_end", {"reason": "interrupted"}),
+        Event(7, "server_stopped", {"reason": "stopped", "by": {"username": "alice"}}),
+    ]
+    markdown = export.to_markdown(events)
+    assert "I am a great dragon, and I will take you" in markdown
+    assert markdown.count("**Model:**") == 1

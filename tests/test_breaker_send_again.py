@@ -96,3 +96,17 @@ def test_regenerate_clicked_twice_at_once_sends_the_message_again_once(answered,
     again = taken(answered)
     assert len(again) == 2 and again[1]["replaces"] == TranscriptEvent.objects.get(
         session_id=session_id, kind="message_taken", payload__replaces__isnull=True).seq
+
+
+@pytest.mark.django_db
+def test_before_any_message_there_is_nothing_to_send_again_and_no_clear_is_blamed(local_machine, alice, tmp_path):
+    session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"),
+                                          working_dir=str(tmp_path), status="idle")
+    client = client_for(alice)
+    for answer in (client.post(f"/sessions/{session.pk}/regenerate/", headers={"HX-Request": "true"}),
+                   client.post(f"/sessions/{session.pk}/send/", {"text": "count the goats", "edit": "last"},
+                               headers={"HX-Request": "true"})):
+        page = answer.content.decode()
+        assert "There is no message to send again yet." in page
+        assert "cleared" not in page
+    assert taken(session) == []

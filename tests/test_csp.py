@@ -176,6 +176,10 @@ def test_in_the_browser_injected_script_does_not_run_and_the_session_page_still_
 
     # htmx posts the message; the stream and the question arrive over the websocket; a
     # click on an htmx button answers it; the reply streams in.
+    # A message box the user made taller (its resize handle writes an inline height; a
+    # browser's autofill may add style="" too): the swap after sending must not copy that
+    # style attribute onto the new box, which the CSP blocks and the console reports.
+    page.evaluate("document.getElementById('id_text').style.height = '140px'")
     page.fill("#id_text", "Count the flock.")
     page.press("#id_text", "Enter")
     row = page.locator(".msg.tool[data-tool=read_file]")

@@ -267,3 +267,21 @@ def test_a_port_in_use_stops_the_launcher_with_a_message_before_it_starts_anythi
     assert result.returncode == 1
     assert f"corral: port {port} is already in use" in result.stderr
     assert not (tmp_path / "data" / "run" / "supervisord.conf").exists()
+
+
+def test_a_second_run_on_a_busy_data_dir_stops_with_a_message_before_it_starts_anything(tmp_path):
+    run_dir = tmp_path / "data" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "supervisord.conf").write_text("the first run's\n")
+    with socket.socket(socket.AF_UNIX) as first:  # the first run's supervisord, answering
+        first.bind(str(run_dir / "supervisor.sock"))
+        first.listen()
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+        result = subprocess.run(
+            [sys.executable, "-m", "project.launcher", "run", "--port", str(_free_port())], cwd=ROOT,
+            env={**env, "CORRAL_DATA_DIR": str(tmp_path / "data")}, capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 1
+    assert "corral: another ./corral run is using the data directory" in result.stderr
+    assert "embedded Redis" not in result.stdout and "Corral is starting" not in result.stdout
+    assert (run_dir / "supervisord.conf").read_text() == "the first run's\n"

@@ -80,7 +80,11 @@ class Command(BaseCommand):
         env = Env()
         User = get_user_model()
         username = env.str("CORRAL_ADMIN_USER", default="admin")
-        if User.objects.filter(is_superuser=True).exists():
+        admins = list(User.objects.filter(is_superuser=True).order_by("pk").values_list("username", flat=True)[:3])
+        if admins:
+            # The password was printed once, at the first run; CORRAL_ADMIN_* apply only then.
+            self.stdout.write(f"an admin account exists ({', '.join(admins)}): to set a new password, "
+                              f".venv/bin/python manage.py changepassword {admins[0]}")
             return
         password = env.str("CORRAL_ADMIN_PASSWORD", default="") or secrets.token_urlsafe(12)
         User.objects.create_superuser(username=username, email="", password=password)
