@@ -204,11 +204,11 @@ CELERY_TASK_IGNORE_RESULT = True
 # database lease instead. The timeout is still set above the longest step (a 30 min
 # completion, docs/behaviour.md §6) in case acks_late is ever turned on.
 CELERY_TASK_ACKS_LATE = False
-# An idle worker's BRPOP waits 5 s for work instead of kombu's 1 s before it asks again (a
-# message wakes it at once either way): fewer wake-ups of every worker and of Redis.
-CELERY_BROKER_TRANSPORT_OPTIONS = {
-    **_BROKER.transport_options, "visibility_timeout": 2 * 60 * 60, "polling_interval": 5,
-}
+# No "polling_interval" here: kombu takes it as the BRPOP timeout but also as a sleep after
+# every empty poll, and the workers' thread pool polls in a blocking loop (Celery's synloop):
+# after each empty BRPOP reply a worker slept up to 2 s with no BRPOP pending, and a task
+# sent meanwhile waited for it (tests/test_broker_wakeup.py). kombu's 1 s BRPOP it is.
+CELERY_BROKER_TRANSPORT_OPTIONS = {**_BROKER.transport_options, "visibility_timeout": 2 * 60 * 60}
 # Nothing in Corral sends Celery's remote control commands (which workers are alive is told
 # by keys in Redis: sessions_app/liveness.py), so workers do not listen for them.
 CELERY_WORKER_ENABLE_REMOTE_CONTROL = False

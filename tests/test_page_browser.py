@@ -372,3 +372,43 @@ def test_the_waiting_note_asks_only_while_a_turn_is_open(stack, page, fake_machi
     settled = len(polls)
     page.wait_for_timeout(4000)
     assert len(polls) == settled  # the turn is over: no more polls
+
+
+def test_a_turn_opened_while_the_note_is_being_read_still_shows_it_waits(stack, page, fake_machine, alice,
+                                                                         tmp_path):
+    """A refresh sent while the note's previous request was on its way was lost: htmx queued
+    it on the old note, which the answer then replaced (a request of a removed element is
+    never sent). A turn ending (its status refresh on its way, read before the next turn) and
+    a message sent then left a note that neither polled nor showed the wait."""
+    session = start_session(alice, fake_machine([{"text": "First reply."}, {"text": "Second reply."}]), tmp_path)
+    log_in(page, stack, "alice", "alice-password-1")
+    held: list = []
+
+    def hold_the_first_idle_answer(route) -> None:
+        answer = route.fetch()  # the server has read the session: the note's state is decided
+        if not held and "every 3s" not in answer.text():
+            held.append((route, answer))  # the answer is slow to come back
+        else:
+            route.fulfill(response=answer)
+
+    page.route("**/waiting/", hold_the_first_idle_answer)
+    open_session(page, stack, session)
+    send(page, "first")
+    page.locator(".msg.assistant .md", has_text="First reply.").wait_for(timeout=30_000)
+    page.wait_for_selector("#status-badge[data-status=idle]")
+    for _ in range(100):  # the refresh after the status change, read with no turn open
+        if held:
+            break
+        page.wait_for_timeout(100)
+    assert held
+    stack.stop_worker()  # no worker: the next turn waits for one
+    try:
+        send(page, "second")
+        page.locator(".msg.user", has_text="second").wait_for(timeout=10_000)
+        page.wait_for_timeout(500)  # its refresh has been asked for
+        route, answer = held[0]
+        route.fulfill(response=answer)
+        page.locator("#waiting-note", has_text="waiting for a worker (0 ahead)").wait_for(timeout=10_000)
+    finally:
+        stack.start_worker()
+    page.locator(".msg.assistant .md", has_text="Second reply.").wait_for(timeout=30_000)

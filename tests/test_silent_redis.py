@@ -19,7 +19,7 @@ import pytest
 from django.db import connection
 
 from machines_app.transports import LocalTransport
-from sessions_app import actions, agent, broadcast
+from sessions_app import actions, agent, broadcast, dispatch
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import wait_for
@@ -27,6 +27,16 @@ from .scripted_server import chunk, sse
 from .test_turn_endings import DONE, server, session  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the step runs in a thread of its own
+
+
+@pytest.fixture(autouse=True)
+def steps_run_here_only(monkeypatch):
+    """Each step of these tests runs here, in a thread: the task a message sends must not
+    reach the broker, where the suite's worker (the stack, started by an earlier test of the
+    run) would run the step as well, on the same database. Warm since its start
+    (sessions_app.tasks.warm_up), it could claim the turn before this thread did: the test
+    then saw a step that ended at once and a reply cut after its first piece."""
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args: True)
 
 
 @pytest.fixture
@@ -120,3 +130,11 @@ def test_an_interrupt_is_honoured_promptly_while_redis_is_silent(session, alice,
     ends = [e.payload["reason"] for e in TranscriptEvent.objects.filter(session=session, kind="turn_end")]
     assert ends == ["interrupted"], ends
     assert took < 3, f"the interrupt took {took:.1f} s with Redis silent"
+
+
+def test_a_message_of_these_tests_is_never_run_by_the_suites_worker(stack, session, alice):  # noqa: F811
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "anyone?")
+    taken = TranscriptEvent.objects.get(session=session, kind="message_taken").seq
+    time.sleep(2)  # a worker takes a task in milliseconds
+    assert not AgentSession.objects.get(pk=session.pk).lease_owner
+    assert not TranscriptEvent.objects.filter(session=session, seq__gt=taken).exists()
