@@ -290,10 +290,12 @@ def session_waiting(request: HttpRequest, session_id: int) -> HttpResponse:
 
 def _waiting_context(session: AgentSession) -> dict:
     """The waiting note's context: how many turns wait ahead of this one (None when it
-    does not wait), and whether a turn is open, the only time the note polls (a page
-    left open on an idle session would otherwise ask every 3 s for nothing)."""
-    return {"session_id": session.pk, "ahead": turns.waiting_for_worker().get(session.pk),
-            "turn_open": session.turn_active}
+    does not wait), and whether its turn may be waiting for a worker — open, and not
+    waiting for a person's answer — the only time the note polls: a page left open on an
+    idle session, or on a question nobody has answered, would otherwise ask every 3 s for
+    nothing. (An answer sets the status to running: the page asks again then.)"""
+    may_wait = session.turn_active and session.status != AgentSession.Status.AWAITING_INPUT
+    return {"session_id": session.pk, "ahead": turns.waiting_for_worker().get(session.pk), "may_wait": may_wait}
 
 
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:

@@ -379,6 +379,18 @@ CHROMIUM = os.environ.get("CORRAL_CHROMIUM", shutil.which("chromium") or "/usr/b
 
 
 @pytest.fixture
+def steps_run_here(monkeypatch):
+    """For a test that runs a turn's step in its own process (``agent.run_turn_step``) on a
+    committed database (``transaction=True``): the tasks its actions send never reach the
+    broker. The suite's worker (the stack, up once an earlier test started it) would run
+    the same step on the same database and, warm since its start
+    (``sessions_app.tasks.warm_up``), could claim the turn before the test's own thread."""
+    from sessions_app import dispatch
+
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args: True)
+
+
+@pytest.fixture
 def page(monkeypatch):
     from playwright.sync_api import sync_playwright
 

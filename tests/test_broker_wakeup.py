@@ -1,11 +1,12 @@
 """An idle worker takes a task the moment it is sent (project/settings.py's broker options).
 
-Corral's workers run Celery's thread pool, whose consumer loop is the blocking one
-(``celery.worker.loops.synloop``): ``drain_events(timeout=2.0)`` again and again. kombu's
-virtual transport sleeps ``polling_interval`` after every poll that came back empty, and
-an empty BRPOP reply (its timeout, with nothing queued) is such a poll: a worker told
-``polling_interval=5`` (meant as the BRPOP timeout) then slept up to 2 s with no BRPOP
-pending, and a task sent meanwhile waited in Redis for the sleep to end.
+kombu's virtual transport sleeps ``polling_interval`` after every poll that came back empty
+in its blocking consumer loop (``drain_events(timeout=…)`` again and again: Celery's
+``synloop``, the loop of a worker that does not run the event loop), and an empty BRPOP
+reply (its timeout, with nothing queued) is such a poll: told ``polling_interval=5`` (meant
+as the BRPOP timeout), a consumer slept up to 2 s with no BRPOP pending, and a task sent
+meanwhile waited in Redis for the sleep to end. This test runs that loop with the
+project's broker settings against the real Redis.
 """
 
 from __future__ import annotations

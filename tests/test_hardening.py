@@ -132,7 +132,7 @@ def test_a_call_id_that_is_not_a_plain_token_is_replaced_and_the_page_renders(sc
 
 
 @pytest.mark.django_db(transaction=True)
-def test_interrupt_works_while_the_stream_stalls(scripted_session, alice, model_side):
+def test_interrupt_works_while_the_stream_stalls(scripted_session, alice, model_side, steps_run_here):
     model_side.will_answer(20.0, sse(chunk({"content": "late"})), b"data: [DONE]\n\n")  # a long prompt: nothing for 20 s
     actions.do_send_message(scripted_session, alice, "a very long prompt")
     def run_step() -> None:

@@ -163,3 +163,22 @@ def test_a_daphne_that_died_leaves_the_group_at_once_and_a_live_one_gets_the_eve
         for recorder in (dead, live):
             if recorder is not None:
                 recorder.close()
+
+
+@pytest.mark.parametrize(("turn_active", "status", "polls"), [
+    (False, "idle", False),  # nothing open: an idle page asks nothing
+    (True, "idle", True),  # a turn queued for a worker
+    (True, "running", True),  # running now, and may wait again after a tool call
+    (True, "awaiting_input", False),  # a question waits for a person, not for a worker
+])
+def test_the_waiting_note_polls_only_while_its_turn_may_wait_for_a_worker(
+        local_machine, alice, tmp_path, turn_active, status, polls):
+    session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key="m.gguf",
+                                          working_dir=str(tmp_path), status=status, turn_active=turn_active)
+    client = Client()
+    client.force_login(alice)
+    note = client.get(f"/sessions/{session.pk}/waiting/").content.decode()
+    page = client.get(f"/sessions/{session.pk}/").content.decode()
+    assert ("every 3s" in note) is polls
+    assert ('hx-trigger="every 3s, refresh"' in page) is polls  # the first paint says the same
+    assert ('hx-trigger="refresh"' in page) is not polls  # else it waits for session.js to ask

@@ -19,7 +19,7 @@ import pytest
 from django.db import connection
 
 from machines_app.transports import LocalTransport
-from sessions_app import actions, agent, broadcast, dispatch
+from sessions_app import actions, agent, broadcast
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import wait_for
@@ -30,13 +30,8 @@ pytestmark = pytest.mark.django_db(transaction=True)  # the step runs in a threa
 
 
 @pytest.fixture(autouse=True)
-def steps_run_here_only(monkeypatch):
-    """Each step of these tests runs here, in a thread: the task a message sends must not
-    reach the broker, where the suite's worker (the stack, started by an earlier test of the
-    run) would run the step as well, on the same database. Warm since its start
-    (sessions_app.tasks.warm_up), it could claim the turn before this thread did: the test
-    then saw a step that ended at once and a reply cut after its first piece."""
-    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args: True)
+def _steps_here(steps_run_here):
+    """Every step of these tests runs here, in a thread (conftest.steps_run_here)."""
 
 
 @pytest.fixture

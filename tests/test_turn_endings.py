@@ -234,7 +234,7 @@ def test_the_usage_line_has_no_stray_separator(usage, line):
 # --- a step that lost its lease stops writing (two steps never write one turn) -----------------
 
 @pytest.mark.django_db(transaction=True)  # the step runs in a thread of its own, on its own connection
-def test_a_step_taken_over_mid_reply_stops_and_writes_nothing_more(session, alice, server):
+def test_a_step_taken_over_mid_reply_stops_and_writes_nothing_more(session, alice, server, steps_run_here):
     import threading
 
     from django.db import connection
