@@ -171,7 +171,8 @@ def main() -> None:
                   f"(in order, none twice: {'yes' if ordered else 'NO'}; watcher text == stored: "
                   f"{'yes' if equal else 'NO'}); delay p50 {statistics.median(delays):.0f} ms, p95 {p95:.0f} ms "
                   f"(goal <= 100 ms at N=32); Corral CPU {spent:.2f} s over {wall:.1f} s = "
-                  f"{spent / (n * tokens) * 1000:.2f} ms/token (goal <= 0.5 ms, docs/behaviour.md §13), "
+                  f"{spent / (n * tokens) * 1000:.2f} ms/token (reported; the 0.5 ms goal is bench/run.py's item 1, "
+                  "a reply at the model's own speed), "
                   f"{n * tokens / max(events, 1):.1f} tokens per stored event ("
                   + ", ".join(f"{k} {v:.2f} s = {v / (n * tokens) * 1000:.2f} ms/token" for k, v in cpu.items())
                   + ")", flush=True)

@@ -129,6 +129,7 @@ def main() -> None:
     if page_only:
         page_size(user, machine, smol.name, client)
         return
+    many = many_sessions() if not (cpu_only or warm_only) else []
     port = 18000 + os.getpid() % 1000
     stack = Stack(DATA, port)
     try:
@@ -224,6 +225,7 @@ def main() -> None:
         print(f"   browser / llama-server's own rate in the same run: "
               f"{statistics.median(r['own'] for r in alone):.3f} (what the pipeline adds; the rest is CPU "
               "that Corral's processes take from llama-server)")
+        print("\n".join(many))
         prompt_cache_and_warm_restart(session, machine, user, smol.name)
     finally:
         stack.stop()
@@ -235,26 +237,25 @@ def main() -> None:
             page_size(user, machine, smol.name, client)
 
     if not warm_only:
-        many_sessions()
         page_size(user, machine, smol.name, client)
 
 
-def many_sessions() -> None:
-    """3. bench/many_sessions.py for N = 1, 8, 32 (its own stack: this one is stopped)."""
+def many_sessions() -> list[str]:
+    """3. bench/many_sessions.py for N = 1, 8, 32, on a stack of its own (run before this
+    script's own starts, so the two never share the CPU); the lines to print."""
     import _setup
 
     # A data directory of its own, and its own embedded Redis unless REDIS_URL was given.
     own_env = {k: v for k, v in os.environ.items() if k != "CORRAL_DATA_DIR"}
     if _setup.REDIS is not None:
         own_env.pop("REDIS_URL", None)
-    print("3. many sessions (bench/many_sessions.py --sessions 1,8,32 --rate 50 --seconds 10):", flush=True)
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "many_sessions.py"), "--sessions", "1,8,32",
                           "--rate", "50", "--seconds", "10"], capture_output=True, text=True, env=own_env)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("N=")]
-    for line in lines:
-        print(f"   {line}")
-    if run.returncode != 0 or not lines:
-        print(f"   many_sessions.py failed (exit {run.returncode}): {run.stderr.strip()[-2000:]}")
+    lines = ["3. many sessions (bench/many_sessions.py --sessions 1,8,32 --rate 50 --seconds 10):"]
+    lines += [f"   {line}" for line in run.stdout.splitlines() if line.startswith("N=")]
+    if run.returncode != 0 or len(lines) == 1:
+        lines.append(f"   many_sessions.py failed (exit {run.returncode}): {run.stderr.strip()[-2000:]}")
+    return lines
 
 
 def prompt_cache_and_warm_restart(session, machine, user, model_key: str) -> None:
