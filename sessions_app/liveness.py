@@ -41,14 +41,7 @@ def worker_pid(nodename: str) -> int | None:
     """The pid the worker ``nodename`` wrote in its key, None when the key has lapsed or
     Redis cannot be read: a worker restarted under the same name is told from the one
     before it by this pid (its key is written once the worker consumes: ``worker_ready``)."""
-    try:
-        client = _client()
-        try:
-            value = client.get(_key_prefix() + nodename)
-        finally:
-            client.close()
-    except redis.RedisError:
-        return None
+    value = _read(lambda client: client.get(_key_prefix() + nodename))
     return int(value) if value is not None else None
 
 
@@ -93,10 +86,17 @@ def live_workers() -> set[str] | None:
     """Nodenames of the workers whose key is alive (written within the last
     :data:`LAPSE_SECONDS`); None when Redis cannot be read."""
     prefix = _key_prefix()
+    return _read(lambda client: {key.decode()[len(prefix):]
+                                 for key in client.scan_iter(match=prefix + "*", count=1000)})
+
+
+def _read(query):
+    """``query(client)`` on a client of its own, closed after; None (logged) when Redis
+    cannot be read."""
     try:
         client = _client()
         try:
-            return {key.decode()[len(prefix):] for key in client.scan_iter(match=prefix + "*", count=1000)}
+            return query(client)
         finally:
             client.close()
     except redis.RedisError as exc:

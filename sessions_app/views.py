@@ -295,7 +295,9 @@ def _waiting_context(session: AgentSession) -> dict:
     idle session, or on a question nobody has answered, would otherwise ask every 3 s for
     nothing. (An answer sets the status to running: the page asks again then.)"""
     may_wait = session.turn_active and session.status != AgentSession.Status.AWAITING_INPUT
-    return {"session_id": session.pk, "ahead": turns.waiting_for_worker().get(session.pk), "may_wait": may_wait}
+    # Only such a turn can be in the queue: the others need not read it.
+    ahead = turns.waiting_for_worker().get(session.pk) if may_wait else None
+    return {"session_id": session.pk, "ahead": ahead, "may_wait": may_wait}
 
 
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:
