@@ -34,6 +34,15 @@ def log_in(page, stack, username: str, password: str) -> None:
     page.wait_for_url(stack.base_url + "/")
 
 
+def pick_machine(page, machine) -> None:
+    """Choose ``machine`` in the new-session form and wait until htmx has drawn its model
+    picker (its own Refresh button). Waiting for a model's option is not enough: the
+    machine shown first may list the same model, and a model chosen in that picker is lost
+    when this one replaces it (the form then went off with another model)."""
+    page.select_option("#id_machine", str(machine.pk))
+    page.wait_for_selector(f"#model-picker button[hx-post='/machines/{machine.pk}/refresh/']", state="attached")
+
+
 def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page, local_machine, alice, tmp_path):
     log_in(page, stack, "alice", "alice-password-1")
 
@@ -128,7 +137,7 @@ def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fa
     machine = fake_machine([{"text": slow, "delay": 0.2}, {"text": "Hello from the other model."}])
     log_in(page, stack, "alice", "alice-password-1")
     page.goto(stack.base_url + "/sessions/new/")
-    page.select_option("#id_machine", str(machine.pk))
+    pick_machine(page, machine)
     page.wait_for_selector("#id_model_key option >> text=Smollm2", state="attached")
     page.select_option("#id_model_key", machine.model_files.get(architecture="llama").key)
     page.fill("#id_working_dir", str(tmp_path))

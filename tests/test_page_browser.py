@@ -19,7 +19,7 @@ from sessions_app import actions
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import model_key
-from .test_browser import log_in
+from .test_browser import log_in, pick_machine
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -313,8 +313,7 @@ def test_the_new_session_form_keeps_the_context_within_the_trained_length_and_sh
     model = machine.model_files.get(architecture="llama")
     log_in(page, stack, "alice", "alice-password-1")
     page.goto(stack.base_url + "/sessions/new/")
-    page.select_option("#id_machine", str(machine.pk))
-    page.wait_for_selector(f"#id_model_key option[value='{model.key}']", state="attached")
+    pick_machine(page, machine)
     page.select_option("#id_model_key", model.key)
     assert page.get_attribute("#id_max_tokens", "placeholder") == "4096 (default)"
     page.fill("#id_working_dir", str(tmp_path))
