@@ -29,7 +29,7 @@ from machines_app import catalog
 from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
 
-from . import actions, broadcast, images, lifecycle, tools, transcript, turns
+from . import actions, broadcast, completions, images, lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -62,6 +62,25 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
+#: The result of a call whose arguments were not one JSON object (docs/behaviour.md §9, C04):
+#: the model is told why, so it can call again; the call is neither run nor asked about.
+MALFORMED_RESULT = (
+    "This call of {tool} was not run: its arguments were not valid JSON ({error}). "
+    "Call {tool} again with its arguments as one JSON object."
+)
+#: The result of a call in a reply that stopped before it was finished (docs/behaviour.md §9).
+CUT_CALL_RESULT = (
+    "This call of {tool} was not run: the reply stopped before it was finished ({why}), "
+    "so its arguments may be incomplete."
+)
+CUT_CALL_WHY = {"length": "the length limit, max_tokens", None: "the server did not say it had finished"}
+#: The notice after a reply that stopped in the middle of a tool call.
+CUT_CALL_NOTICE = {
+    "length": ("The reply stopped in the middle of a tool call at its length limit (max_tokens {max_tokens}); "
+               "the call was not run. Send \"go on\" to let the model try again, or raise max_tokens in Settings."),
+    None: ("The reply ended in the middle of a tool call (the server did not say it had finished); the call "
+           "was not run. Send another message to carry on."),
+}
 #: The notice after a reply that llama-server stopped at ``max_tokens`` (``finish_reason: length``).
 LENGTH_LIMIT = ("The reply stopped at its length limit (max_tokens {max_tokens}). Send \"go on\" to continue it, "
                 "or raise max_tokens in Settings.")
@@ -452,19 +471,24 @@ class Step:
             self.record(Kind.USAGE, payload)
         if interrupted.is_set():
             return TurnEnd.INTERRUPTED
-        if not produced and not assembler.calls():
+        calls = assembler.calls()
+        if not produced and not calls:
             self.record(Kind.NOTICE, {"message": EMPTY_REPLY})
-        elif finish_reason == "length" and not assembler.calls():
+        elif finish_reason == "length" and not calls:
             # Said, because a reply cut at max_tokens looks like one that finished.
             self.record(Kind.NOTICE, {"message": LENGTH_LIMIT.format(max_tokens=sampling.get("max_tokens"))})
-        calls = assembler.calls()
         if not calls:
             return TurnEnd.DONE
+        # docs/behaviour.md §9: only whole calls run. A reply that stopped at its length limit,
+        # or without saying it had finished, stopped inside its last call: what its arguments
+        # were meant to be is unknown, so none of its calls is run or asked about.
+        cut = finish_reason in CUT_CALL_WHY
         # docs/behaviour.md §9: every call of the reply is recorded, in order, before any runs, so the
         # fold knows they belong to one assistant message. Results are paired by call id,
         # so an id the transcript has seen before (some servers number calls call_0,
         # call_1 in every reply) is replaced by a fresh one.
         used = {e.payload.get("id") for e in events if e.kind == Kind.TOOL_START}
+        call_ids: list[tuple[str, str]] = []
         for call in calls:
             # Ids go into URLs and DOM ids: anything but a plain token is replaced too.
             fresh = call.id not in used and CALL_ID.fullmatch(call.id or "")
@@ -478,6 +502,7 @@ class Step:
                     "tool": call.name,
                     "arguments": call.arguments,
                     "raw_arguments": call.raw_arguments,
+                    **({"arguments_error": call.arguments_error} if call.arguments_error else {}),
                     "input": call.parsed_arguments(),
                     "origin": entry.origin if entry else None,
                     "server": entry.server if entry else None,
@@ -485,6 +510,15 @@ class Step:
                     "display_name": entry.display_name if entry else call.name,
                 },
             )
+            call_ids.append((call_id, call.name))
+        if cut:
+            why = CUT_CALL_WHY[finish_reason]
+            for call_id, name in call_ids:
+                self.record(Kind.TOOL_END, {"id": call_id, "output": CUT_CALL_RESULT.format(tool=name, why=why),
+                                            "ok": False})
+            self.record(Kind.NOTICE, {"message": CUT_CALL_NOTICE[finish_reason].format(
+                max_tokens=sampling.get("max_tokens"))})
+            return TurnEnd.DONE
         return None
 
     # --- the calls and the gate (docs/behaviour.md §8) ---------------------------------------------------
@@ -509,6 +543,12 @@ class Step:
             entry = catalogue.get(name)
             if entry is None:
                 output = tools.UNKNOWN_TOOL_RESULT.format(name=name)
+                self.record(Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
+                continue
+            problem = call.get("arguments_error") or completions.arguments_problem(call.get("raw_arguments"))
+            if problem:
+                # Never run as {} (C04): the model is told why, and nobody is asked.
+                output = MALFORMED_RESULT.format(tool=name, error=problem)
                 self.record(Kind.TOOL_END, {"id": call_id, "output": output, "ok": False})
                 continue
             answer = answers.get(call_id, {}).get("answer")

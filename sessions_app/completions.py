@@ -44,7 +44,9 @@ __all__ = [
     "ToolCallAssembler",
     "ToolCallFragment",
     "Usage",
+    "arguments_problem",
     "iter_sse_data",
+    "parse_arguments",
     "parse_chunk",
 ]
 
@@ -706,31 +708,76 @@ class ToolCall:
     JSON ("Failed to parse tool call arguments as JSON"), which would break every later
     turn of the session. ``raw_arguments`` keeps the text as received when it differs from
     ``arguments`` (``None`` otherwise), for the transcript and the user.
+
+    ``arguments_error`` is why non-empty arguments are not one JSON object (the parser's
+    words, e.g. ``"Expecting ':' delimiter: line 1 column 5 (char 4)"`` or ``"duplicate key
+    'command'"``), ``None`` when they are one or are empty. Such a call is never run
+    (docs/behaviour.md §9, C04): the model is told the error instead.
     """
 
     id: str
     name: str
     arguments: str
     raw_arguments: str | None = None
+    arguments_error: str | None = None
 
     def parsed_arguments(self) -> dict[str, Any]:
-        """``arguments`` as a dict; ``{}`` when they are not a JSON object (docs/behaviour.md §9: run as ``{}``)."""
-        decoded = _json_object(self.arguments)
+        """``arguments`` as a dict: the one parsed object the card, the exports and the tool
+        all read; ``{}`` when they are empty or malformed (a malformed call is not run)."""
+        decoded, _ = parse_arguments(self.arguments)
         return decoded if decoded is not None else {}
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
-    """``text`` decoded when it is a JSON object llama-server's parser accepts, else None.
+def parse_arguments(text: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """A call's arguments text → ``(object, None)``, or ``(None, why)`` when it is not one
+    JSON object llama-server's parser accepts; ``({}, None)`` for empty or white-space text
+    (C04: a call with no arguments runs with ``{}``).
 
-    Stricter than ``json.loads``: ``NaN``/``Infinity`` and lone surrogates are refused,
-    as nlohmann::json (llama-server) refuses them.
+    Stricter than ``json.loads``: ``NaN``/``Infinity`` and lone surrogates are refused, as
+    nlohmann::json (llama-server) refuses them, and so is a key repeated in one object —
+    JSON readers keep the last one, so a page showing the first would show one command
+    while another runs (docs/behaviour.md §8).
     """
+    if text is None or not text.strip():
+        return {}, None
     try:
-        decoded = json.loads(text, parse_constant=_refuse_constant)
+        decoded = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicate_keys)
         json.dumps(decoded, ensure_ascii=False).encode("utf-8")
-    except (ValueError, UnicodeError):
-        return None
-    return decoded if isinstance(decoded, dict) else None
+    except UnicodeError:
+        return None, "it holds a lone surrogate (not valid UTF-8)"
+    except ValueError as exc:
+        return None, str(exc)
+    if not isinstance(decoded, dict):
+        return None, f"it is a JSON {_json_type(decoded)}, not an object"
+    return decoded, None
+
+
+def arguments_problem(raw_arguments: str | None) -> str | None:
+    """Why a stored call's received arguments (``tool_start``'s ``raw_arguments``) may not
+    run, or None. Transcripts recorded before calls were refused for this carry no
+    ``arguments_error``; this reads theirs from the text (docs/behaviour.md §9)."""
+    return parse_arguments(raw_arguments)[1]
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    decoded: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in decoded:
+            raise ValueError(f"duplicate key {key!r}")
+        decoded[key] = value
+    return decoded
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    return "number"
 
 
 def _refuse_constant(name: str) -> Any:
@@ -761,6 +808,9 @@ class ToolCallAssembler:
     - without ``index`` a fragment extends the newest call, unless it carries a new
       non-empty id, which starts a new call (C01); an id-less fragment with an index no
       call has yet continues the newest call when that one began without an index;
+    - a fragment with no known id that names a function other than the one of the call it
+      would extend starts a new call instead (C01 amended: two unnumbered, id-less calls
+      each with its own name are two calls, never one whose arguments run together);
     - ``id`` and ``function.name`` are taken from the first fragment that has them;
       ``function.arguments`` pieces are concatenated in arrival order (a non-string value
       is serialised as JSON).
@@ -787,12 +837,16 @@ class ToolCallAssembler:
         function = fragment.get("function")
         function = function if isinstance(function, Mapping) else {}
 
+        name = function.get("name")
+        name = name if isinstance(name, str) and name else None
         call = self._find(index, call_id)
+        if call_id is None and name is not None and call.name is not None and name != call.name:
+            # Another function named where this call would go on: a call of its own.
+            call = self._start(index)
         if call_id is not None and call.id is None:
             call.id = call_id
             self._by_id[call_id] = call
-        name = function.get("name")
-        if call.name is None and isinstance(name, str) and name:
+        if call.name is None and name is not None:
             call.name = name
         arguments = function.get("arguments")
         if isinstance(arguments, str):
@@ -836,9 +890,11 @@ class ToolCallAssembler:
                 call.id = _new_call_id()
                 self._by_id[call.id] = call
             received = "".join(call.pieces)
-            arguments = received if _json_object(received) is not None else "{}"
+            decoded, error = parse_arguments(received)
+            arguments = received if decoded is not None and received.strip() else "{}"
             raw = received if received != arguments else None
-            result.append(ToolCall(id=call.id, name=call.name, arguments=arguments, raw_arguments=raw))
+            result.append(ToolCall(id=call.id, name=call.name, arguments=arguments, raw_arguments=raw,
+                                   arguments_error=error))
         return result
 
 

@@ -235,6 +235,7 @@ class _ToolStartPayloadRequired(TypedDict):
 
 class ToolStartPayload(_ToolStartPayloadRequired, total=False):
     raw_arguments: str | None
+    arguments_error: str  # why the received arguments are not one JSON object: the call is not run
     input: dict
     origin: str | None
     server: str | None

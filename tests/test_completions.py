@@ -23,7 +23,9 @@ from sessions_app.completions import (
     ToolCallAssembler,
     ToolCallFragment,
     Usage,
+    arguments_problem,
     iter_sse_data,
+    parse_arguments,
     parse_chunk,
 )
 
@@ -565,15 +567,71 @@ def test_case_c04_empty_arguments_are_sent_back_as_an_empty_object(empty: str) -
 def test_case_c04_missing_arguments_are_an_empty_object() -> None:
     (call,) = assemble([{"index": 0, "id": "c", "function": fn("get_info")}])
     assert (call.arguments, call.raw_arguments, call.parsed_arguments()) == ("{}", "", {})
+    assert call.arguments_error is None  # runs, with {}
 
 
-@pytest.mark.parametrize("malformed", ['{"q"', '{"q": NaN}', "[1, 2]", '"text"', "{'q': 1}"])
-def test_case_c04_malformed_arguments_run_as_an_empty_object(malformed: str) -> None:
+@pytest.mark.parametrize(
+    ("malformed", "error"),
+    [
+        ('{"q"', "Expecting ':' delimiter"),
+        ('{"q": NaN}', "NaN is not JSON"),
+        ("[1, 2]", "it is a JSON array, not an object"),
+        ('"text"', "it is a JSON string, not an object"),
+        ("{'q': 1}", "Expecting property name enclosed in double quotes"),
+        ('{"command": "echo harmless",\n\n"command": "rm -rf ~/victim"}', "duplicate key 'command'"),
+        ('{"a": {"b": 1, "b": 2}}', "duplicate key 'b'"),
+        ('{"q": "\\ud800"}', "lone surrogate"),
+        ('{"path": "notes.txt"}{"command": "ls"}', "Extra data"),
+    ],
+)
+def test_case_c04_malformed_arguments_are_an_error_never_an_empty_object(malformed: str, error: str) -> None:
     (call,) = assemble([{"index": 0, "id": "c", "function": fn("web_search", malformed)}])
-    assert call.parsed_arguments() == {}
-    # Sent back as "{}" so llama-server can still render the history (see ToolCall).
+    assert call.arguments_error is not None and error in call.arguments_error
+    # Sent back as "{}" so llama-server can still render the history (see ToolCall); the
+    # call itself is never run (agent.MALFORMED_RESULT goes to the model instead).
     assert call.arguments == "{}"
     assert call.raw_arguments == malformed
+    assert arguments_problem(call.raw_arguments) == call.arguments_error
+
+
+def test_case_c01_amended_unnumbered_id_less_calls_with_their_own_names_are_two_calls() -> None:
+    # Neither index nor id: the second name starts a call of its own, never one call whose
+    # arguments run together ('{"path":"notes.txt"}{"command":"ls"}', run as {}).
+    calls = assemble(
+        [{"type": "function", "function": fn("read_file", '{"path":')}],
+        [{"function": fn(arguments='"notes.txt"}')}],
+        [{"type": "function", "function": fn("exec_shell_command", '{"command":')}],
+        [{"function": fn(arguments='"ls"}')}],
+    )
+    assert [(c.name, c.arguments, c.arguments_error) for c in calls] == [
+        ("read_file", '{"path":"notes.txt"}', None),
+        ("exec_shell_command", '{"command":"ls"}', None),
+    ]
+    assert calls[0].id != calls[1].id
+
+
+def test_a_new_name_at_a_known_index_without_an_id_starts_a_call_of_its_own() -> None:
+    # The same fault with an index: servers that number every call 0.
+    calls = assemble(
+        [{"index": 0, "function": fn("read_file", '{"path": "a"}')}],
+        [{"index": 0, "function": fn("grep_search", '{"pattern": "b"}')}],
+    )
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", '{"path": "a"}'), ("grep_search", '{"pattern": "b"}')]
+
+
+def test_a_name_repeated_in_every_piece_stays_one_call() -> None:
+    calls = assemble(
+        [{"index": 0, "id": "c", "function": fn("read_file", '{"path": ')}],
+        [{"index": 0, "function": fn("read_file", '"a"}')}],
+        [{"function": fn("read_file", "")}],
+    )
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", '{"path": "a"}')]
+
+
+@pytest.mark.parametrize("text", [None, "", "  ", "{}", "{ }", '{"a": 1}'])
+def test_parse_arguments_reads_empty_text_as_an_empty_object(text) -> None:
+    decoded, error = parse_arguments(text)
+    assert error is None and isinstance(decoded, dict)
 
 
 def test_it_keeps_valid_arguments_byte_identical() -> None:
