@@ -28,8 +28,9 @@ from django.db import connection
 from machines_app import catalog
 from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
+from machines_app.transports import transport_for
 
-from . import actions, broadcast, images, lifecycle, tools, transcript, turns
+from . import actions, broadcast, callcard, images, lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -478,7 +479,11 @@ class Step:
                     "tool": call.name,
                     "arguments": call.arguments,
                     "raw_arguments": call.raw_arguments,
-                    "input": call.parsed_arguments(),
+                    # Parsed once, here: what the card shows is what the tool receives.
+                    **callcard.recorded(
+                        call.name, call.arguments if call.raw_arguments is None else call.raw_arguments,
+                        working_dir=session.working_dir, transport=lambda: transport_for(session.machine),
+                    ),
                     "origin": entry.origin if entry else None,
                     "server": entry.server if entry else None,
                     "writes": entry.writes if entry else None,
