@@ -250,6 +250,18 @@ def file_before(tool: str, arguments: Mapping[str, Any], working_dir: str, trans
     return {"path": full, "state": "text", "text": text}
 
 
+class _Unreachable:
+    """A :class:`FileReader` for a machine that cannot be reached: every read raises."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def _fail(self, *args: Any) -> Any:
+        raise OSError(self.reason)
+
+    expand_path = is_file = is_dir = read_head = _fail
+
+
 def recorded(
     tool: str,
     text: str,
@@ -268,7 +280,11 @@ def recorded(
     if parsed.error is not None:
         payload["arguments_error"] = parsed.error
     elif transport is not None and tool in EDIT_TOOLS:
-        before = file_before(tool, parsed.input, working_dir, transport())
+        try:
+            reader = transport()
+        except Exception as exc:  # a machine Corral cannot reach at all (TransportError): said on the card
+            reader = _Unreachable(str(exc) or type(exc).__name__)
+        before = file_before(tool, parsed.input, working_dir, reader)
         if before is not None:
             payload["file_before"] = before
     return payload
@@ -336,7 +352,7 @@ def _fold(text: str) -> tuple[str, str, str]:
     if not rest:
         return text, "", ""
     more_lines = len(rest.splitlines())
-    if more_lines <= 1 or (count == 0 and more_lines == 1):
+    if more_lines <= 1:
         words = f"{len(rest):,} more characters — show all"
     else:
         words = f"{more_lines:,} more lines ({len(rest):,} characters) — show all"

@@ -297,3 +297,17 @@ def test_both_exports_carry_the_same_card(tmp_path):
         for section in card.sections:
             assert section.text in markdown
     assert "rm -rf ~/victim" in markdown and "\u202e" not in markdown and "\\u202e" in markdown
+
+
+def test_a_machine_that_cannot_be_reached_is_said_on_the_card_not_raised():
+    def unreachable():
+        raise OSError("Machine 'gpu' is unreachable: connection refused")
+
+    payload = start("write_file", "{}")
+    payload.update(callcard.recorded("write_file", '{"path": "a.txt", "content": "b"}', working_dir="/w",
+                                     transport=unreachable))
+    assert payload["file_before"] == {"path": "a.txt", "state": "unreadable",
+                                      "reason": "Machine 'gpu' is unreachable: connection refused"}
+    assert callcard.card(payload).sections[-1].note == (
+        "the file could not be read to compare (Machine 'gpu' is unreachable: connection refused); "
+        "it would be replaced by this text")
