@@ -8,7 +8,8 @@ Two shapes, both pure functions of the stored events (no ORM here):
   objects, checking every payload against its kind, so an export is a faithful copy that
   the folds can read again.
 - :func:`to_markdown` — what a person reads: who said what, the model's replies, its
-  reasoning folded away in a ``<details>``, each tool call with its input and output,
+  reasoning folded away in a ``<details>``, each tool call as its card (:mod:`.callcard`:
+  the same flags and sections as the page, nothing folded) and its output,
   errors and notices; status and usage bookkeeping is left out but for each reply's usage
   line. Images in a user message are linked, never inlined.
 """
