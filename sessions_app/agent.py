@@ -28,8 +28,9 @@ from django.db import connection
 from machines_app import catalog
 from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
+from machines_app.transports import transport_for
 
-from . import actions, broadcast, completions, images, lifecycle, tools, transcript, turns
+from . import actions, broadcast, callcard, completions, images, lifecycle, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -489,7 +490,15 @@ class Step:
         # call_1 in every reply) is replaced by a fresh one.
         used = {e.payload.get("id") for e in events if e.kind == Kind.TOOL_START}
         call_ids: list[tuple[str, str]] = []
-        for call in calls:
+        # Each call's arguments parsed, and a file a write or edit would change read from the
+        # machine (docs/behaviour.md §8), before any call is recorded: a slow or failing
+        # machine delays or fails no half-recorded batch.
+        parsed = [
+            callcard.recorded(call.name, call.arguments if call.raw_arguments is None else call.raw_arguments,
+                              working_dir=session.working_dir, transport=lambda: transport_for(session.machine))
+            for call in calls
+        ]
+        for index, call in enumerate(calls):
             # Ids go into URLs and DOM ids: anything but a plain token is replaced too.
             fresh = call.id not in used and CALL_ID.fullmatch(call.id or "")
             call_id = call.id if fresh else f"call_{secrets.token_hex(12)}"
@@ -502,8 +511,8 @@ class Step:
                     "tool": call.name,
                     "arguments": call.arguments,
                     "raw_arguments": call.raw_arguments,
-                    **({"arguments_error": call.arguments_error} if call.arguments_error else {}),
-                    "input": call.parsed_arguments(),
+                    # Parsed once (above): what the card shows is what the tool receives.
+                    **parsed[index],
                     "origin": entry.origin if entry else None,
                     "server": entry.server if entry else None,
                     "writes": entry.writes if entry else None,

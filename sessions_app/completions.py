@@ -32,6 +32,8 @@ import httpx
 
 from machines_app.llama_server import auth_headers, tls_context
 
+from . import callcard
+
 __all__ = [
     "CompletionClient",
     "CompletionError",
@@ -730,26 +732,12 @@ class ToolCall:
 
 def parse_arguments(text: str | None) -> tuple[dict[str, Any] | None, str | None]:
     """A call's arguments text → ``(object, None)``, or ``(None, why)`` when it is not one
-    JSON object llama-server's parser accepts; ``({}, None)`` for empty or white-space text
-    (C04: a call with no arguments runs with ``{}``).
-
-    Stricter than ``json.loads``: ``NaN``/``Infinity`` and lone surrogates are refused, as
-    nlohmann::json (llama-server) refuses them, and so is a key repeated in one object —
-    JSON readers keep the last one, so a page showing the first would show one command
-    while another runs (docs/behaviour.md §8).
-    """
-    if text is None or not text.strip():
-        return {}, None
-    try:
-        decoded = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicate_keys)
-        json.dumps(decoded, ensure_ascii=False).encode("utf-8")
-    except UnicodeError:
-        return None, "it holds a lone surrogate (not valid UTF-8)"
-    except ValueError as exc:
-        return None, str(exc)
-    if not isinstance(decoded, dict):
-        return None, f"it is a JSON {_json_type(decoded)}, not an object"
-    return decoded, None
+    JSON object llama-server's parser accepts, or names a key twice (the rules are
+    :func:`sessions_app.callcard.parse_arguments`'s, the one parser of arguments);
+    ``({}, None)`` for empty or white-space text (C04: a call with no arguments runs with
+    ``{}``)."""
+    parsed = callcard.parse_arguments(text or "")
+    return (None, parsed.error) if parsed.error is not None else (parsed.input, None)
 
 
 def arguments_problem(raw_arguments: str | None) -> str | None:
@@ -757,31 +745,6 @@ def arguments_problem(raw_arguments: str | None) -> str | None:
     run, or None. Transcripts recorded before calls were refused for this carry no
     ``arguments_error``; this reads theirs from the text (docs/behaviour.md §9)."""
     return parse_arguments(raw_arguments)[1]
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    decoded: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in decoded:
-            raise ValueError(f"duplicate key {key!r}")
-        decoded[key] = value
-    return decoded
-
-
-def _json_type(value: Any) -> str:
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
-    return "number"
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _new_call_id() -> str:

@@ -8,7 +8,8 @@ Two shapes, both pure functions of the stored events (no ORM here):
   objects, checking every payload against its kind, so an export is a faithful copy that
   the folds can read again.
 - :func:`to_markdown` — what a person reads: who said what, the model's replies, its
-  reasoning folded away in a ``<details>``, each tool call with its input and output,
+  reasoning folded away in a ``<details>``, each tool call as its card (:mod:`.callcard`:
+  the same flags and sections as the page, nothing folded) and its output,
   errors and notices; status and usage bookkeeping is left out but for each reply's usage
   line. Images in a user message are linked, never inlined.
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 from markdown_it import MarkdownIt
 
+from . import callcard
 from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload
 
 __all__ = ["read_jsonl", "to_jsonl", "to_markdown"]
@@ -140,6 +142,22 @@ def _contained(text: str) -> str:
     return text
 
 
+#: The fence info string of a card section's kind (sessions_app/callcard.py).
+_SECTION_INFO = {"command": "sh", "diff": "diff"}
+
+
+def _card(payload: dict) -> str:
+    """A call's card as Markdown: the same flags and sections, from the same renderer, as
+    the page shows (:func:`callcard.card`), nothing folded."""
+    call = callcard.card(payload)
+    parts = [_quoted("Flagged", flag) for flag in call.flags]
+    for section in call.sections:
+        note = f" — {_plain(section.note)}" if section.note else ""
+        label = f"*{_plain(section.label)}*{note}"
+        parts.append(f"{label}\n\n{_fence(section.text, _SECTION_INFO.get(section.kind, ''))}" if section.text else label)
+    return "\n\n".join(parts)
+
+
 #: ``image_url(ref)`` → where a stored image of a user message can be fetched (the page's
 #: own image address), or None when it has none.
 ImageLink = Callable[[dict], "str | None"]
@@ -236,11 +254,8 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
             out.append(f"**{_who(payload, 'User')}:**\n\n{body}")
         elif kind == Kind.TOOL_START:
             calls[str(payload.get("id"))] = payload
-            arguments = payload.get("input")
-            shown = json.dumps(arguments, ensure_ascii=False, indent=2) if arguments else payload.get("arguments") or "{}"
             name = payload.get("display_name") or payload.get("tool") or "?"
-            out.append(f"**Tool call** {_code(payload.get('tool', ''))} ({_plain(name)}), input:\n\n"
-                       f"{_fence(str(shown), 'json')}")
+            out.append(f"**Tool call** {_code(payload.get('tool', ''))} ({_plain(name)}):\n\n{_card(payload)}")
         elif kind == Kind.TOOL_END:
             call = calls.get(str(payload.get("id")), {})
             outcome = "output" if payload.get("ok", True) else "failed"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from django.template.loader import render_to_string
 from django.urls import reverse
 
-from . import images
+from . import callcard, images
 from .markdown import render_markdown
 from .models import Access, AgentSession
 from .transcript import Kind, actor, image_refs
@@ -110,6 +110,7 @@ def tool_item(events: Iterable) -> dict:
                 origin=payload.get("origin"),
                 server=payload.get("server"),
                 writes=payload.get("writes"),
+                card=callcard.card(payload),
             )
         elif event.kind == Kind.TOOL_RUNNING:
             item["running"] = True

@@ -237,6 +237,10 @@ class ToolStartPayload(_ToolStartPayloadRequired, total=False):
     raw_arguments: str | None
     arguments_error: str  # why the received arguments are not one JSON object: the call is not run
     input: dict
+    # Parsed once when the call is recorded (sessions_app/callcard.py, docs/behaviour.md §8):
+    duplicate_keys: list  # keys named more than once in the arguments (the last value counts)
+    arguments_error: str  # why the arguments are not a JSON object, in words
+    file_before: dict  # a file write or edit: the file as it was then ({"path", "state", ...})
     origin: str | None
     server: str | None
     writes: bool | None

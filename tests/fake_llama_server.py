@@ -11,8 +11,8 @@ one per chat request — ``{"text": "...", "delay": 0.05}`` streams the text wor
 (``"delays": [0, 3]`` instead waits that long after each word, ``delay`` after the rest),
 ``{"tool_calls": [{"name": "read_file", "arguments": "{...}"}]}`` asks for calls,
 ``{"error": {...}, "status": 400}`` refuses the request with that body. When the
-list is used up it answers "done.". Its /tools offers read_file and exec_shell_command,
-run for real in the x-tool-cwd directory.
+list is used up it answers "done.". Its /tools offers read_file and exec_shell_command
+(and write_file and edit_file with FAKE_FILE_TOOLS=1), run for real in the x-tool-cwd directory.
 
 Like llama-server started with ``--api-key-file``, it answers 401 to every request but
 ``/health`` that does not carry ``Authorization: Bearer <that key>``, so every test that
@@ -57,8 +57,35 @@ TOOLS = [
                     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}},
 ]
 
+if os.environ.get("FAKE_FILE_TOOLS") == "1":  # llama-server's own two file tools, by their definitions
+    TOOLS += [
+        {"display_name": "Write file", "tool": "write_file", "type": "server", "permissions": {"write": True},
+         "definition": {"type": "function", "function": {"name": "write_file", "description": "Write a file",
+                        "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                                        "content": {"type": "string"}}}}}},
+        {"display_name": "Edit file", "tool": "edit_file", "type": "server", "permissions": {"write": True},
+         "definition": {"type": "function", "function": {"name": "edit_file", "description": "Edit a file",
+                        "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                                        "edits": {"type": "array"}}}}}},
+    ]
+
 
 def run_tool(name: str, params: dict, cwd: str) -> dict:
+    if name == "write_file":
+        with open(os.path.join(cwd, params["path"]), "w") as f:
+            f.write(params["content"])
+        return {"result": "file written successfully", "path": params["path"]}
+    if name == "edit_file":  # exact replacements only (llama-server also matches loosely)
+        path = os.path.join(cwd, params["path"])
+        with open(path) as f:
+            text = f.read()
+        for edit in params["edits"]:
+            if text.count(edit["old_text"]) != 1:
+                return {"error": f"could not find edits[].old_text in {params['path']}"}
+            text = text.replace(edit["old_text"], edit["new_text"], 1)
+        with open(path, "w") as f:
+            f.write(text)
+        return {"result": "file edited successfully", "path": params["path"]}
     if name == "read_file":
         with open(os.path.join(cwd, params["path"])) as f:
             return {"plain_text_response": f.read()}

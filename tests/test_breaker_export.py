@@ -40,11 +40,11 @@ def test_hostile_names_and_messages_stay_on_their_own_line_and_inside_their_quot
     ]
     markdown = export.to_markdown(events, title=HOSTILE)
 
-    # The title's heading; who wrote and what; the call and its input; the failed output;
-    # the answer; the error and the note each one block quote; the ready line. Nothing the
-    # hostile text wrote adds or ends a block.
+    # The title's heading; who wrote and what; the call, its card's one field (label, value);
+    # the failed output; the answer; the error and the note each one block quote; the ready
+    # line. Nothing the hostile text wrote adds or ends a block.
     assert blocks(markdown) == ["heading_open", "paragraph_open", "paragraph_open",
-                                "paragraph_open", "fence", "paragraph_open", "fence", "paragraph_open",
+                                "paragraph_open", "paragraph_open", "fence", "paragraph_open", "fence", "paragraph_open",
                                 "blockquote_open", "blockquote_open", "paragraph_open"]
     html = FORGE.render(markdown)
     assert "<script>" not in html and "<details>" not in html and "<li>" not in html

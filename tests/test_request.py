@@ -516,7 +516,7 @@ def test_both_exports_of_a_session(alice, bob, tmp_path):
     assert markdown.startswith("# Flock\n")
     assert "**alice:**\n\nWhat is in notes.txt?" in markdown
     assert "<details><summary>Reasoning</summary>\n\n```\nI should read the file.\n```\n\n</details>" in markdown
-    assert '**Tool call** `read_file` (Read file), input:\n\n```json\n{\n  "path": "notes.txt"\n}\n```' in markdown
+    assert "**Tool call** `read_file` (Read file):\n\n*path*\n\n```\nnotes.txt\n```" in markdown  # the card's fields
     assert "````\nsheep ``` north field\n````" in markdown  # a fence the output cannot close
     assert "**Model:**\n\nThe sheep are in the **north** field." in markdown
     assert "*context 120 tokens · reply 9 tokens · seed 7*" in markdown
