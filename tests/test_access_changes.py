@@ -11,10 +11,12 @@ lets only people who may use its machine act: the others watch.
 from __future__ import annotations
 
 import html
+import threading
 
 import httpx
 import pytest
 from django.contrib.auth.models import Group
+from django.db import connection
 from django.test import Client
 
 from machines_app.models import Machine
@@ -23,6 +25,7 @@ from sessions_app import actions, agent, lifecycle, transcript
 from sessions_app.models import Access, AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, grant_bypass, model_key, wait_for
+from .test_browser import log_in
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -259,3 +262,45 @@ def test_a_turn_whose_author_was_turned_off_stops_before_the_model_or_a_tool(sha
     assert not (tmp_path / "ran.txt").exists() and model_requests(session) == 0
     assert payloads(session, "error")[-1]["message"].startswith("The turn stopped: bob's account is turned off")
     assert payloads(session, "turn_end")[-1]["reason"] == "error"
+
+
+# --- what the person sees ------------------------------------------------------------------------------
+
+
+def in_a_thread(change) -> None:
+    """Run ``change`` (ORM writes) off Playwright's event loop thread, as an admin would."""
+    def run() -> None:
+        try:
+            change()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+
+
+def test_the_page_drops_to_watching_then_says_it_is_logged_out(stack, page, alice, shepherds, pen, tmp_path):
+    in_group(alice, shepherds)
+    session = session_on(pen, alice, tmp_path)
+    log_in(page, stack, "alice", "alice-password-1")
+    page.goto(f"{stack.base_url}/sessions/{session.pk}/")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    assert page.locator("#composer-wrap").count() == 1
+
+    # Out of the machine's group: the page reloads into the watcher's view and says why.
+    in_a_thread(lambda: alice.groups.remove(shepherds))
+    note = page.wait_for_selector("#sharing-note", timeout=WITHIN * 1000 + 5000)  # the push, then the reload
+    assert note.inner_text().startswith("You can follow this session but no longer act in it: Machine 'pen'")
+    assert page.locator("#composer-wrap").count() == 0
+    page.wait_for_selector("#conn-state[data-state=live]")
+
+    # Turned off: the page stops following and offers to log in again.
+    def turn_off_alice() -> None:
+        alice.is_active = False
+        alice.save()
+
+    in_a_thread(turn_off_alice)
+    logged_out = page.wait_for_selector('#conn-closed [data-close-code="4401"]', state="visible",
+                                        timeout=WITHIN * 1000)
+    assert "You are logged out" in logged_out.inner_text()
