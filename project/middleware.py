@@ -12,6 +12,7 @@ from django.http import HttpRequest, HttpResponse
 
 from sessions_app.actions import MAX_MESSAGE_CHARS
 from sessions_app.images import megabytes
+from sessions_app.views import permission_denied
 
 
 def too_large_message() -> str:
@@ -72,7 +73,5 @@ class LoginRequired(LoginRequiredMiddleware):
 
     def handle_no_permission(self, request: HttpRequest, view_func) -> HttpResponse:
         if getattr(request, "htmx", False):
-            from sessions_app.views import permission_denied  # imported late: the views load much at import
-
             return permission_denied(request, PermissionDenied(LOGGED_OUT_SENTENCE))
         return super().handle_no_permission(request, view_func)

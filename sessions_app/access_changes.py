@@ -1,22 +1,13 @@
-"""Access changes apply at once (docs/access.md, "When access changes").
+"""Access changes reach the open pages at once (docs/access.md, "When access changes").
 
-Two halves:
-
-- **The pages.** Whatever changes an account (turned off, a new password, groups joined
-  or left, staff status, deleted) or a machine (enabled or disabled, its allowed groups),
-  from the admin, a shell or a view, Django's signals see it; once the change is
-  committed, every socket of that account, or every socket following a session on that
-  machine, is told to ask again (``broadcast.push_access_changed``). The consumer then
-  closes (the login ended: 4401; nothing left to see: 4403) or tells the page to reload
-  with the buttons its reader may still use.
-- **The turn worker.** A tool call runs, and a turn goes on, only for people who may still
-  use the session's machine: the turn's author (who sent the message) and, for a call a
-  person allowed, whoever allowed it. Otherwise the call gets a tool result saying so and
-  is not run, and the turn ends with an error in words (:func:`check_turn`,
-  :func:`check_call`). The views refuse such people already (``AgentSession.access_for``);
-  this covers what was under way, or queued, when the change came.
+Whatever changes an account (turned off, a new password, groups joined or left, staff
+status, deleted) or a machine (enabled or disabled, its allowed groups), from the admin, a
+shell or a view, Django's signals see it; once the change is committed, every socket of
+that account, or every socket following a session on that machine, is told to ask again
+(``broadcast.push_access_changed``). The consumer then closes (the login ended: 4401;
+nothing left to see: 4403) or tells the page to reload with the buttons its reader may
+still use. The turn worker's side is :mod:`sessions_app.machine_use`.
 """
-
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
@@ -25,31 +16,14 @@ from django.db import transaction
 from django.db.models.signals import m2m_changed, post_delete, post_save, pre_delete, pre_save
 from django.dispatch import receiver
 
-from machines_app.access import lost_refusal
 from machines_app.models import Machine
 
-from . import broadcast, transcript
-from .models import AgentSession, TranscriptEvent
-from .transcript import Kind, TurnEnd
+from . import broadcast
 
 User = get_user_model()
 
 #: The account fields whose change can end a login or change what its owner may do.
 USER_FIELDS = ("is_active", "password", "is_staff", "is_superuser")
-
-#: The tool result of a call not run because of an access change (docs/access.md).
-NOT_RUN_RESULT = "Not run: {reason}, so nothing runs on that machine for them any more."
-#: The error that ends such a turn.
-TURN_STOPPED = "The turn stopped: {reason}, so nothing runs on that machine for them any more."
-
-
-class TurnCutOff(Exception):
-    """A step ended its turn because someone it ran for may no longer use the machine
-    (already recorded and finished: the step's caller just stops)."""
-
-
-# --- the pages -----------------------------------------------------------------------------
-
 
 def _notify_users(user_ids) -> None:
     ids = sorted({pk for pk in user_ids if pk is not None})
@@ -133,50 +107,3 @@ def _machine_groups_changed(sender, instance, action, reverse, pk_set, **kwargs)
         _notify_machines(instance.__dict__.pop("_corral_cleared_machines", []))
     elif action in ("post_add", "post_remove"):
         _notify_machines((pk_set or []) if reverse else [instance.pk])
-
-
-# --- the turn worker -------------------------------------------------------------------------
-
-
-def _refusal_for(actor: transcript.Actor | None, session: AgentSession) -> str:
-    """Why the person ``actor`` names may no longer have work done on the session's machine
-    ('' when they may). An actor recorded without an id (old transcripts) stands for the
-    session's owner, as nothing proves who it was."""
-    user_id = actor["id"] if actor and actor["id"] is not None else session.owner_id
-    user = User.objects.filter(pk=user_id).first()
-    return lost_refusal(user, session.machine, username=actor["username"] if actor else "")
-
-
-def _turn_author(session_id: int) -> transcript.Actor | None:
-    """Who sent the message the open turn answers (its last ``message_taken``)."""
-    payload = (TranscriptEvent.objects.filter(session_id=session_id, kind=Kind.MESSAGE_TAKEN)
-               .order_by("-seq").values_list("payload", flat=True).first())
-    return transcript.actor(payload)
-
-
-def check_turn(step, session: AgentSession) -> None:
-    """Before a step asks the model anything: end the turn when its author may no longer
-    use the session's machine (an error in words; raises :class:`TurnCutOff`)."""
-    reason = _refusal_for(_turn_author(session.pk), session)
-    if reason:
-        step.error(TURN_STOPPED.format(reason=reason))
-        step.finish(TurnEnd.ERROR)
-        raise TurnCutOff(reason)
-
-
-def check_call(step, session: AgentSession, call: dict) -> None:
-    """Before a tool call runs: when the turn's author, or whoever allowed this call, may
-    no longer use the session's machine, record the call's result as not run, end the turn
-    with an error in words and raise :class:`TurnCutOff`."""
-    actors = [_turn_author(session.pk)]
-    answer = (TranscriptEvent.objects.filter(session_id=session.pk, kind=Kind.ANSWERED, payload__id=call["id"])
-              .order_by("-seq").values_list("payload", flat=True).first())
-    if answer is not None:
-        actors.append(transcript.actor(answer))
-    for actor in actors:
-        if reason := _refusal_for(actor, session):
-            step.record(Kind.TOOL_END, {"id": call["id"], "output": NOT_RUN_RESULT.format(reason=reason), "ok": False})
-            step.error(TURN_STOPPED.format(reason=reason))
-            step.finish(TurnEnd.ERROR)
-            raise TurnCutOff(reason)
-

@@ -29,7 +29,7 @@ from machines_app import catalog
 from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
 
-from . import access_changes, actions, broadcast, images, lifecycle, tools, transcript, turns
+from . import actions, broadcast, images, lifecycle, machine_use, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -319,7 +319,7 @@ class Step:
             self.error(WORKER_LOST_REPLY)
             self.finish(TurnEnd.INTERRUPTED)
             return
-        access_changes.check_turn(self, session)  # its author may no longer use the machine: ends here
+        machine_use.check_turn(self, session)  # its author may no longer use the machine: ends here
         server = lifecycle.server_endpoint(session) if session.status not in Status.server_down() else None
         if server is None or session.status == Status.UNKNOWN:
             self.error(
@@ -531,7 +531,7 @@ class Step:
         return True
 
     def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> None:
-        access_changes.check_call(self, session, call)  # not run for someone cut off from the machine
+        machine_use.check_call(self, session, call)  # not run for someone cut off from the machine
         turns.step_status(self.session_id, self.owner, Status.RUNNING)
         self.record(Kind.TOOL_RUNNING, {"id": call["id"]})
         result = self.run_tool(
@@ -569,8 +569,8 @@ def run_turn_step(
     try:
         with turns.LeaseKeeper(session_id, owner):
             step.run(resumed_after_loss=bool(previous))
-    except access_changes.TurnCutOff:
-        pass  # recorded and finished by access_changes (docs/access.md)
+    except machine_use.TurnCutOff:
+        pass  # recorded and finished by machine_use (docs/access.md)
     except turns.LeaseLost:
         # Taken over (see turns.LeaseLost): the step that holds the lease now owns the turn.
         log.warning("session %s: this step lost its lease and stopped", session_id)
