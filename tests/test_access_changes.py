@@ -304,3 +304,50 @@ def test_the_page_drops_to_watching_then_says_it_is_logged_out(stack, page, alic
     logged_out = page.wait_for_selector('#conn-closed [data-close-code="4401"]', state="visible",
                                         timeout=WITHIN * 1000)
     assert "You are logged out" in logged_out.inner_text()
+
+
+# --- which changes tell which sockets (in-process, no stack) ------------------------------------------------
+
+
+@pytest.fixture
+def pushed(monkeypatch):
+    """The groups told to ask again, in order (broadcast.push_access_changed replaced)."""
+    from sessions_app import broadcast
+
+    groups: list[str] = []
+    monkeypatch.setattr(broadcast, "push_access_changed", groups.append)
+    return groups
+
+
+def test_every_way_an_account_or_machine_changes_tells_its_sockets(pushed, alice, bob, shepherds, pen):
+    from django.utils import timezone
+
+    pushed.clear()  # the fixtures' own setting up
+    bob.last_login = timezone.now()
+    bob.save(update_fields=["last_login"])  # every login does this: nothing to tell
+    bob.first_name = "Bob"
+    bob.save()  # nor a name
+    assert pushed == []
+
+    shepherds.user_set.add(alice, bob)  # from the group's side
+    assert sorted(pushed) == [f"user-{alice.pk}", f"user-{bob.pk}"]
+    pushed.clear()
+    bob.groups.clear()
+    assert pushed == [f"user-{bob.pk}"]
+    pushed.clear()
+    bob.is_staff = True
+    bob.save()
+    assert pushed == [f"user-{bob.pk}"]
+    pushed.clear()
+
+    shepherds.machines.remove(pen)  # the machine's groups, from the group's side
+    assert pushed == [f"machine-{pen.pk}"]
+    pushed.clear()
+    pen.allowed_groups.add(shepherds)
+    pen.name = "pen-2"
+    pen.save()  # a rename changes nobody's access
+    assert pushed == [f"machine-{pen.pk}"]
+    pushed.clear()
+
+    shepherds.delete()  # its members and its machines lose it, with no m2m signal
+    assert sorted(pushed) == [f"machine-{pen.pk}", f"user-{alice.pk}"]
