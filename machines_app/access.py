@@ -37,3 +37,28 @@ def machine_refusal(user, machine: Machine) -> str:
     if not machine.enabled:
         return f"Machine '{machine.name}' is disabled; an admin can enable it."
     return f"Machine '{machine.name}' is limited to some groups and you are not in them; an admin can add you."
+
+
+def may_use(user, machine_id: int) -> bool:
+    """Whether ``user`` may use the machine with this id now (:func:`machines_for`'s rule,
+    for one machine). False for a missing user or machine."""
+    return user is not None and machines_for(user).filter(pk=machine_id).exists()
+
+
+def lost_refusal(user, machine: Machine, *, username: str = "") -> str:
+    """Why work on ``machine`` may not go on for ``user`` (who may be None: an account
+    deleted), in words for everyone watching the session ('' when it may).
+
+    The rule is :func:`machines_for`'s; unlike :func:`machine_refusal` this names the
+    user, since the sentence is recorded in a transcript others read.
+    """
+    if user is not None and may_use(user, machine.pk):
+        return ""
+    name = user.get_username() if user is not None else (username or "that account")
+    if user is None:
+        return f"{name}'s account no longer exists"
+    if not user.is_active:
+        return f"{name}'s account is turned off"
+    if not machine.enabled:
+        return f"machine '{machine.name}' is disabled"
+    return f"{name} is no longer in the groups machine '{machine.name}' is limited to"

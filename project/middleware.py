@@ -1,15 +1,18 @@
-"""A request body Django will not read, answered with a sentence instead of a blank 400."""
+"""A request body Django will not read, and a click from a browser whose login has ended,
+each answered with a sentence instead of a blank 400 or the login page."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
+from django.contrib.auth.middleware import LoginRequiredMiddleware
+from django.core.exceptions import PermissionDenied, RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.http import HttpRequest, HttpResponse
 
 from sessions_app.actions import MAX_MESSAGE_CHARS
 from sessions_app.images import megabytes
+from sessions_app.views import permission_denied
 
 
 def too_large_message() -> str:
@@ -55,3 +58,20 @@ def request_too_large(get_response: Callable[[HttpRequest], HttpResponse]) -> Ca
         return get_response(request)
 
     return middleware
+
+
+#: What a click says once its browser's login has ended (docs/access.md).
+LOGGED_OUT_SENTENCE = ("You are logged out (you logged out elsewhere, your password was changed or your account "
+                       "was turned off), so this was not done: reload the page to log in again.")
+
+
+class LoginRequired(LoginRequiredMiddleware):
+    """Django's ``LoginRequiredMiddleware``, but an htmx request (a click or a poll from an
+    open page) whose login has ended is refused with 403 and :data:`LOGGED_OUT_SENTENCE` beside the
+    control, where the page shows refusals; redirected to the login page, htmx would
+    have swapped the login form into the page. Other requests go to the login page."""
+
+    def handle_no_permission(self, request: HttpRequest, view_func) -> HttpResponse:
+        if getattr(request, "htmx", False):
+            return permission_denied(request, PermissionDenied(LOGGED_OUT_SENTENCE))
+        return super().handle_no_permission(request, view_func)

@@ -57,12 +57,17 @@ def access_session(user, session_id: int, need: Access = Access.WATCH) -> AgentS
     """The session if ``user`` may do what ``need`` names (``AgentSession.access_for``
     decides). 404 when they may not see it at all, so a member cannot even learn that a
     private session exists; :class:`NotAllowed` (a 403) when they may see it but not do
-    this."""
+    this — also when the sharing would allow it but ``user`` may no longer use the
+    session's machine (its groups, or disabled)."""
     session = find_session(session_id)
     have = session.access_for(user) if session is not None else Access.NONE
     if have == Access.NONE:
         raise Http404("No such session")
     if have < need:
+        if session.shared_access(user) >= need:
+            # Held to watching by the machine (docs/access.md): say which rule, and who can help.
+            raise NotAllowed(f"You can watch this session but no longer act in it: "
+                             f"{machine_refusal(user, session.machine)}")
         owner = session.owner.get_username()
         if need == Access.ACT:
             raise NotAllowed(f"{owner} shares this session to watch only: you cannot send, answer or interrupt here.")
@@ -331,6 +336,9 @@ def _wake(session: AgentSession, user) -> None:
     if session.status in Status.server_down():
         raise SessionError(SERVER_DOWN_SENTENCE)
     if session.status == Status.SLEEPING:
+        # Waking starts a server on the machine: only for someone who may still use it.
+        if refusal := machine_refusal(user, session.machine):
+            raise SessionError(refusal)
         change_status(session, Status.LOADING, by=by(user))
         dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
 

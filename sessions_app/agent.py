@@ -30,7 +30,7 @@ from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
 from machines_app.transports import transport_for
 
-from . import actions, broadcast, callcard, completions, images, lifecycle, tools, transcript, turns
+from . import actions, broadcast, callcard, completions, images, lifecycle, machine_use, tools, transcript, turns
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -339,6 +339,7 @@ class Step:
             self.error(WORKER_LOST_REPLY)
             self.finish(TurnEnd.INTERRUPTED)
             return
+        machine_use.check_turn(self, session)  # its author may no longer use the machine: ends here
         server = lifecycle.server_endpoint(session) if session.status not in Status.server_down() else None
         if server is None or session.status == Status.UNKNOWN:
             self.error(
@@ -579,6 +580,7 @@ class Step:
         return True
 
     def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> None:
+        machine_use.check_call(self, session, call)  # not run for someone cut off from the machine
         turns.step_status(self.session_id, self.owner, Status.RUNNING)
         self.record(Kind.TOOL_RUNNING, {"id": call["id"]})
         result = self.run_tool(
@@ -616,6 +618,8 @@ def run_turn_step(
     try:
         with turns.LeaseKeeper(session_id, owner):
             step.run(resumed_after_loss=bool(previous))
+    except machine_use.TurnCutOff:
+        pass  # recorded and finished by machine_use (docs/access.md)
     except turns.LeaseLost:
         # Taken over (see turns.LeaseLost): the step that holds the lease now owns the turn.
         log.warning("session %s: this step lost its lease and stopped", session_id)

@@ -6,4 +6,4 @@ class SessionsAppConfig(AppConfig):
     verbose_name = "Agent sessions"
 
     def ready(self) -> None:
-        from . import signals  # noqa: F401  (connects the receivers)
+        from . import access_changes, signals  # noqa: F401  (connects the receivers)

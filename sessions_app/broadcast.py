@@ -2,7 +2,8 @@
 
 Every transcript message carries the session's sequence number, so a browser can tell a
 gap or a duplicate and catch up from the database (docs/behaviour.md C17). Two more messages close
-sockets: a session deleted, a browser login ended (docs/live-page.md).
+sockets: a session deleted, a browser login ended (docs/live-page.md); a third makes them ask
+again what their reader may do (an account or a machine changed: docs/access.md).
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ def login_group_name(session_key: str) -> str:
     return "login-" + hashlib.sha256(session_key.encode()).hexdigest()[:32]
 
 
+def user_group_name(user_id: int) -> str:
+    """The Channels group of every socket one account has open (docs/access.md: access
+    changes apply at once)."""
+    return f"user-{user_id}"
+
+
+def machine_group_name(machine_id: int) -> str:
+    """The Channels group of every socket following a session on one machine."""
+    return f"machine-{machine_id}"
+
+
 def _send(group: str, message: dict) -> None:
     """Send ``message`` to ``group``. Every caller has already stored what the message
     says, so a send that fails (Redis restarting, the channel layer full) is logged and
@@ -126,6 +138,13 @@ def push_session_gone(session_id: int) -> None:
 def push_login_ended(session_key: str) -> None:
     """Close every socket opened under a browser login that has just ended (logout)."""
     _send(login_group_name(session_key), {"type": "login.ended"})
+
+
+def push_access_changed(group: str) -> None:
+    """Tell every socket in ``group`` (:func:`user_group_name`, :func:`machine_group_name`)
+    that what its reader may do may have changed: each asks again, and closes or reloads
+    its page (sessions_app.consumers). Lost ones are caught by the presence heartbeat."""
+    _send(group, {"type": "access.changed"})
 
 
 def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:

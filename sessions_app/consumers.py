@@ -9,8 +9,9 @@ filled from the database before going on. Who is watching travels apart, without
 ``{"presence": [username, ...], "ops": [...]}`` (docs/sharing.md).
 
 Who may connect, and which buttons the rendered HTML carries, is
-``AgentSession.access_for``'s answer, asked again whenever the session's sharing changes
-and on every presence heartbeat. A socket that cannot be served is accepted and then
+``AgentSession.access_for``'s answer, asked again — with the browser's login — whenever the
+session's sharing changes, whenever the reader's account or the session's machine changes
+(docs/access.md) and on every presence heartbeat. A socket that cannot be served is accepted and then
 closed with one of :class:`CloseCode` (a refused handshake looks like a network error to a
 browser, which would retry for ever); the page shows each code's sentence and way forward
 (docs/live-page.md). Frames from the browser are ignored: actions go through the HTTP views.
@@ -22,10 +23,14 @@ import asyncio
 import contextlib
 import enum
 import logging
+from importlib import import_module
+from types import SimpleNamespace
 from urllib.parse import parse_qs
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
+from django.conf import settings
+from django.contrib import auth
 from django.contrib.auth import get_user_model
 
 from . import broadcast, presence
@@ -99,7 +104,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             viewer=Viewer(self.scope["user"].pk, self.access), n_ctx=await self._n_ctx(),
         )
         await self.accept()
-        groups = [self.group]
+        # The account's and the machine's groups: a change to either (a deactivation, a
+        # new password, a group left, the machine disabled) asks this socket again at once.
+        groups = [self.group, broadcast.user_group_name(self.scope["user"].pk),
+                  broadcast.machine_group_name(self.machine_id)]
         if login_key := self._login_key():
             groups.append(broadcast.login_group_name(login_key))
         for group in groups:
@@ -133,6 +141,12 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         """This browser's login ended (logged out elsewhere in it, in another tab)."""
         self.cut_off = True
         await self.close(code=CloseCode.LOGGED_OUT.value)
+
+    async def access_changed(self, message: dict) -> None:
+        """The reader's account, or the session's machine, changed (broadcast.push_access_changed):
+        ask again at once what this page may show (docs/access.md)."""
+        if not self.cut_off:
+            await self._recheck()
 
     # --- who is watching (docs/sharing.md)
 
@@ -205,9 +219,16 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         await self._send(seq, message["kind"], message["payload"])
 
     async def _recheck(self) -> bool:
-        """Ask ``access_for`` again. True when the user lost access: the socket is closed
-        with NOT_SHARED (4403) and nothing more is sent. When the rights changed otherwise, the page
-        is told to reload (its buttons were drawn for the old ones)."""
+        """Ask again whether this browser's login stands and what ``access_for`` answers.
+        True when the page may follow the session no more: a login that ended (account
+        turned off, password changed, logged out) closes the socket with LOGGED_OUT
+        (4401), lost access with NOT_SHARED (4403), and nothing more is sent. When the
+        rights changed otherwise (less or more than before: the machine's groups, the
+        sharing), the page is told to reload (its buttons were drawn for the old ones)."""
+        if not await database_sync_to_async(self._login_holds)():
+            self.cut_off = True
+            await self.close(code=CloseCode.LOGGED_OUT.value)
+            return True
         access = await self._access()
         if access == Access.NONE:
             self.cut_off = True
@@ -247,6 +268,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         session = find_session(self.session_id)
         if user is None or session is None or not user.is_authenticated:
             return Access.NONE
+        self.machine_id = session.machine_id
         current = get_user_model().objects.filter(pk=user.pk).first()
         return session.access_for(current) if current is not None else Access.NONE
 
@@ -272,6 +294,19 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             # (a restored database): every push would look old to it. A reload mends it.
             return CloseCode.BAD_REQUEST
         return None
+
+    def _login_holds(self) -> bool:
+        """Whether this browser's login still stands as the next HTTP request would find
+        it: ``django.contrib.auth.get_user`` on the login's session read afresh — the
+        account there and active, the session's password hash still the account's
+        (Django's session verification: a password changed ends every other login), the
+        login not ended. The handshake's copy of both is stale by then."""
+        user, key = self.scope.get("user"), self._login_key()
+        if user is None or not user.is_authenticated or not key:
+            return False
+        store = import_module(settings.SESSION_ENGINE).SessionStore(session_key=key)
+        current = auth.get_user(SimpleNamespace(session=store))
+        return current.is_authenticated and current.pk == user.pk
 
     def _login_key(self) -> str:
         """The Django session key of this browser's login (its logout closes this socket)."""

@@ -10,6 +10,7 @@ from django.db.models import OuterRef, Q, Subquery
 from django.urls import reverse
 from django.utils.html import escape
 
+from machines_app.access import may_use
 from machines_app.models import ModelFile
 
 from .tools import McpServerConfig
@@ -167,9 +168,19 @@ class AgentSession(models.Model):
         return self.status in self.Status.server_down()
 
     def access_for(self, user) -> Access:
-        """What ``user`` may do here: MANAGE for its owner and staff; for any other active
-        member WATCH or ACT as the owner shared it, NONE when private; NONE for an
-        anonymous or deactivated user."""
+        """What ``user`` may do here: :meth:`shared_access`, held to WATCH when ``user`` may
+        not use the session's machine (not in its allowed groups, or it is disabled:
+        ``machines_app.access.machines_for``). Acting, managing included, is work on the
+        machine; reading the transcript is not (docs/access.md)."""
+        have = self.shared_access(user)
+        if have > Access.WATCH and not may_use(user, self.machine_id):
+            return Access.WATCH
+        return have
+
+    def shared_access(self, user) -> Access:
+        """What the sharing alone grants ``user``, whatever the machine: MANAGE for its
+        owner and staff; for any other active member WATCH or ACT as the owner shared it,
+        NONE when private; NONE for an anonymous or deactivated user."""
         if not (user.is_authenticated and user.is_active):
             return Access.NONE
         if user.is_staff or self.owner_id == user.pk:

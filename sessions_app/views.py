@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
 from machines_app import catalog
-from machines_app.access import machines_for
+from machines_app.access import machine_refusal, machines_for
 
 from . import actions, export, images, markdown, presence, transcript, turns
 from .consumers import CloseCode
@@ -218,6 +218,9 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "offer_bypass": actions.may_bypass(request.user) and actions.may_bypass(session.owner),
         "can_act": viewer.access >= ACT,
         "can_manage": viewer.access >= MANAGE,
+        # Why a reader the sharing lets act may only watch: the machine (docs/access.md).
+        "held_back": (machine_refusal(request.user, session.machine)
+                      if session.shared_access(request.user) > viewer.access else ""),
         "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk)),
         "earlier": start if start > 1 else None,
         "gauge": gauge,
