@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
     "ANSWER_ALLOW_ALWAYS",
@@ -264,8 +264,9 @@ class CallPayload(TypedDict):
 
 class ToolEndPayload(TypedDict):
     id: str
-    output: str
+    output: str  # cut to CORRAL_TOOL_RESULT_MAX_CHARS, as the model and the page see it
     ok: bool
+    full_chars: NotRequired[int]  # the result's length before it was cut; absent when whole
 
 
 class UsagePayload(TypedDict, total=False):
