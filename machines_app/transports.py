@@ -955,7 +955,7 @@ class SSHTransport(Transport):
                     timed_out = True
                     break
             if pgid is not None and pgid > 1:
-                self._run(f"kill -KILL -- -{pgid} 2>/dev/null; true", timeout=15)
+                self._run(f"kill -9 -{pgid} 2>/dev/null; kill -9 -- -{pgid} 2>/dev/null; true", timeout=15)
             until = time.monotonic() + 0.5
             while not eof and time.monotonic() < until:
                 try:

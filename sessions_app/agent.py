@@ -551,9 +551,14 @@ class Step:
         cancel, done = threading.Event(), threading.Event()
 
         def watch_interrupt() -> None:
+            # Only a row seen asking to stop cancels: this thread's connection cannot see
+            # rows its caller has not committed (a test's transaction), and a deleted
+            # session's tool ends at its own timeout anyway.
             try:
                 while not done.wait(TOOL_INTERRUPT_POLL_EVERY):
-                    if self.interrupted():
+                    row = AgentSession.objects.filter(pk=self.session_id).values_list(
+                        "interrupt_requested", "lease_owner").first()
+                    if row is not None and (row[0] or row[1] != self.owner):
                         cancel.set()
                         return
             finally:

@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
     "ANSWER_ALLOW_ALWAYS",
@@ -262,11 +262,14 @@ class CallPayload(TypedDict):
     id: str
 
 
-class ToolEndPayload(TypedDict):
+class _ToolEndRequired(TypedDict):
     id: str
     output: str  # cut to CORRAL_TOOL_RESULT_MAX_CHARS, as the model and the page see it
     ok: bool
-    full_chars: NotRequired[int]  # the result's length before it was cut; absent when whole
+
+
+class ToolEndPayload(_ToolEndRequired, total=False):
+    full_chars: int  # the result's length before it was cut; absent when whole
 
 
 class UsagePayload(TypedDict, total=False):

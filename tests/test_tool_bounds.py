@@ -69,9 +69,6 @@ def ends(session) -> list[dict]:
     return [e.payload for e in events_of(session, "tool_end")]
 
 
-pytestmark = [pytest.mark.usefixtures("stop_servers_after")]
-
-
 @pytest.fixture
 def workdir(tmp_path) -> Path:
     (tmp_path / "notes.txt").write_text("the sheep are in the north field\n")
@@ -110,6 +107,7 @@ def test_include_and_exclude_globs_match_as_llama_server_matches_them(pattern, p
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
 def test_grep_over_a_folder_with_a_2gb_file_answers_within_its_bound_with_the_server_alive(
         local_machine, alice, workdir, model_side):
     session = bypass_session(alice, local_machine, workdir)
@@ -126,6 +124,7 @@ def test_grep_over_a_folder_with_a_2gb_file_answers_within_its_bound_with_the_se
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
 def test_read_file_of_a_huge_or_binary_file_answers_a_sentence(local_machine, alice, workdir, model_side):
     with open(workdir / "huge.log", "w") as f:
         f.write("".join(f"line {i}\n" for i in range(1, 3_000_001)))  # about 30 MB of text
@@ -152,6 +151,7 @@ def test_read_file_of_a_huge_or_binary_file_answers_a_sentence(local_machine, al
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
 def test_a_backgrounded_child_never_holds_the_call_and_the_timeout_ends_the_whole_group(
         local_machine, alice, workdir, model_side):
     session = bypass_session(alice, local_machine, workdir)
@@ -173,6 +173,7 @@ def test_a_backgrounded_child_never_holds_the_call_and_the_timeout_ends_the_whol
 
 
 @pytest.mark.django_db(transaction=True)  # the step runs in a thread of its own, on its own connection
+@pytest.mark.usefixtures("stop_servers_after")
 def test_stop_reply_ends_a_running_tool_within_a_second_keeping_what_it_printed(
         local_machine, alice, workdir, model_side, steps_run_here):
     session = bypass_session(alice, local_machine, workdir)
@@ -209,6 +210,7 @@ def test_stop_reply_ends_a_running_tool_within_a_second_keeping_what_it_printed(
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
 def test_a_call_whose_server_died_says_so_and_is_not_run_again(local_machine, alice, workdir, model_side):
     session = bypass_session(alice, local_machine, workdir)
     record = ServerRecord.objects.get(session=session)
@@ -243,10 +245,12 @@ def bulk_mcp(tmp_path):
     stop_process(proc)
 
 
-@pytest.mark.django_db
-@pytest.mark.usefixtures("bulk_mcp")
+# Committed rows: the real completions take longer than the step's interrupt poll, whose
+# thread reads the session on a connection of its own.
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after", "bulk_mcp")
 def test_a_30mb_mcp_result_is_capped_before_it_is_stored_and_sent_and_clear_gets_past_an_overflow(
-        local_machine, alice, workdir, model_side):
+        local_machine, alice, workdir, model_side, steps_run_here):
     session = bypass_session(alice, local_machine, workdir, sampling={"max_tokens": 4},
                              server_params={"contextSize": 4096})
     model_side.will_answer(*tool_call_reply(("bulk__big", "{}")))
@@ -272,7 +276,7 @@ def test_a_30mb_mcp_result_is_capped_before_it_is_stored_and_sent_and_clear_gets
     actions.do_clear(fresh(session), alice)
     actions.do_send_message(fresh(session), alice, "Say hi.")
     agent.run_turn_step(session.pk)
-    assert events_of(session, "turn_end")[-1].payload["reason"] == "done", events_of(session, "error")[-1].payload
+    assert events_of(session, "turn_end")[-1].payload["reason"] == "done", [(e.kind, e.payload) for e in events_of(session)][-5:]
     assert events_of(session, "usage")[-1].payload.get("prompt_tokens", 0) < 4096
 
 
@@ -280,6 +284,7 @@ def test_a_30mb_mcp_result_is_capped_before_it_is_stored_and_sent_and_clear_gets
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
 def test_over_ssh_the_timeout_ends_the_group_a_background_child_never_holds_and_reads_are_bounded(
         ssh_machine, alice, workdir, model_side):
     session = bypass_session(alice, ssh_machine, workdir)
@@ -304,3 +309,36 @@ def test_over_ssh_the_timeout_ends_the_group_a_background_child_never_holds_and_
     assert notes["output"] == "the sheep are in the north field\n"
     assert "notes.txt:the sheep are in the north field" in grep["output"] and "weights.gguf" in grep["output"]
     assert server_answers(session)
+
+
+@pytest.mark.django_db
+def test_over_ssh_the_tools_themselves_are_bounded(ssh_machine, workdir):
+    """The same tools through the SSH transport alone (no server needed): the timeout ends the
+    group, a background child never holds the call, Stop ends a call keeping its output, and
+    binary or huge reads answer a sentence."""
+    transport = transport_for(ssh_machine)
+    cwd = str(workdir)
+    started = time.monotonic()
+    background = machine_tools.run("exec_shell_command", {"command": "sleep 900 &"}, transport, cwd)
+    timed_out = machine_tools.run(
+        "exec_shell_command", {"command": "sleep 300 & echo child $!; echo started; sleep 300", "timeout": 2},
+        transport, cwd)
+    assert time.monotonic() - started < 8
+    assert background.ok and background.output.endswith("[exit code: 0]")
+    assert "started" in timed_out.output and timed_out.output.endswith("[exit due to timed out]")
+    child = int(timed_out.output.split("child ", 1)[1].split()[0])
+    wait_until(lambda: not pid_alive(child), 3, "the remote child to end")  # the test sshd is this machine
+
+    cancel = threading.Event()
+    threading.Timer(1.0, cancel.set).start()
+    started = time.monotonic()
+    stopped = machine_tools.run("exec_shell_command", {"command": "echo before; sleep 30"}, transport, cwd, cancel)
+    assert time.monotonic() - started < 2.5
+    assert stopped.output.startswith("before\n") and "[stopped: Stop reply]" in stopped.output
+
+    binary = machine_tools.run("read_file", {"path": "weights.gguf", "end_line": 2}, transport, cwd)
+    assert "weights.gguf is a binary file (2147483648 bytes)" in binary.output
+    assert machine_tools.run("read_file", {"path": "notes.txt"}, transport, cwd).output == (
+        "the sheep are in the north field\n")
+    grep = machine_tools.run("grep_search", {"path": ".", "pattern": "north"}, transport, cwd)
+    assert "notes.txt:the sheep are in the north field" in grep.output and "weights.gguf" in grep.output
