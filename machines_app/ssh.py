@@ -316,6 +316,25 @@ class Link:
         finally:
             channel.close()
 
+    def start(self, script: str, *, stdin: bytes = b"") -> paramiko.Channel:
+        """Start ``script`` with ``sh -c`` (quoted as :meth:`run` does) and hand back its
+        channel, stdout and stderr merged, ``stdin`` sent and closed; the caller reads,
+        waits and closes. Raises LinkError."""
+        try:
+            channel = self.transport.open_session(timeout=CHANNEL_OPEN_TIMEOUT)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise self.lost(exc) from None
+        try:
+            channel.set_combine_stderr(True)
+            channel.exec_command("sh -c " + shlex.quote(script))
+            if stdin:
+                channel.sendall(stdin)
+            channel.shutdown_write()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            channel.close()
+            raise self.lost(exc) from None
+        return channel
+
     @contextmanager
     def sftp(self) -> Iterator[paramiko.SFTPClient]:
         """This link's SFTP session, one at a time (a lock), every request waiting at most

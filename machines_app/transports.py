@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import posixpath
 import random
+import selectors
 import shlex
 import shutil
 import signal
 import socket
 import stat
 import subprocess
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -39,6 +41,59 @@ class TransportError(Exception):
     def __init__(self, message: str, *, permanent: bool = True) -> None:
         super().__init__(message)
         self.permanent = permanent
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What :meth:`Transport.run_command` saw.
+
+    ``output``: stdout and stderr merged, at most the ``max_output`` bytes asked for (the
+    rest was read and dropped: ``truncated``). ``exit_code``: the command's status, 128 + N
+    when signal N ended it, -1 when it is not known. ``timed_out`` / ``cancelled``: the
+    command was ended (its whole process group killed) at the timeout / on ``cancel``.
+    """
+
+    output: bytes
+    exit_code: int
+    truncated: bool = False
+    timed_out: bool = False
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A path's kind (``"file"``, ``"dir"`` or ``"other"``, links followed) and size in bytes."""
+
+    kind: str
+    size: int
+
+
+#: Seconds between two looks at a running command (its output, its exit, a cancel).
+COMMAND_POLL = 0.05
+#: Seconds a command's output is still read after its shell exited; then its process
+#: group is killed: a child it left in the background never holds the call (docs/behaviour.md C47).
+COMMAND_GRACE = 0.3
+
+
+class _Output:
+    """Bytes kept up to a cap; the rest is counted and dropped (the pipe must keep draining,
+    or the command blocks on a full pipe)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.truncated = False
+
+    def add(self, chunk: bytes) -> None:
+        room = self.cap - len(self.kept)
+        if len(chunk) > room:
+            self.truncated = True
+        if room > 0:
+            self.kept += chunk[:room]
+
+
+def _status_code(status: int) -> int:
+    return 128 - status if status < 0 else status
 
 
 @dataclass(frozen=True)
@@ -157,6 +212,33 @@ class Transport(ABC):
 
     def release_port(self, port: int) -> None:
         """This backend no longer needs to reach ``port`` (its server was stopped)."""
+
+    @abstractmethod
+    def run_command(
+        self,
+        argv: list[str],
+        *,
+        cwd: str,
+        timeout: float,
+        max_output: int,
+        stdin: bytes = b"",
+        cancel: threading.Event | None = None,
+    ) -> CommandResult:
+        """Run ``argv`` in ``cwd`` on that machine, in a session and process group of its own
+        (a tool call: docs/behaviour.md §9, C47), and wait for it, at most ``timeout`` seconds.
+
+        stdout and stderr are merged; ``max_output`` bytes are kept. ``stdin`` is written to
+        it, then closed (empty: ``/dev/null``). The command ends, its whole process group
+        killed (SIGKILL), at ``timeout``, within ``COMMAND_POLL`` of ``cancel`` being set, and
+        ``COMMAND_GRACE`` after its first process exits: a child left running in the
+        background, holding the output open or not, never holds the call and never outlives
+        it. What it printed before is kept. Raises TransportError when it cannot be started
+        (the machine unreachable, ``cwd`` missing)."""
+
+    @abstractmethod
+    def file_info(self, path: str) -> FileInfo | None:
+        """What is at absolute ``path`` (links followed), or None when nothing is or it
+        cannot be looked at. Raises TransportError when the machine cannot be asked."""
 
     @abstractmethod
     def read_proc(self, pid: int, name: str) -> str:
@@ -379,6 +461,95 @@ class LocalTransport(Transport):
 
     def private_dir(self) -> str:
         return str(settings.CORRAL_LOG_DIR)
+
+    def file_info(self, path: str) -> FileInfo | None:
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        kind = "file" if stat.S_ISREG(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "other"
+        return FileInfo(kind, st.st_size)
+
+    def run_command(
+        self,
+        argv: list[str],
+        *,
+        cwd: str,
+        timeout: float,
+        max_output: int,
+        stdin: bytes = b"",
+        cancel: threading.Event | None = None,
+    ) -> CommandResult:
+        try:
+            # A session of its own: the pgid is the pid, and killpg reaches all it started.
+            proc = subprocess.Popen(
+                argv, cwd=cwd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        except OSError as exc:
+            raise TransportError(f"could not run {argv[0]} in {cwd}: {exc.strerror or exc}") from exc
+        if stdin:
+            threading.Thread(target=_feed, args=(proc, stdin), daemon=True).start()
+        out = _Output(max_output)
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        eof, exited_at, timed_out, cancelled = False, None, False, False
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while True:
+                if eof:
+                    time.sleep(COMMAND_POLL)
+                elif selector.select(COMMAND_POLL):
+                    eof = _read_some(fd, out)
+                now = time.monotonic()
+                # WNOWAIT: the shell stays a zombie, so its pid (the group id) is not reused
+                # before the group is killed below.
+                if exited_at is None and os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+                    exited_at = now
+                if exited_at is not None and (eof or now - exited_at >= COMMAND_GRACE):
+                    break
+                if cancel is not None and cancel.is_set():
+                    cancelled = True
+                    break
+                if now >= deadline:
+                    timed_out = True
+                    break
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            # What was printed before the kill is still in the pipe: keep it.
+            until = time.monotonic() + 0.5
+            while not eof and time.monotonic() < until and selector.select(COMMAND_POLL):
+                eof = _read_some(fd, out)
+        status = proc.wait()
+        proc.stdout.close()
+        return CommandResult(bytes(out.kept), _status_code(status), out.truncated, timed_out, cancelled)
+
+
+def _feed(proc: subprocess.Popen, data: bytes) -> None:
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except (OSError, ValueError):  # the command exited without reading it all
+        pass
+
+
+def _read_some(fd: int, out: _Output) -> bool:
+    """Read what the pipe holds (a few chunks at most, so a command that prints without
+    end still lets the caller look at the clock) into ``out``; True at end of file."""
+    for _ in range(16):
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            return True
+        out.add(chunk)
+    return False
 
 
 #: How often ``list_gguf`` may look at a directory entry: a models directory with more
@@ -705,6 +876,106 @@ class SSHTransport(Transport):
     def private_dir(self) -> str:
         with self._link() as link:
             return posixpath.join(link.home(), ".corral")
+
+    def file_info(self, path: str) -> FileInfo | None:
+        with self._link() as link, link.sftp() as sftp:
+            try:
+                attr = sftp.stat(path)
+            except OSError:
+                return None
+        mode = attr.st_mode or 0
+        kind = "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
+        return FileInfo(kind, attr.st_size or 0)
+
+    def run_command(
+        self,
+        argv: list[str],
+        *,
+        cwd: str,
+        timeout: float,
+        max_output: int,
+        stdin: bytes = b"",
+        cancel: threading.Event | None = None,
+    ) -> CommandResult:
+        # setsid -w: a session of its own (its leader's pid is the group id, printed first
+        # on a line of its own, then exec keeps that pid for the command), waited for, so
+        # the channel's exit status says when the command itself ended.
+        script = (
+            f"cd -- {shlex.quote(cwd)} || exit 126; "
+            f"exec setsid -w sh -c 'echo $$; exec \"$@\"' corral-tool {shlex.join(argv)}"
+            + ("" if stdin else " < /dev/null")
+        )
+        with self._link() as link:
+            channel = link.start(script, stdin=stdin)
+        out = _Output(max_output)
+        head = bytearray()  # the output until the group id's line is read
+        pgid: int | None = None
+        eof, exited_at, timed_out, cancelled = False, None, False, False
+        deadline = time.monotonic() + timeout
+
+        def take(chunk: bytes) -> None:
+            nonlocal pgid
+            if pgid is not None:
+                out.add(chunk)
+                return
+            head.extend(chunk)
+            line, newline, rest = bytes(head).partition(b"\n")
+            if newline and line.strip().isdigit():
+                pgid = int(line)
+                head.clear()
+                out.add(rest)
+            elif newline or len(head) > 64:  # not our line (cd failed): all of it is output
+                out.add(bytes(head))
+                head.clear()
+                pgid = -1
+
+        try:
+            channel.settimeout(COMMAND_POLL)
+            while True:
+                if not eof:
+                    try:
+                        chunk = channel.recv(65536)
+                        if chunk:
+                            take(chunk)
+                        else:
+                            eof = True
+                    except TimeoutError:
+                        pass
+                else:
+                    time.sleep(COMMAND_POLL)
+                now = time.monotonic()
+                if exited_at is None and channel.exit_status_ready():
+                    exited_at = now
+                if exited_at is not None and (eof or now - exited_at >= COMMAND_GRACE):
+                    break
+                if cancel is not None and cancel.is_set():
+                    cancelled = True
+                    break
+                if now >= deadline:
+                    timed_out = True
+                    break
+            if pgid is not None and pgid > 1:
+                self._run(f"kill -9 -{pgid} 2>/dev/null; kill -9 -- -{pgid} 2>/dev/null; true", timeout=15)
+            until = time.monotonic() + 0.5
+            while not eof and time.monotonic() < until:
+                try:
+                    chunk = channel.recv(65536)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    break
+                take(chunk)
+            if not channel.status_event.wait(0.5):
+                status = -1
+            else:
+                status = channel.recv_exit_status()
+        except (OSError, EOFError) as exc:
+            raise TransportError(f"Machine '{self.name}': lost the command's channel ({exc})", permanent=False) from None
+        finally:
+            channel.close()
+        if head:
+            out.add(bytes(head))
+        return CommandResult(bytes(out.kept), status, out.truncated, timed_out, cancelled)
 
 
 def ssh_target(machine) -> ssh.Target:

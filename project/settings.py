@@ -255,6 +255,10 @@ CORRAL_TURN_WORKERS = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
 # that never emits its end token would otherwise generate until the context is full
 # (minutes), and the next message would not fit (docs/behaviour.md §6).
 CORRAL_DEFAULT_MAX_TOKENS = env_int("CORRAL_DEFAULT_MAX_TOKENS", 4096, minimum=1, maximum=4_194_304)
+# The most characters of one tool result that are stored and sent to the model; the rest is
+# cut with a note saying how much and how to ask for a part (docs/behaviour.md §9): one
+# huge result would otherwise be re-sent with every request and overflow the context.
+CORRAL_TOOL_RESULT_MAX_CHARS = env_int("CORRAL_TOOL_RESULT_MAX_CHARS", 20_000, minimum=1_000, maximum=10_000_000)
 
 LOGGING = {
     "version": 1,

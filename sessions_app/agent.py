@@ -28,9 +28,21 @@ from django.db import connection
 from machines_app import catalog
 from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
-from machines_app.transports import transport_for
+from machines_app.transports import TransportError, transport_for
 
-from . import actions, broadcast, callcard, completions, images, lifecycle, machine_use, tools, transcript, turns
+from . import (
+    actions,
+    broadcast,
+    callcard,
+    completions,
+    images,
+    lifecycle,
+    machine_use,
+    tool_results,
+    tools,
+    transcript,
+    turns,
+)
 from .completions import (
     AbortableHTTP,
     CompletionClient,
@@ -57,6 +69,9 @@ ROUND_LIMIT_MESSAGE = (
 REFUSED_RESULT = "The user refused this call of {tool}; it was not run."
 WORKER_LOST_RESULT = (
     "The result of this call is unknown: the worker running it stopped while it ran, and it was not run again."
+)
+SERVER_LOST_RESULT = (
+    "The result of this call is unknown: llama-server stopped while it ran, and it was not run again."
 )
 WORKER_LOST_REPLY = (
     "The worker running this turn stopped while the model was replying; the reply above is partial. "
@@ -91,6 +106,9 @@ FRAGMENT_STORE_EVERY = 0.5  # seconds: the longest streamed text waits to be sto
 #: and are read, handed on and shown as one burst (completions.AbortableHTTP).
 READ_EVERY = FRAGMENT_FLUSH_EVERY
 INTERRUPT_POLL_EVERY = 0.5  # seconds: an interrupt stops the stream within about a second
+#: Seconds between two looks for an interrupt while a tool runs: Stop reply ends it within
+#: about half a second (the tool's own poll adds a few hundredths).
+TOOL_INTERRUPT_POLL_EVERY = 0.25
 CALL_ID = re.compile(r"[A-Za-z0-9_.-]{1,80}")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
 #: The sampling values a usage line reports as in force (docs/behaviour.md §17), besides the seed.
@@ -576,22 +594,74 @@ class Step:
                 if call_id not in asked:
                     turns.ask_question(self.session_id, call_id, name, owner=self.owner)
                 return False
-            self.execute(session, entry, call, server)
+            if not self.execute(session, entry, call, server):
+                return False  # the server died under the call: its turn was ended with the session
+            if self.interrupted():
+                self.finish(TurnEnd.INTERRUPTED)
+                return False
         return True
 
-    def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> None:
+    def execute(self, session: AgentSession, entry: tools.ToolEntry, call: dict, server: Endpoint) -> bool:
+        """Run one call and record its result, cut to ``CORRAL_TOOL_RESULT_MAX_CHARS``
+        (tool_results.cap; ``full_chars`` then says how long it was). While it runs, a thread
+        looks for an interrupt and cancels it (docs/behaviour.md §9: Stop reply ends a running
+        tool within a second). False when the server died under a call it ran: the call's
+        result says so and the turn has ended with the session's ``exited``."""
         machine_use.check_call(self, session, call)  # not run for someone cut off from the machine
         turns.step_status(self.session_id, self.owner, Status.RUNNING)
         self.record(Kind.TOOL_RUNNING, {"id": call["id"]})
-        result = self.run_tool(
-            entry,
-            call.get("input") or {},
-            base_url=server.url,
-            api_key=server.api_key,
-            cwd=session.working_dir,
-            mcp_servers=McpServer.objects.configs(),
-        )
-        self.record(Kind.TOOL_END, {"id": call["id"], "output": result.output, "ok": result.ok})
+        cancel, done = threading.Event(), threading.Event()
+
+        def watch_interrupt() -> None:
+            # Only a row seen asking to stop cancels: this thread's connection cannot see
+            # rows its caller has not committed (a test's transaction), and a deleted
+            # session's tool ends at its own timeout anyway.
+            try:
+                while not done.wait(TOOL_INTERRUPT_POLL_EVERY):
+                    row = AgentSession.objects.filter(pk=self.session_id).values_list(
+                        "interrupt_requested", "lease_owner").first()
+                    if row is not None and (row[0] or row[1] != self.owner):
+                        cancel.set()
+                        return
+            finally:
+                connection.close()
+
+        try:
+            transport = transport_for(session.machine)
+        except TransportError:
+            transport = None  # the built-ins then go to llama-server, which says what is wrong
+        watcher = threading.Thread(target=watch_interrupt, name=f"tool-interrupt-{self.session_id}", daemon=True)
+        watcher.start()
+        try:
+            result = self.run_tool(
+                entry,
+                call.get("input") or {},
+                base_url=server.url,
+                api_key=server.api_key,
+                cwd=session.working_dir,
+                mcp_servers=McpServer.objects.configs(),
+                transport=transport,
+                cancel=cancel,
+            )
+        finally:
+            done.set()
+            watcher.join(2)
+        output, total = tool_results.cap(result.output, settings.CORRAL_TOOL_RESULT_MAX_CHARS)
+        server_lost = (entry.origin == tools.ORIGIN_MACHINE and not result.ok
+                       and lifecycle.server_gone(self.session_id))
+        if server_lost:
+            output, total = SERVER_LOST_RESULT, None
+        payload = {"id": call["id"], "output": output, "ok": result.ok and not server_lost}
+        if total is not None:
+            payload["full_chars"] = total
+        self.record(Kind.TOOL_END, payload)
+        if server_lost:
+            lifecycle.check_session_server(self.session_id)  # says so, status exited, ends the turn
+            if AgentSession.objects.filter(pk=self.session_id, turn_active=True, lease_owner=self.owner).exists():
+                self.error("llama-server is not running for this session; restart it and send again.")
+                self.finish(TurnEnd.ERROR)
+            return False
+        return True
 
 
 def run_turn_step(

@@ -743,6 +743,19 @@ def check_session_server(session_id: int) -> None:
         check_server(record)
 
 
+def server_gone(session_id: int) -> bool:
+    """Whether the session's recorded server process is known to be gone (no record left,
+    or its pid and start time no longer run); False while it runs or cannot be told. Reads
+    only: :func:`check_session_server` is what records the death."""
+    record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
+    if record is None:
+        return True
+    try:
+        return not transport_for(record.machine).process_alive(_proc(record))
+    except TransportError:
+        return False
+
+
 def check_server(record: ServerRecord) -> None:
     transport = transport_for(record.machine)
     try:

@@ -39,6 +39,7 @@ import hashlib
 import json
 import re
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -49,6 +50,9 @@ import anyio
 import httpx
 
 from machines_app.llama_server import auth_headers, tls_context
+from machines_app.transports import TransportError
+
+from . import machine_tools
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -613,6 +617,8 @@ def run_tool(
     mcp_servers: Mapping[str, McpServerConfig],
     timeout: float = 600.0,
     api_key: str = "",
+    transport: Any = None,
+    cancel: threading.Event | None = None,
 ) -> ToolResult:
     """Run one call of ``entry`` with ``arguments`` (a JSON object; anything else runs as ``{}``).
 
@@ -629,8 +635,24 @@ def run_tool(
     Never raises for a tool that cannot be reached (connection refused, timeout after
     ``timeout`` seconds, server gone, HTTP error, MCP server no longer configured): the result
     is ``"The tool <name> could not be reached: <reason>."`` with ``ok=False`` (docs/behaviour.md §8).
+
+    With the session machine's ``transport`` (a machines_app.transports.Transport), the
+    built-ins llama-server cannot bound (:data:`machine_tools.HANDLED`: shell, read, grep)
+    run through it instead, with the same names and answers (:mod:`sessions_app.machine_tools`),
+    and ``cancel`` being set ends a running one within a fraction of a second, keeping what it
+    printed; ``edit_file`` of a huge or binary file is answered with a sentence first.
     """
     args = dict(arguments) if isinstance(arguments, Mapping) else {}
     if entry.origin == ORIGIN_MCP:
         return _run_mcp(entry, args, mcp_servers, timeout)
+    if transport is not None:
+        try:
+            if entry.remote_name in machine_tools.HANDLED:
+                answer = machine_tools.run(entry.remote_name, args, transport, cwd, cancel)
+                return ToolResult(answer.output, ok=answer.ok)
+            refused = machine_tools.guard(entry.remote_name, args, transport, cwd)
+        except TransportError as exc:
+            return _unreachable(entry, str(exc))
+        if refused is not None:
+            return ToolResult(refused.output, ok=refused.ok)
     return _run_builtin(entry, args, base_url, api_key, cwd, timeout)

@@ -267,10 +267,14 @@ class CallPayload(TypedDict):
     id: str
 
 
-class ToolEndPayload(TypedDict):
+class _ToolEndRequired(TypedDict):
     id: str
-    output: str
+    output: str  # cut to CORRAL_TOOL_RESULT_MAX_CHARS, as the model and the page see it
     ok: bool
+
+
+class ToolEndPayload(_ToolEndRequired, total=False):
+    full_chars: int  # the result's length before it was cut; absent when whole
 
 
 class UsagePayload(TypedDict, total=False):
