@@ -18,8 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from .bulk_mcp import BIG_MCP_BYTES
 from django.conf import settings
 from django.db import connection
 
@@ -29,9 +27,11 @@ from sessions_app import actions, agent, lifecycle, machine_tools, tool_results
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, McpServer, TranscriptEvent
 
+from .bulk_mcp import BIG_MCP_BYTES
 from .conftest import ROOT, grant_bypass, model_key, wait_for
 from .test_agent_loop import events_of, step, text_reply, tool_call_reply
 from .test_tools import free_port, port_open, stop_process, wait_until
+
 
 def fresh(session) -> AgentSession:
     return AgentSession.objects.get(pk=session.pk)

@@ -17,9 +17,12 @@ import pytest
 from sessions_app import actions, agent
 from sessions_app.models import AgentSession
 
+from . import test_agent_loop
 from .conftest import grant_bypass
 from .scripted_server import chunk, sse
-from .test_agent_loop import events_of, real_session, step, text_reply, tool_call_reply  # noqa: F401 (a fixture)
+from .test_agent_loop import events_of, step, text_reply, tool_call_reply
+
+real_session = test_agent_loop.real_session  # the fixture: a session on the real llama-server
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
 
