@@ -512,6 +512,53 @@ def test_bypass_holders_may_grant_and_the_page_lists_and_revokes(asked_session, 
     assert transcript.allowances(_all(asked_session)) == []
 
 
+@pytest.mark.django_db(transaction=True)
+def test_every_watcher_sees_the_list_follow_a_grant_and_a_revoke(stack, alice, bob, tmp_path):
+    """Real websockets (daphne): alice and bob watch; alice grants, bob (who may act)
+    revokes; both pages get the list redrawn each time, and the revoke's note."""
+    from machines_app.models import Machine
+    from sessions_app import actions, agent
+    from sessions_app.events import record_event
+    from sessions_app.models import AgentSession
+
+    from .conftest import WSRecorder, wait_for
+
+    machine = Machine.objects.create(name="m1", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
+                                          status="idle", visibility="team_act")
+    call = {"id": "call_1", "tool": "exec_shell_command", "arguments": '{"command": "ls"}',
+            "input": {"command": "ls"}, "origin": "machine", "writes": True}
+    record_event(session.pk, "tool_start", call)
+    record_event(session.pk, "question", {"id": "call_1", "tool": "exec_shell_command",
+                                          **agent.question_details(call, SHELL, str(tmp_path), [])})
+    sockets = []
+    for user in (alice, bob):
+        client = _client(user)
+        sockets.append(WSRecorder(stack.ws_url(session.pk, 2), cookie=f"sessionid={client.cookies['sessionid'].value}",
+                                  origin=stack.base_url))
+
+    def lists(ws) -> list[str]:
+        return [op["html"] for m in ws.messages for op in m["ops"] if op.get("id") == "allowances"]
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            from sessions_app import turns
+
+            patch.setattr(turns, "enqueue_step", lambda session_id: None)  # no turn to go on with
+            actions.do_answer(AgentSession.objects.get(pk=session.pk), alice, "call_1", "allow_always", "0")
+        for ws in sockets:
+            wait_for(lambda ws=ws: any("this exact command: ls" in html for html in lists(ws)), 10, what="the grant")
+        granted = transcript.allowances(_all(session))[0]["seq"]
+        actions.do_revoke_allowance(AgentSession.objects.get(pk=session.pk), bob, str(granted))
+        for ws in sockets:
+            wait_for(lambda ws=ws: len(lists(ws)) == 2 and "Revoke" not in lists(ws)[-1], 10, what="the revoke")
+            notes = [op.get("html", "") for m in ws.messages for op in m["ops"]]
+            assert any("bob revoked the allowance for this exact command: ls" in html for html in notes)
+    finally:
+        for ws in sockets:
+            ws.close()
+
+
 # --------------------------------------------------------------------------- the MCP server this file runs
 
 
