@@ -1,8 +1,9 @@
 """Allowances are exact, visible and revocable (issue 20, part 3; docs/behaviour.md §8).
 
 Pure tests of what an allowance covers (sessions_app/allowances.py) and of the fold
-(transcript.allowances); then turns run by the real worker against the real llama-server
-(tools on the machine) with the model side scripted, and MCP servers of this file's own
+(transcript.allowances); then turns run by the real worker's step with the model side
+scripted, against the llama-server stand-in (tests/fake_llama_server.py, whose tools run
+for real: the gate is under test, not the model) and MCP servers of this file's own
 (``python tests/test_allowances.py --serve-mcp PORT DESCRIPTION``).
 """
 
@@ -223,14 +224,21 @@ def test_a_new_mcp_grant_replaces_the_one_for_the_old_definition():
 
 
 @pytest.fixture
-def real_session(local_machine, alice, tmp_path):
+def real_session(fake_machine, alice, tmp_path):
+    """A session in manual mode whose server is up. The server is the stand-in
+    (tests/fake_llama_server.py: its read_file and exec_shell_command run for real in the
+    working directory), the model side is scripted per test, and the worker's step is the
+    real one: what is under test is the gate, not the model or the tools."""
     from sessions_app import lifecycle
     from sessions_app.models import AgentSession
 
     from .conftest import model_key
 
+    machine = fake_machine()
+    work = tmp_path / "work"
+    work.mkdir()
     session = AgentSession.objects.create(
-        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(work),
         server_params={"contextSize": 1024}, status="loading",
     )
     lifecycle.start_server(session.pk)
@@ -323,13 +331,25 @@ def _all(session):
 @pytest.mark.usefixtures("stop_servers_after")
 def test_a_file_allowance_covers_its_path_with_the_real_worker(real_session, alice, model_side):
     session = real_session
-    (Path(session.working_dir) / "src").mkdir()
-    _turn(session, alice, model_side, ("write_file", '{"path": "src/a.txt", "content": "a"}'))
+    work = Path(session.working_dir)
+    (work / "src").mkdir()
+    for name, text in (("src/a.txt", "in a"), ("src/b.txt", "in b"), ("c.txt", "in c")):
+        (work / name).write_text(text)
+    (work.parent / "secret.txt").write_text("outside")
+    _turn(session, alice, model_side, ("read_file", '{"path": "src/a.txt"}'))
+    assert [o["scope"] for o in _asked(session)[-1]["offers"]] == [{"kind": "path", "path": "src/a.txt"},
+                                                                   {"kind": "folder", "path": "src"}]
     _answer(session, alice, model_side, "allow_always", "folder", path="src")
-    _turn(session, alice, model_side, ("write_file", '{"path": "./src/b.txt", "content": "b"}'),
-          ("write_file", '{"path": "src/../c.txt", "content": "c"}'))
-    assert (Path(session.working_dir) / "src" / "b.txt").read_text() == "b"
-    assert len(_asked(session)) == 2 and not (Path(session.working_dir) / "c.txt").exists()
+    assert _outputs(session) == ["in a"]
+    # Inside the folder (however written) runs; a path that leaves it is asked.
+    _turn(session, alice, model_side, ("read_file", '{"path": "./src/b.txt"}'),
+          ("read_file", '{"path": "src/../c.txt"}'))
+    assert _outputs(session) == ["in a", "in b"] and len(_asked(session)) == 2
+    _answer(session, alice, model_side, "refuse")
+    _turn(session, alice, model_side, ("read_file", '{"path": "src/../../secret.txt"}'))
+    assert len(_asked(session)) == 3 and _asked(session)[-1]["offers"] == []  # outside: no "always" at all
+    _answer(session, alice, model_side, "refuse")
+    assert "outside" not in "".join(_outputs(session))
 
 
 # --------------------------------------------------------------------------- MCP with real servers
@@ -349,7 +369,7 @@ def _start_mcp(tmp_path, description: str, port: int | None = None) -> tuple[sub
 
 @pytest.mark.django_db
 @pytest.mark.usefixtures("stop_servers_after")
-def test_a_changed_mcp_definition_asks_again_and_says_what_changed(local_machine, alice, tmp_path, model_side):
+def test_a_changed_mcp_definition_asks_again_and_says_what_changed(fake_machine, alice, tmp_path, model_side):
     from sessions_app import lifecycle
     from sessions_app.models import AgentSession, McpServer
 
@@ -359,8 +379,9 @@ def test_a_changed_mcp_definition_asks_again_and_says_what_changed(local_machine
     proc, port = _start_mcp(tmp_path, "Add two integers.")
     try:
         McpServer.objects.create(name="sums", url=f"http://127.0.0.1:{port}/mcp")
+        machine = fake_machine()  # the stand-in llama-server: the MCP tools run from the backend anyway
         session = AgentSession.objects.create(
-            owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"),
+            owner=alice, machine=machine, model_key=model_key(machine, "llama"),
             working_dir=str(tmp_path), server_params={"contextSize": 1024}, status="loading")
         lifecycle.start_server(session.pk)
         catalogue = {e["name"]: e for e in transcript.last_catalogue(_all(session))}
