@@ -21,7 +21,7 @@ from machines_app import catalog
 from machines_app.access import machine_refusal
 
 from . import dispatch, images, transcript, turns
-from .events import append, change_status, load_events, load_queue_events, locked, record_event
+from .events import append, change_status, load_events, load_kinds, load_queue_events, locked, record_event
 from .lifecycle import start_live
 from .models import Access, AgentSession, TranscriptEvent
 from .transcript import Kind, TurnEnd
@@ -427,19 +427,62 @@ def do_interrupt(session: AgentSession, user) -> None:
 ANSWERS = (transcript.ANSWER_ALLOW_ONCE, transcript.ANSWER_ALLOW_ALWAYS, transcript.ANSWER_REFUSE)
 
 
-def do_answer(session: AgentSession, user, call_id: str, answer: str) -> None:
+def may_grant_always(session: AgentSession, user) -> bool:
+    """Whether ``user`` may answer "always" in ``session`` (docs/behaviour.md §8): its
+    owner, staff, or anyone who may turn the gate off (:func:`may_bypass`). An allowance
+    is the gate opened for part of what a tool can do, so a member the session is shared
+    with to act may otherwise only allow once or refuse."""
+    return bool(user.is_authenticated and user.is_active
+                and (user.pk == session.owner_id or user.is_staff or may_bypass(user)))
+
+
+def do_answer(session: AgentSession, user, call_id: str, answer: str, offer: str = "") -> None:
     """Answer an open question; the first valid answer wins and the turn goes on in a
-    new step (no worker waited for it, docs/behaviour.md §8)."""
+    new step (no worker waited for it, docs/behaviour.md §8).
+
+    ``allow_always`` needs ``offer``: the index (``"0"``, ``"1"``, …) of one of the scopes
+    the question offers (its payload's ``offers``); that scope is recorded with the answer.
+    Raises SessionError for an unknown answer, a question already answered, an "always"
+    the user may not grant (:func:`may_grant_always`) or that the question did not offer."""
     if answer not in ANSWERS:
         raise SessionError("Choose Allow once, Always allow or Refuse.")
+    if answer == transcript.ANSWER_ALLOW_ALWAYS and not may_grant_always(session, user):
+        raise SessionError(
+            f"Only {session.owner.get_username()}, who owns this session, staff, or someone who may run tools "
+            "without asking can allow a tool always; you can allow this call once or refuse it."
+        )
     with transaction.atomic():
         session = locked(session.pk)
         question = next((q for q in transcript.open_questions(load_events(session.pk)) if q["id"] == call_id), None)
         if question is None:
             raise SessionError("That question has already been answered.")
+        extra: dict = {}
+        if answer == transcript.ANSWER_ALLOW_ALWAYS:
+            offers = question.get("offers") if isinstance(question.get("offers"), list) else []
+            index = int(offer) if offer.isascii() and offer.isdigit() and len(offer) < 4 else -1
+            if not 0 <= index < len(offers) or not isinstance(offers[index], dict):
+                raise SessionError("This call can be allowed once or refused, not always in that way.")
+            extra["scope"] = offers[index].get("scope")
         append(session, Kind.ANSWERED, {"id": call_id, "tool": question.get("tool"), "answer": answer,
-                                     "by": by(user)})
+                                     **extra, "by": by(user)})
         turns.go_on_after_answer(session)
+
+
+def do_revoke_allowance(session: AgentSession, user, seq: str) -> None:
+    """Take back the allowance granted by the ``answered`` event ``seq`` (docs/behaviour.md
+    §8): recorded as ``allowance_revoked``; the next call it would have covered is asked
+    about. Anyone who may act may revoke (asking again never needs a permission). Raises
+    SessionError when no allowance in force was granted by that event."""
+    number = int(seq) if seq.isascii() and seq.isdigit() and len(seq) < 19 else -1
+    with transaction.atomic():
+        current = locked(session.pk)
+        in_force = transcript.allowances(
+            load_kinds(current.pk, [Kind.ANSWERED, Kind.ALLOWANCE_REVOKED], upto=current.last_seq))
+        allowance = next((allowance for allowance in in_force if allowance["seq"] == number), None)
+        if allowance is None:
+            raise SessionError("That allowance is no longer in force.")
+        append(current, Kind.ALLOWANCE_REVOKED, {"seq": number, "tool": allowance["tool"], "scope": allowance["scope"],
+                                                 "by": by(user)})
 
 
 def may_bypass(user) -> bool:

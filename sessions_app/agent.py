@@ -32,6 +32,7 @@ from machines_app.transports import TransportError, transport_for
 
 from . import (
     actions,
+    allowances,
     broadcast,
     callcard,
     completions,
@@ -304,6 +305,24 @@ class Fragments:
         self.parts = []
 
 
+def question_details(call: dict, entry: dict, working_dir: str, in_force: list) -> dict:
+    """What a question about ``call`` says besides its id and tool (the ``question`` payload,
+    docs/transcript.md): the scopes "always" may cover (``offers``); for an MCP tool, what
+    its server claims (``claims``: readOnlyHint, shown, never trusted) and, when an
+    allowance for it no longer matches, what changed in its definition (``changed``)."""
+    details: dict = {"offers": [{"scope": scope} for scope in allowances.offers(call, entry, working_dir)]}
+    if entry.get("origin") == tools.ORIGIN_MCP:
+        hint = (entry.get("annotations") or {}).get("readOnlyHint")
+        details["claims"] = ("its server says it only reads (readOnlyHint)" if hint is True
+                             else "its server does not say it only reads")
+        for allowance in in_force:
+            scope = allowance["scope"]
+            if (scope.get("kind") == "mcp" and scope.get("server") == entry.get("server")
+                    and scope.get("remote_name") == entry.get("remote_name")):
+                details["changed"] = allowances.changes(scope.get("definition") or {}, entry) or ["its definition"]
+    return details
+
+
 class Step:
     """One claimed step of one session's turn, holding its lease as ``owner``.
 
@@ -558,7 +577,7 @@ class Step:
         answers = {e.payload.get("id"): e.payload for e in events if e.kind == Kind.ANSWERED}
         asked = {e.payload.get("id") for e in events if e.kind == Kind.QUESTION}
         running = {e.payload.get("id") for e in events if e.kind == Kind.TOOL_RUNNING}
-        allowed = transcript.allowed_tools(events)
+        in_force = transcript.allowances(events)
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
             if self.interrupted():
@@ -586,13 +605,15 @@ class Step:
                 continue
             # The mode is read for each call that would be asked about: a bypass whose owner lost
             # the right to it ends here, before this call (actions.gate_mode).
+            described = entry.as_payload()
             if (
                 answer is None
-                and name not in allowed
+                and not any(allowances.matches(a, call, described, session.working_dir) for a in in_force)
                 and actions.gate_mode(self.session_id) != AgentSession.PermissionMode.BYPASS
             ):
                 if call_id not in asked:
-                    turns.ask_question(self.session_id, call_id, name, owner=self.owner)
+                    turns.ask_question(self.session_id, call_id, name, owner=self.owner,
+                                       **question_details(call, described, session.working_dir, in_force))
                 return False
             if not self.execute(session, entry, call, server):
                 return False  # the server died under the call: its turn was ended with the session

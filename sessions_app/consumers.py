@@ -34,9 +34,19 @@ from django.contrib import auth
 from django.contrib.auth import get_user_model
 
 from . import broadcast, presence
-from .actions import find_session
+from .actions import find_session, may_grant_always
+from .events import load_kinds
 from .models import Access, AgentSession, TranscriptEvent
-from .presenters import BLOCK_KINDS, TOOL_KINDS, TranscriptView, Viewer, context_size, prime_window, render_presence
+from .presenters import (
+    ALLOWANCE_KINDS,
+    BLOCK_KINDS,
+    TOOL_KINDS,
+    TranscriptView,
+    Viewer,
+    context_size,
+    prime_window,
+    render_presence,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +111,8 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         self.last_sent = _after(self.scope)
         self.renderer = TranscriptView(
             self.session_id, call_events=self._call_events, machine_name=await self._machine_name(),
-            viewer=Viewer(self.scope["user"].pk, self.access), n_ctx=await self._n_ctx(),
+            viewer=Viewer(self.scope["user"].pk, self.access, await self._may_grant()), n_ctx=await self._n_ctx(),
+            allowance_events=self._allowance_events,
         )
         await self.accept()
         # The account's and the machine's groups: a change to either (a deactivation, a
@@ -242,8 +253,9 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     async def _send(self, seq: int, kind: str, payload: dict) -> None:
         event = TranscriptEvent(seq=seq, kind=kind, payload=payload)
-        if kind in TOOL_KINDS:
-            # A tool call's row may need the call's earlier events from the database.
+        if kind in TOOL_KINDS or kind in ALLOWANCE_KINDS:
+            # A tool call's row may need the call's earlier events from the database, the
+            # list of allowances every grant and revoke.
             ops = await database_sync_to_async(self.renderer.feed)(event)
         else:
             # Every other kind is folded from the event alone (templates and Markdown, no
@@ -320,6 +332,17 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
                 session_id=self.session_id, kind__in=TOOL_KINDS, payload__id=call_id, seq__lt=before_seq
             ).order_by("seq")
         )
+
+    def _allowance_events(self, upto: int) -> list[TranscriptEvent]:
+        """What the list of allowances folds from, up to seq ``upto`` (sync thread of feed())."""
+        return load_kinds(self.session_id, ALLOWANCE_KINDS, upto=upto)
+
+    @database_sync_to_async
+    def _may_grant(self) -> bool:
+        """Whether this user is offered "always" (actions.may_grant_always), read at connect."""
+        session = find_session(self.session_id)
+        user = get_user_model().objects.filter(pk=self.scope["user"].pk).first()
+        return session is not None and user is not None and may_grant_always(session, user)
 
     @database_sync_to_async
     def _n_ctx(self) -> int | None:

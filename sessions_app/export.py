@@ -25,6 +25,7 @@ from typing import Any
 from markdown_it import MarkdownIt
 
 from . import callcard
+from .allowances import label as allowance_label
 from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload
 
 __all__ = ["read_jsonl", "to_jsonl", "to_markdown"]
@@ -202,7 +203,7 @@ def _usage_line(payload: dict) -> str:
 #: The kinds :func:`to_markdown` writes a block for (besides replies, reasoning and interrupts).
 _WRITTEN = frozenset({
     Kind.MESSAGE_TAKEN, Kind.TOOL_START, Kind.TOOL_END, Kind.ANSWERED, Kind.ERROR, Kind.NOTICE, Kind.USAGE,
-    Kind.CLEARED, Kind.SERVER_READY,
+    Kind.CLEARED, Kind.SERVER_READY, Kind.ALLOWANCE_REVOKED,
 })
 
 
@@ -262,8 +263,14 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
             out.append(f"**Tool {outcome}** {_code(call.get('tool', payload.get('id', '')))}:\n\n"
                        f"{_fence(str(payload.get('output') or ''))}")
         elif kind == Kind.ANSWERED:
-            out.append(f"*{_who(payload, 'Corral')} answered {_plain(payload.get('answer', ''))} for "
+            scope = payload.get("scope")
+            covers = f" ({_plain(allowance_label(payload.get('tool') or '', scope))})" if isinstance(scope, dict) else ""
+            out.append(f"*{_who(payload, 'Corral')} answered {_plain(payload.get('answer', ''))}{covers} for "
                        f"{_code(payload.get('tool') or '')}.*")
+        elif kind == Kind.ALLOWANCE_REVOKED:
+            scope = payload.get("scope") if isinstance(payload.get("scope"), dict) else {}
+            out.append(f"*{_who(payload, 'Someone')} revoked the allowance for "
+                       f"{_plain(allowance_label(payload.get('tool') or '', scope))}.*")
         elif kind == Kind.ERROR:
             out.append(_quoted("Error", payload.get("message", "")))
         elif kind == Kind.NOTICE:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import OuterRef, Q, Subquery
 from django.urls import reverse
@@ -13,7 +14,7 @@ from django.utils.html import escape
 from machines_app.access import may_use
 from machines_app.models import ModelFile
 
-from .tools import McpServerConfig
+from .tools import MCP_SEPARATOR, McpServerConfig
 
 
 class Access(IntEnum):
@@ -294,6 +295,16 @@ class McpServer(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """Refuse a name holding the separator between a server's name and its tools'
+        (``__``): ``a__b`` with a tool ``c`` and ``a`` with a tool ``b__c`` would both be
+        ``a__b__c`` (docs/behaviour.md §9). A validator on the field would need a migration;
+        every form of this model (the admin's) calls this."""
+        super().clean()
+        if MCP_SEPARATOR in (self.name or ""):
+            raise ValidationError({"name": f"A name may not contain '{MCP_SEPARATOR}': it separates a server's name "
+                                           "from its tools' names."})
 
     def config(self) -> McpServerConfig:
         headers = {str(k): str(v) for k, v in (self.headers or {}).items()}

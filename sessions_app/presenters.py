@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from django.template.loader import render_to_string
 from django.urls import reverse
 
-from . import callcard, images
+from . import allowances, callcard, images
 from .markdown import render_markdown
 from .models import Access, AgentSession
 from .transcript import Kind, actor, image_refs
+from .transcript import allowances as transcript_allowances
 
 #: Kinds that neither show nor close a block (but a Restart's ``status``: :func:`is_restart`).
 SILENT_KINDS = frozenset({Kind.STATUS, Kind.CATALOGUE})
@@ -33,6 +34,8 @@ QUEUE_KINDS = frozenset({Kind.MESSAGE_QUEUED, Kind.MESSAGE_DROPPED})
 NOTE_KINDS = frozenset({Kind.INTERRUPTED})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({Kind.TOOL_START, Kind.TOOL_RUNNING, Kind.TOOL_END, Kind.QUESTION, Kind.ANSWERED})
+#: The kinds :func:`transcript.allowances` folds: the list of allowances follows them.
+ALLOWANCE_KINDS = (Kind.ANSWERED, Kind.ALLOWANCE_REVOKED)
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,19 @@ class Viewer:
 
     user_id: int | None = None
     access: Access = Access.MANAGE
+    #: Whether "always" is offered (actions.may_grant_always); None: as the access says
+    #: (the owner and staff may, a member who may only act may not).
+    may_grant: bool | None = None
 
     @property
     def can_act(self) -> bool:
         return self.access >= Access.ACT
+
+    @property
+    def can_grant(self) -> bool:
+        if self.may_grant is not None:
+            return self.may_grant and self.can_act
+        return self.access >= Access.MANAGE
 
 
 #: The session's owner (and what tests of the page's shape use when no viewer matters).
@@ -116,15 +128,53 @@ def tool_item(events: Iterable) -> dict:
             item["running"] = True
         elif event.kind == Kind.QUESTION:
             item["question_open"] = True
+            tool = payload.get("tool", "")
+            offers = payload.get("offers") if isinstance(payload.get("offers"), list) else []
+            item["offers"] = [{"index": index, "text": always_button(tool, offer.get("scope") or {})}
+                              for index, offer in enumerate(offers) if isinstance(offer, dict)]
+            item["changed"] = [str(part) for part in payload.get("changed") or []]
+            item["claims"] = payload.get("claims", "")
         elif event.kind == Kind.ANSWERED:
             item["question_open"] = False
             item["answer"] = payload
             item["answered_by"] = _username(payload)
+            scope = payload.get("scope")
+            item["answer_scope"] = allowances.label(payload.get("tool") or "", scope) if isinstance(scope, dict) else ""
         elif event.kind == Kind.TOOL_END:
             item["running"] = False
             item["output"] = payload.get("output", "")
             item["ok"] = payload.get("ok", True)
     return item
+
+
+def always_button(tool: str, scope: Mapping) -> str:
+    """The words of an "always" button for one offered scope: "Always allow this exact
+    command", "Always allow commands starting with “git status”", "Always allow writes to
+    notes.txt", "Always allow writes to files in src/"."""
+    kind = scope.get("kind")
+    if kind == "exact":
+        return "Always allow this exact command"
+    if kind == "prefix":
+        return f"Always allow commands starting with “{' '.join(scope.get('words') or [])}”"
+    return f"Always allow {allowances.label(tool, scope)}"
+
+
+def allowance_items(in_force: Iterable[Mapping], session_id: int, viewer: Viewer = OWNER) -> list[dict]:
+    """The session page's list of allowances in force (``transcript.allowances``): what
+    each covers in words, who granted it and when, and whether this viewer may revoke it
+    (whoever may act: asking again needs no permission)."""
+    return [
+        {"seq": allowance["seq"], "tool": allowance["tool"], "what": allowances.label(allowance["tool"], allowance["scope"]),
+         "by": (allowance.get("by") or {}).get("username", ""), "at": allowance.get("at"),
+         "session_id": session_id, "can_revoke": viewer.can_act}
+        for allowance in in_force
+    ]
+
+
+def render_allowances(items: list[dict]) -> str:
+    return render_to_string("sessions_app/_allowances.html", {"allowances": items})
+
+
 BLOCK_KINDS = {Kind.ASSISTANT_TEXT: "assistant", Kind.REASONING: "reasoning"}
 
 
@@ -277,6 +327,11 @@ def event_item(event, session_id: int = 0) -> dict | None:
         return {"type": "usage", "dom_id": dom_id, "usage": payload, "line": usage_line(payload)}
     if kind == Kind.CLEARED:
         return {"type": "cleared", "dom_id": dom_id, "by": _username(payload)}
+    if kind == Kind.ALLOWANCE_REVOKED:
+        scope = payload.get("scope")
+        what = allowances.label(payload.get("tool") or "", scope) if isinstance(scope, dict) else "an allowance"
+        return {"type": "note", "dom_id": dom_id,
+                "text": f"{_username(payload) or 'Someone'} revoked the allowance for {what}: it is asked about again."}
     if kind == Kind.INTERRUPTED:
         return {"type": "note", "dom_id": dom_id, "text": f"Interrupted by {_username(payload) or 'someone'}."}
     if kind == Kind.SERVER_STOPPED:
@@ -442,8 +497,13 @@ class TranscriptView:
     """
 
     def __init__(self, session_id: int, call_events=None, machine_name: str = "", viewer: Viewer = OWNER,
-                 n_ctx: int | None = None) -> None:
+                 n_ctx: int | None = None, allowance_events=None) -> None:
         self.session_id = session_id
+        # The list of allowances (``#allowances``) is redrawn whole when a grant or a revoke
+        # arrives: ``allowance_events(upto_seq)`` gives every event it folds from (the view
+        # may have been primed after the grants); without it, the ones this view saw.
+        self.allowance_events = allowance_events
+        self.allowance_seen: list = []
         # The context gauge (``#context-gauge``): n_ctx as the last server_ready said (or
         # the session's contextSize until one does), tokens used as the last usage said.
         self.n_ctx = n_ctx
@@ -509,9 +569,23 @@ class TranscriptView:
             ops.append({"op": "replace", "id": "context-gauge", "html": render_gauge(self.gauge())})
         return ops
 
+    def _allowances_op(self, event) -> dict:
+        events = (self.allowance_events(event.seq) if self.allowance_events is not None
+                  else self.allowance_seen)
+        in_force = transcript_allowances(events)
+        return {"op": "replace", "id": "allowances",
+                "html": render_allowances(allowance_items(in_force, self.session_id, self.viewer))}
+
     def _feed(self, event, render: bool) -> list[dict]:
         ops: list[dict] = []
         kind, payload = event.kind, event.payload
+        if kind in ALLOWANCE_KINDS:
+            self.allowance_seen.append(event)
+            if render and (kind == Kind.ALLOWANCE_REVOKED or payload.get("scope")):
+                ops.append(self._allowances_op(event))
+            if kind == Kind.ALLOWANCE_REVOKED:
+                self._show(event_item(event, self.session_id), ops, render)
+                return ops
         if kind == Kind.STATUS:
             if render:
                 ops.append({"op": "status", Kind.STATUS: payload.get("status"), "html": render_status(payload["status"])})
@@ -552,7 +626,7 @@ class TranscriptView:
             if any(e.kind == Kind.TOOL_START for e in self.calls[call_id]):
                 # A call's row appears with its tool_start and is redrawn in place after.
                 item = {**tool_item(self.calls[call_id]), "session_id": self.session_id,
-                        "can_act": self.viewer.can_act}
+                        "can_act": self.viewer.can_act, "can_grant": self.viewer.can_grant}
                 self._show(item, ops, render, known=kind != Kind.TOOL_START)
             return ops
         if kind == Kind.SETTINGS and payload.get("permission_mode") and render:

@@ -138,6 +138,10 @@ class ToolEntry:
       ``tools/call`` is given).
     - ``definition``: the OpenAI tool definition ``{"type": "function", "function": {"name":
       <name>, "description", "parameters"}}``; a built-in's is llama-server's, untouched.
+    - ``annotations``: an MCP tool's annotations as its server sent them (``{"readOnlyHint":
+      true, "title": …}``, camelCase, unset ones left out); ``None`` for built-ins. Part of
+      what an allowance is bound to (sessions_app/allowances.py), and what the server
+      *claims*: never a reason to skip a question.
     """
 
     name: str
@@ -147,10 +151,11 @@ class ToolEntry:
     server: str | None
     remote_name: str
     definition: dict[str, Any]
+    annotations: dict[str, Any] | None = None
 
     def as_payload(self) -> dict[str, Any]:
         """A JSON-able dict (kept in the transcript); :meth:`from_payload` reads it back."""
-        return {
+        payload = {
             "name": self.name,
             "display_name": self.display_name,
             "writes": self.writes,
@@ -159,6 +164,9 @@ class ToolEntry:
             "remote_name": self.remote_name,
             "definition": self.definition,
         }
+        if self.annotations is not None:
+            payload["annotations"] = self.annotations
+        return payload
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> ToolEntry:
@@ -168,6 +176,7 @@ class ToolEntry:
             raise ValueError(f"not a tool entry: {d!r}")
         definition = d.get("definition")
         server = d.get("server")
+        annotations = d.get("annotations")
         return cls(
             name=name,
             display_name=str(d.get("display_name") or name),
@@ -176,6 +185,7 @@ class ToolEntry:
             server=server if isinstance(server, str) else None,
             remote_name=str(d.get("remote_name") or name),
             definition=dict(definition) if isinstance(definition, Mapping) else _definition(name, "", None),
+            annotations=dict(annotations) if isinstance(annotations, Mapping) else None,
         )
 
 
@@ -416,6 +426,7 @@ def _mcp_entry(server: McpServerConfig, tool: Any) -> ToolEntry:
         server=server.name,
         remote_name=tool.name,
         definition=_definition(name, description, tool.input_schema),
+        annotations=annotations.model_dump(mode="json", by_alias=True, exclude_none=True) if annotations else {},
     )
 
 
@@ -568,8 +579,10 @@ def load_catalogue(
     Never raises. Returns ``(catalogue, warnings)``; each warning is a sentence for the
     transcript (docs/behaviour.md §9), e.g. ``"MCP server 'exa' did not answer (connection refused); its
     tools are left out."``. Built-ins that cannot be read are left out the same way. MCP
-    servers are asked at the same time (one thread each, :func:`list_mcp_tools`). A tool whose
-    name is already taken is left out with a warning (built-ins win).
+    servers are asked at the same time (one thread each, :func:`list_mcp_tools`). A server
+    whose name holds :data:`MCP_SEPARATOR` is not asked (its tools' names could be read two
+    ways); tools that would get the same name are all left out, each server named in the
+    warning, so a call can never reach a tool other than the one its name meant.
     """
     warnings: list[str] = []
     entries: list[ToolEntry] = []
@@ -583,10 +596,17 @@ def load_catalogue(
             f"llama-server's own tools could not be read ({reason or _reason(exc, BUILTIN_LIST_TIMEOUT)}); "
             "they are left out."
         )
-    if mcp_servers:
-        with ThreadPoolExecutor(max_workers=len(mcp_servers), thread_name_prefix="corral-mcp-list") as pool:
-            futures = [pool.submit(list_mcp_tools, server) for server in mcp_servers]
-            for server, future in zip(mcp_servers, futures, strict=True):
+    askable = []
+    for server in mcp_servers:
+        if MCP_SEPARATOR in server.name:
+            warnings.append(f"MCP server '{server.name}' has '{MCP_SEPARATOR}' in its name, which separates a "
+                            "server's name from its tools' names; rename it. Its tools are left out.")
+        else:
+            askable.append(server)
+    if askable:
+        with ThreadPoolExecutor(max_workers=len(askable), thread_name_prefix="corral-mcp-list") as pool:
+            futures = [pool.submit(list_mcp_tools, server) for server in askable]
+            for server, future in zip(askable, futures, strict=True):
                 try:
                     listed = future.result()
                 except McpUnavailable as exc:
@@ -595,17 +615,23 @@ def load_catalogue(
                 except Exception as exc:  # a bug must not stop the session from starting
                     warnings.append(f"MCP server '{server.name}' could not be read ({exc}); its tools are left out.")
                     continue
-                taken = {entry.name for entry in entries}
-                for entry in listed:
-                    if entry.name in taken:
-                        warnings.append(
-                            f"MCP server '{server.name}' has a tool {entry.remote_name!r} whose name "
-                            f"{entry.name} is already taken; it is left out."
-                        )
-                        continue
-                    taken.add(entry.name)
-                    entries.append(entry)
+                entries.extend(listed)
+    by_name: dict[str, list[ToolEntry]] = {}
+    for entry in entries:
+        by_name.setdefault(entry.name, []).append(entry)
+    for name, same in by_name.items():
+        if len(same) > 1:
+            owners = ", ".join(_owner(entry) for entry in same)
+            warnings.append(f"{len(same)} tools would be called {name} ({owners}); they are all left out, "
+                            "since a call by that name could reach either.")
+    entries = [entry for entry in entries if len(by_name[entry.name]) == 1]
     return Catalogue(tuple(entries)), warnings
+
+
+def _owner(entry: ToolEntry) -> str:
+    if entry.origin == ORIGIN_MCP:
+        return f"{entry.remote_name!r} of MCP server '{entry.server}'"
+    return f"llama-server's {entry.remote_name!r}"
 
 
 def run_tool(

@@ -5,8 +5,10 @@ need to know about a session's conversation is *folded* from it by the pure func
 this module:
 
 - :func:`build_messages` — the chat messages sent to ``/v1/chat/completions`` (docs/behaviour.md §7);
-- :func:`allowed_tools` — the permission gate (docs/behaviour.md §8; the mode itself is the session's
-  ``permission_mode`` column, each change recorded as a ``settings`` event);
+- :func:`allowances` — the "always" answers in force, for the permission gate
+  (docs/behaviour.md §8; whether one covers a call is :func:`sessions_app.allowances.matches`;
+  the mode itself is the session's ``permission_mode`` column, each change recorded as a
+  ``settings`` event);
 - :func:`pending_queue`, :func:`open_turn`, :func:`pending_calls`,
   :func:`open_questions` and :func:`reply_cut_off` — queue / turn state
   (docs/behaviour.md §6, §8, §10);
@@ -46,7 +48,8 @@ __all__ = [
     "check_payload",
     "actor",
     "image_refs",
-    "allowed_tools",
+    "Allowance",
+    "allowances",
     "build_messages",
     "last_catalogue",
     "last_server_ready",
@@ -126,6 +129,7 @@ class Kind(StrEnum):
     INTERRUPTED = "interrupted"
     CLEARED = "cleared"
     TURN_END = "turn_end"
+    ALLOWANCE_REVOKED = "allowance_revoked"
 
 
 class TurnEnd(StrEnum):
@@ -247,9 +251,19 @@ class ToolStartPayload(_ToolStartPayloadRequired, total=False):
     display_name: str
 
 
-class QuestionPayload(TypedDict):
+class _QuestionPayloadRequired(TypedDict):
     id: str
     tool: str
+
+
+class QuestionPayload(_QuestionPayloadRequired, total=False):
+    # What "always" may cover for this call (sessions_app.allowances.offers); only these
+    # may be granted. Absent (questions asked before scopes): no "always" is offered.
+    offers: list[dict]
+    # An MCP tool allowed before whose definition changed since: what changed, in words.
+    changed: list[str]
+    # What an MCP server claims about the tool (readOnlyHint), shown, never trusted.
+    claims: str
 
 
 class _AnsweredPayloadRequired(TypedDict):
@@ -261,6 +275,14 @@ class _AnsweredPayloadRequired(TypedDict):
 class AnsweredPayload(_AnsweredPayloadRequired, total=False):
     by: Actor
     reason: str
+    scope: dict  # with allow_always: what it covers (sessions_app/allowances.py)
+
+
+class AllowanceRevokedPayload(TypedDict):
+    seq: int  # the seq of the ``answered`` event that granted the allowance
+    tool: str  # the grant's tool and scope, copied, so the event reads on its own
+    scope: dict
+    by: Actor
 
 
 class CallPayload(TypedDict):
@@ -335,6 +357,7 @@ PAYLOADS: dict[Kind, type] = {
     Kind.INTERRUPTED: ByPayload,
     Kind.CLEARED: ByPayload,
     Kind.TURN_END: TurnEndPayload,
+    Kind.ALLOWANCE_REVOKED: AllowanceRevokedPayload,
 }
 
 
@@ -771,26 +794,50 @@ def last_message(events: Iterable[EventLike]) -> dict[str, Any] | None:
     return None
 
 
-def allowed_tools(events: Iterable[EventLike]) -> frozenset[str]:
-    """Tool names the user chose to "Always allow" in this session (docs/behaviour.md §8).
+class Allowance(TypedDict):
+    """An "always" answer in force: the ``seq`` of its ``answered`` event, the ``tool`` it
+    was given for, its ``scope`` (sessions_app/allowances.py), who granted it (``by``, or
+    None) and when (``at``: the event's ``created_at`` when it has one, else None)."""
 
-    The set is folded from every ``answered`` event whose ``answer`` is
-    ``"allow_always"`` (its ``tool`` names the tool). Allowances are per session:
-    ``cleared`` does NOT reset them, and neither does a model change or a restart.
+    seq: int
+    tool: str
+    scope: dict
+    by: Actor | None
+    at: Any
+
+
+def allowances(events: Iterable[EventLike]) -> list[Allowance]:
+    """The allowances in force, in the order granted (docs/behaviour.md §8).
+
+    Folded from every ``answered`` event with ``answer: allow_always`` and a ``scope``
+    (a dict with a ``kind``), less those an ``allowance_revoked`` names by seq. An
+    ``allow_always`` with no scope (written before scopes existed: it meant "the whole
+    tool") grants nothing: such a tool is asked about again. A grant equal to one in
+    force (same tool and scope) is not listed twice; a grant for an MCP tool replaces an
+    earlier one for the same server and remote name (its definition changed since).
+    Allowances are the session's: ``cleared``, a model change and a restart keep them.
     """
-    names: set[str] = set()
-    for event in events:
-        if event.kind != _ANSWERED:
-            continue
+    in_force: list[Allowance] = []
+    for event in _ordered(events):
         payload = _payload(event)
-        tool = payload.get("tool")
-        if (
-            payload.get("answer") == ANSWER_ALLOW_ALWAYS
-            and isinstance(tool, str)
-            and tool
-        ):
-            names.add(tool)
-    return frozenset(names)
+        if event.kind == Kind.ALLOWANCE_REVOKED:
+            in_force = [a for a in in_force if a["seq"] != payload.get("seq")]
+            continue
+        if event.kind != _ANSWERED or payload.get("answer") != ANSWER_ALLOW_ALWAYS:
+            continue
+        scope, tool = payload.get("scope"), payload.get("tool")
+        if not isinstance(scope, Mapping) or not isinstance(scope.get("kind"), str) or not isinstance(tool, str):
+            continue
+        scope = dict(scope)
+        if scope["kind"] == "mcp":
+            in_force = [a for a in in_force if not (a["scope"]["kind"] == "mcp"
+                        and a["scope"].get("server") == scope.get("server")
+                        and a["scope"].get("remote_name") == scope.get("remote_name"))]
+        elif any(a["tool"] == tool and a["scope"] == scope for a in in_force):
+            continue  # granted again while in force (two pages answering): one is enough
+        in_force.append({"seq": event.seq, "tool": tool, "scope": scope, "by": actor(payload),
+                         "at": getattr(event, "created_at", None)})
+    return in_force
 
 
 def _still_open(events: Iterable[EventLike], opens: str, closed_by: Mapping[str, str]) -> list[dict[str, Any]]:

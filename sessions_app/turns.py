@@ -215,12 +215,14 @@ def interrupt(session: AgentSession, by: transcript.Actor) -> bool:
 # --- the gate ---------------------------------------------------------------------------------
 
 
-def ask_question(session_id: int, call_id: str, tool: str, *, owner: str | None = None) -> None:
-    """Record a question about one call; the session awaits input and the step ends."""
+def ask_question(session_id: int, call_id: str, tool: str, *, owner: str | None = None, **details) -> None:
+    """Record a question about one call; the session awaits input and the step ends.
+    ``details``: the question payload's optional keys (``offers``, ``changed``, ``claims``:
+    docs/transcript.md)."""
     with transaction.atomic():
         session = locked(session_id)
         _check_holder(session, owner)
-        append(session, Kind.QUESTION, {"id": call_id, "tool": tool})
+        append(session, Kind.QUESTION, {"id": call_id, "tool": tool, **details})
         change_status(session, Status.AWAITING_INPUT)
 
 

@@ -22,6 +22,8 @@ urlpatterns = [
     path("sessions/<int:session_id>/rename/", views.session_rename, name="session_rename"),
     path("sessions/<int:session_id>/restart/", views.session_restart, name="session_restart"),
     path("sessions/<int:session_id>/calls/<str:call_id>/answer/", views.session_answer, name="session_answer"),
+    path("sessions/<int:session_id>/allowances/<int:seq>/revoke/", views.session_revoke_allowance,
+         name="session_revoke_allowance"),
     path("sessions/<int:session_id>/model/", views.session_model, name="session_model"),
     path("sessions/<int:session_id>/settings/", views.session_settings, name="session_settings"),
     path("sessions/<int:session_id>/delete/", views.session_delete, name="session_delete"),

@@ -19,9 +19,11 @@ from .events import load_events, load_kinds, load_queue_events, load_turns
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession, TranscriptEvent
 from .presenters import (
+    ALLOWANCE_KINDS,
     TOOL_KINDS,
     TURNS_PER_PAGE,
     Viewer,
+    allowance_items,
     attach_context,
     context_size,
     gauge_of,
@@ -191,7 +193,7 @@ def _session_context(session: AgentSession) -> dict:
 @require_GET
 def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
-    viewer = Viewer(request.user.pk, session.access_for(request.user))
+    viewer = Viewer(request.user.pk, session.access_for(request.user), actions.may_grant_always(session, request.user))
     # The last turns only (docs/live-page.md): the earlier ones come with "Show earlier turns".
     events, start = load_turns(session.pk, TURNS_PER_PAGE)
     last_seq = events[-1].seq if events else 0
@@ -209,6 +211,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
         "tools": transcript.last_catalogue(load_kinds(session.pk, [transcript.Kind.CATALOGUE], upto=last_seq)),
+        "allowances": allowance_items(
+            transcript.allowances(load_kinds(session.pk, ALLOWANCE_KINDS, upto=last_seq)), session.pk, viewer),
         "template": template_info(ready, remembered=model_file.chat_template_caps if model_file else None),
         "machine_name": session.machine.name,
         "session": session,
@@ -266,7 +270,7 @@ def session_earlier(request: HttpRequest, session_id: int) -> HttpResponse:
     if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= session.last_seq + 1:
         return HttpResponse("Which turns? 'before' must be a sequence number of this session's transcript.",
                             status=400, content_type="text/plain; charset=utf-8")
-    viewer = Viewer(request.user.pk, session.access_for(request.user))
+    viewer = Viewer(request.user.pk, session.access_for(request.user), actions.may_grant_always(session, request.user))
     events, start = load_turns(session.pk, TURNS_PER_PAGE, before=int(raw))
     items = turn_items(events, session.pk, viewer, followed=True, call_events=_call_events(session.pk))
     context = {"items": items, "earlier": start if start > 1 else None, "session_id": session.pk}
@@ -403,7 +407,14 @@ def session_stop(request: HttpRequest, session_id: int) -> HttpResponse:
 
 @require_POST
 def session_answer(request: HttpRequest, session_id: int, call_id: str) -> HttpResponse:
-    return _act(request, session_id, ACT, actions.do_answer, call_id, request.POST.get("answer", ""))
+    return _act(request, session_id, ACT, actions.do_answer, call_id, request.POST.get("answer", ""),
+                request.POST.get("offer", ""))
+
+
+@require_POST
+def session_revoke_allowance(request: HttpRequest, session_id: int, seq: int) -> HttpResponse:
+    """Revoke one allowance (docs/behaviour.md §8); every open page's list follows the event."""
+    return _act(request, session_id, ACT, actions.do_revoke_allowance, str(seq))
 
 
 @require_POST

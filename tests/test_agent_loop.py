@@ -116,7 +116,9 @@ def test_it_stops_asking_after_always_allow_also_in_a_new_worker(real_session, a
     model_side.will_answer(*text_reply("ok"))
     actions.do_send_message(real_session, alice, "read it")
     step(real_session, model_side)
-    actions.do_answer(real_session, alice, events_of(real_session, "question")[0].payload["id"], "allow_always")
+    question = events_of(real_session, "question")[0].payload
+    assert question["offers"] == [{"scope": {"kind": "path", "path": "notes.txt"}}]
+    actions.do_answer(real_session, alice, question["id"], "allow_always", "0")  # reads of notes.txt
     step(real_session, model_side)
     # A later turn, run by a fresh step (as after a worker restart): the allowance is
     # folded from the transcript, not remembered by anything.

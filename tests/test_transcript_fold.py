@@ -15,7 +15,7 @@ from sessions_app.transcript import (
     EMPTY_ARGUMENTS,
     UNFINISHED_TOOL_RESULT,
     Event,
-    allowed_tools,
+    allowances,
     build_messages,
     open_questions,
     open_turn,
@@ -559,26 +559,31 @@ def test_it_serialises_with_a_fixed_key_order() -> None:
 # --- other folds
 
 
+EXACT_LS = {"kind": "exact", "command": "ls"}
+PREFIX_GIT = {"kind": "prefix", "words": ["git"]}
+
 ALLOWED_CASES = [
-    ("none", [], frozenset()),
+    ("none", [], []),
     (
-        "allow_always only",
+        "allow_always with a scope only",
         [
-            other("answered", id="1", tool="ls", answer="allow_always", by="a"),
-            other("answered", id="2", tool="rm", answer="allow_once", by="a"),
+            other("answered", id="1", tool="exec_shell_command", answer="allow_always", scope=EXACT_LS, by="a"),
+            other("answered", id="2", tool="exec_shell_command", answer="allow_once", by="a"),
             other("answered", id="3", tool="cat", answer="refuse", by="a"),
+            # Written before scopes ("the whole tool"): grants nothing, so it is asked again.
+            other("answered", id="4", tool="ls", answer="allow_always", by="a"),
         ],
-        frozenset({"ls"}),
+        [("exec_shell_command", EXACT_LS)],
     ),
     (
         "survives cleared",
         [
-            other("answered", id="1", tool="ls", answer="allow_always", by="a"),
+            other("answered", id="1", tool="exec_shell_command", answer="allow_always", scope=EXACT_LS, by="a"),
             other("cleared"),
             other("cleared"),
-            other("answered", id="2", tool="exa_search", answer="allow_always", by="b"),
+            other("answered", id="2", tool="exec_shell_command", answer="allow_always", scope=PREFIX_GIT, by="b"),
         ],
-        frozenset({"ls", "exa_search"}),
+        [("exec_shell_command", EXACT_LS), ("exec_shell_command", PREFIX_GIT)],
     ),
 ]
 
@@ -586,10 +591,10 @@ ALLOWED_CASES = [
 @pytest.mark.parametrize(
     ("steps", "expected"), [pytest.param(s, e, id=n) for n, s, e in ALLOWED_CASES]
 )
-def test_it_folds_allowed_tools(
-    steps: list[tuple[str, dict[str, Any]]], expected: frozenset[str]
+def test_it_folds_allowances(
+    steps: list[tuple[str, dict[str, Any]]], expected: list[tuple[str, dict]]
 ) -> None:
-    assert allowed_tools(script(*steps)) == expected
+    assert [(a["tool"], a["scope"]) for a in allowances(script(*steps))] == expected
 
 
 def q(qid: str, text: str) -> tuple[str, dict[str, Any]]:
@@ -740,10 +745,10 @@ def test_it_accepts_generators() -> None:
     steps = [
         user("a"),
         say("b"),
-        other("answered", id="1", tool="ls", answer="allow_always", by="a"),
+        other("answered", id="1", tool="ls", answer="allow_always", scope={"kind": "tool"}, by="a"),
     ]
     assert build_messages(e for e in script(*steps)) == [u("a"), asst("b")]
-    assert allowed_tools(e for e in script(*steps)) == frozenset({"ls"})
+    assert [a["tool"] for a in allowances(e for e in script(*steps))] == ["ls"]
     assert open_turn(e for e in script(*steps)) is True
 
 
