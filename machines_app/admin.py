@@ -14,6 +14,7 @@ from . import actions as machine_actions
 from . import ssh
 from .llama_server import BUILTIN_CHAT_TEMPLATES
 from .models import Machine, ModelFile, ServerRecord
+from .template_files import TemplateFileRefused, check_template_file
 from .transports import ProcessId, TransportError, transport_for
 
 
@@ -236,17 +237,16 @@ class ModelFileForm(forms.ModelForm):
             return data
         if not path:
             return data
-        if not (path.startswith("/") or path == "~" or path.startswith("~/")) or "\x00" in path:
-            self.add_error("chat_template_file", "Give an absolute path on the machine, or one under ~ (~/x.jinja).")
-            return data
-        transport = transport_for(self.instance.machine)
+        machine = self.instance.machine
         try:
-            found = transport.is_file(transport.expand_path(path))
+            # docs/security.md: a readable regular file of a template's size, no secret by where it lies.
+            check_template_file(
+                transport_for(machine), path, machine.name, local=machine.transport == Machine.Transport.LOCAL
+            )
+        except TemplateFileRefused as exc:
+            self.add_error("chat_template_file", str(exc))
         except TransportError as exc:
-            self.add_error("chat_template_file", f"Could not check the file on {self.instance.machine.name}: {exc}")
-            return data
-        if not found:
-            self.add_error("chat_template_file", f"There is no file {path} on {self.instance.machine.name}.")
+            self.add_error("chat_template_file", f"Could not check the file on {machine.name}: {exc}")
         return data
 def _mib(value: int | None) -> str:
     return "–" if value is None else f"{value / (1024 * 1024):.0f} MiB"
@@ -263,7 +263,10 @@ class ModelFileAdmin(admin.ModelAdmin):
     search_fields = ("display_name", "key", "name")
     # Every field the form does not edit, chat_template_caps included (listing it again
     # showed it twice on the page).
-    readonly_fields = [f.name for f in ModelFile._meta.fields if f.name not in ModelFileForm.Meta.fields]
+    # special_tokens too: thousands of strings for some vocabularies (Gemma's <unused…>), kept for requests.
+    readonly_fields = [
+        f.name for f in ModelFile._meta.fields if f.name not in (*ModelFileForm.Meta.fields, "special_tokens")
+    ]
 
     def save_model(self, request, obj, form, change):
         if {"chat_template", "chat_template_file"} & set(form.changed_data):
