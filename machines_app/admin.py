@@ -18,12 +18,21 @@ from .template_files import TemplateFileRefused, check_template_file
 from .transports import ProcessId, TransportError, transport_for
 
 
+class SecretTextarea(forms.Textarea):
+    """A text area that never writes a value into the page — not even the one just typed,
+    when the form comes back for an error in another field (docs/security.md): a secret
+    typed into the admin goes one way only."""
+
+    def format_value(self, value):
+        return None
+
+
 class MachineForm(forms.ModelForm):
     """The machine form; for SSH it connects once to read and pin the host key, and takes
     the private key write-only (stored 0600 under the data directory, never shown back)."""
 
     private_key = forms.CharField(
-        required=False, strip=False, widget=forms.Textarea(attrs={"rows": 4, "autocomplete": "off"}),
+        required=False, strip=False, widget=SecretTextarea(attrs={"rows": 4, "autocomplete": "off"}),
         help_text="Paste the private key Corral uses for this machine (OpenSSH format, no passphrase). It is "
         "stored on the backend, readable by Corral only, and never shown again; leave empty to keep the current one.",
     )
@@ -42,7 +51,16 @@ class MachineForm(forms.ModelForm):
             "enabled",
         ]
 
+    #: Said on the key's field when the form comes back with a key typed in: it is not shown.
+    KEY_NOT_KEPT = "The private key you pasted is not shown again: paste it again before saving."
+
     def clean(self):
+        data = self._clean_together()
+        if data.get("private_key") and self.errors and "private_key" not in self.errors:
+            self.add_error("private_key", self.KEY_NOT_KEPT)
+        return data
+
+    def _clean_together(self):
         data = super().clean()
         self.pinned_fingerprint = ""
         if data.get("host_key"):
