@@ -33,10 +33,14 @@ SECRET_DIR_NAMES = frozenset({".ssh", ".gnupg", ".aws", ".kube", ".docker", ".pa
 SECRET_SUFFIXES = (".pem", ".key", ".p12", ".pfx", ".kdbx", ".keystore", ".jks")
 SECRET_NAMES = frozenset({".env", ".netrc", ".pgpass", "secret_key", "shadow"})
 
-#: A log line is left out when it holds one of the file's lines at least this long; a
-#: shorter line of the file only when the log line is that line and nothing else
-#: (``}``, ``{% endif %}`` would otherwise take llama-server's own lines with them).
-QUOTED_LINE_MIN = 6
+#: A log line is left out when it holds this many characters of the file in a row (a Jinja
+#: error quotes a window of the template around the fault, cut anywhere), or is one of the
+#: file's lines, however short.
+QUOTED_RUN = 12
+
+#: llama-server's phrases that the template's text follows on the same line: the line is
+#: kept up to the phrase (its own words), the rest is not shown.
+TEMPLATE_FOLLOWS = ("chat template is not supported:", "chat_template:")
 
 #: What stands in a log tail for the lines left out.
 LEFT_OUT = "(lines quoting the chat template file are not shown)"
@@ -121,22 +125,36 @@ def check_template_file(transport: Transport, path: str, machine_name: str, *, l
 
 
 def without_template_lines(log_tail: str, template_text: str | None) -> str:
-    """``log_tail`` without the lines that quote the template file whose text is
-    ``template_text`` (llama-server prints the template at start, and a Jinja error quotes
-    the line it failed on): a log line is left out when it holds a line of the file of at
-    least :data:`QUOTED_LINE_MIN` characters, or is one of its shorter lines. The lines
-    left out are said by one :data:`LEFT_OUT` line where the first of them stood.
-    ``template_text`` None (the file could not be read back): no line can be told apart
-    from the file's, so the whole tail is replaced by :data:`LEFT_OUT`."""
+    """``log_tail`` without what quotes the template file whose text is ``template_text``.
+
+    llama-server prints the template as it starts and after "the supplied chat template
+    is not supported:", and a Jinja error quotes a window of it around the fault, its
+    line breaks written ``↵``. So a log line is left out when it is one of the file's
+    lines, holds :data:`QUOTED_RUN` characters of the file in a row (``↵`` read as a line
+    break), or is such an error's excerpt (``↵`` in it) or caret line; a line with one of
+    :data:`TEMPLATE_FOLLOWS` is kept up to that phrase. The lines left out are said by one
+    :data:`LEFT_OUT` line where the first of them stood. ``template_text`` None (the
+    file could not be read back): nothing can be told apart, so the whole tail is
+    :data:`LEFT_OUT`.
+    """
     if template_text is None:
         return LEFT_OUT if log_tail.strip() else log_tail
-    long_lines = {line.strip() for line in template_text.splitlines() if len(line.strip()) >= QUOTED_LINE_MIN}
-    short_lines = {line.strip() for line in template_text.splitlines() if line.strip()}
+    lines = {line.strip() for line in template_text.splitlines() if line.strip()}
+    runs = {template_text[i:i + QUOTED_RUN] for i in range(max(0, len(template_text) - QUOTED_RUN + 1))}
     kept: list[str] = []
     said = False
     for line in log_tail.splitlines():
-        bare = line.strip()
-        if bare in short_lines or any(quoted in line for quoted in long_lines):
+        for phrase in TEMPLATE_FOLLOWS:
+            at = line.find(phrase)
+            if at >= 0:
+                line = line[:at + len(phrase)] + " (the file's text is not shown)"
+                break
+        plain = line.replace("\u21b5", "\n")
+        quoted = (
+            line.strip() in lines or "\u21b5" in line or (line.strip() and not line.strip("^ ~"))
+            or any(plain[i:i + QUOTED_RUN] in runs for i in range(len(plain) - QUOTED_RUN + 1))
+        )
+        if quoted:
             if not said:
                 kept.append(LEFT_OUT)
                 said = True

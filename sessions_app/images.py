@@ -77,7 +77,10 @@ def max_pixels() -> int:
 
 
 def megapixels(pixels: int) -> str:
-    """A pixel count as people read it: ``16.8 megapixels``, ``81 megapixels``."""
+    """A pixel count as people read it: ``16.8 megapixels``, ``81 megapixels``; below a
+    tenth of a megapixel, ``10,000 pixels``."""
+    if pixels < 100_000:
+        return f"{pixels:,} pixels"
     return f"{pixels / 1_000_000:.1f}".removesuffix(".0") + " megapixels"
 
 
