@@ -16,7 +16,7 @@ import posixpath
 
 from django.conf import settings
 
-from .transports import Transport, TransportError
+from .transports import Transport
 from .workspaces import inside
 
 #: The largest template file taken, in bytes: real ones are a few KB (Qwen's 4 KB, a long
