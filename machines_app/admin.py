@@ -14,7 +14,17 @@ from . import actions as machine_actions
 from . import ssh
 from .llama_server import BUILTIN_CHAT_TEMPLATES
 from .models import Machine, ModelFile, ServerRecord
+from .template_files import TemplateFileRefused, check_template_file
 from .transports import ProcessId, TransportError, transport_for
+
+
+class SecretTextarea(forms.Textarea):
+    """A text area that never writes a value into the page — not even the one just typed,
+    when the form comes back for an error in another field (docs/security.md): a secret
+    typed into the admin goes one way only."""
+
+    def format_value(self, value):
+        return None
 
 
 class MachineForm(forms.ModelForm):
@@ -22,7 +32,7 @@ class MachineForm(forms.ModelForm):
     the private key write-only (stored 0600 under the data directory, never shown back)."""
 
     private_key = forms.CharField(
-        required=False, strip=False, widget=forms.Textarea(attrs={"rows": 4, "autocomplete": "off"}),
+        required=False, strip=False, widget=SecretTextarea(attrs={"rows": 4, "autocomplete": "off"}),
         help_text="Paste the private key Corral uses for this machine (OpenSSH format, no passphrase). It is "
         "stored on the backend, readable by Corral only, and never shown again; leave empty to keep the current one.",
     )
@@ -41,7 +51,16 @@ class MachineForm(forms.ModelForm):
             "enabled",
         ]
 
+    #: Said on the key's field when the form comes back with a key typed in: it is not shown.
+    KEY_NOT_KEPT = "The private key you pasted is not shown again: paste it again before saving."
+
     def clean(self):
+        data = self._clean_together()
+        if data.get("private_key") and self.errors and "private_key" not in self.errors:
+            self.add_error("private_key", self.KEY_NOT_KEPT)
+        return data
+
+    def _clean_together(self):
         data = super().clean()
         self.pinned_fingerprint = ""
         if data.get("host_key"):
@@ -236,17 +255,16 @@ class ModelFileForm(forms.ModelForm):
             return data
         if not path:
             return data
-        if not (path.startswith("/") or path == "~" or path.startswith("~/")) or "\x00" in path:
-            self.add_error("chat_template_file", "Give an absolute path on the machine, or one under ~ (~/x.jinja).")
-            return data
-        transport = transport_for(self.instance.machine)
+        machine = self.instance.machine
         try:
-            found = transport.is_file(transport.expand_path(path))
+            # docs/security.md: a readable regular file of a template's size, no secret by where it lies.
+            check_template_file(
+                transport_for(machine), path, machine.name, local=machine.transport == Machine.Transport.LOCAL
+            )
+        except TemplateFileRefused as exc:
+            self.add_error("chat_template_file", str(exc))
         except TransportError as exc:
-            self.add_error("chat_template_file", f"Could not check the file on {self.instance.machine.name}: {exc}")
-            return data
-        if not found:
-            self.add_error("chat_template_file", f"There is no file {path} on {self.instance.machine.name}.")
+            self.add_error("chat_template_file", f"Could not check the file on {machine.name}: {exc}")
         return data
 def _mib(value: int | None) -> str:
     return "–" if value is None else f"{value / (1024 * 1024):.0f} MiB"
@@ -263,7 +281,10 @@ class ModelFileAdmin(admin.ModelAdmin):
     search_fields = ("display_name", "key", "name")
     # Every field the form does not edit, chat_template_caps included (listing it again
     # showed it twice on the page).
-    readonly_fields = [f.name for f in ModelFile._meta.fields if f.name not in ModelFileForm.Meta.fields]
+    # special_tokens too: thousands of strings for some vocabularies (Gemma's <unused…>), kept for requests.
+    readonly_fields = [
+        f.name for f in ModelFile._meta.fields if f.name not in (*ModelFileForm.Meta.fields, "special_tokens")
+    ]
 
     def save_model(self, request, obj, form, change):
         if {"chat_template", "chat_template_file"} & set(form.changed_data):

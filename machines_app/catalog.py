@@ -14,7 +14,8 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from .discovery import InvalidModelKey, discover, validate_key
+from .discovery import InvalidModelKey, discover, read_model_head, validate_key
+from .gguf import GGUFError
 from .models import Machine, ModelFile
 from .transports import TransportError, transport_for
 
@@ -106,6 +107,7 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
                     "missing_parts": list(info.missing_parts),
                     "error": _text(info.error, "error") if info.error else "",
                     "sampling_defaults": info.sampling_defaults,
+                    "special_tokens": list(info.special_tokens),
                 },
             )
             keep.append(obj.pk)
@@ -144,6 +146,30 @@ def model_for_session(machine: Machine, key: str) -> ResolvedModel:
         chat_template=model.chat_template, chat_template_file=template_file,
         context_length=model.context_length,
     )
+
+
+def special_tokens(model: ModelFile) -> list[str]:
+    """The strings the server's tokenizer reads as ``model``'s special tokens
+    (:attr:`ModelFile.special_tokens`), read from the file's head through its machine once
+    when discovery has not (a row from before they were kept) and stored.
+
+    Raises TransportError when the machine cannot be asked or the file cannot be read
+    (nothing is stored then: the next request asks again); a file that no longer parses
+    gives [] (its server cannot load it either)."""
+    if model.special_tokens is not None:
+        return model.special_tokens
+    transport = transport_for(model.machine)
+    path = posixpath.join(transport.expand_path(model.machine.models_dir), model.key)
+    try:
+        head = read_model_head(model.key, lambda _key, n, offset=0: transport.read_head(path, n, offset))
+        found = list(head.special_tokens)
+    except GGUFError:
+        found = []
+    except OSError as exc:
+        raise TransportError(f"could not read the model file {path} on {model.machine.name}: {exc}") from None
+    ModelFile.objects.filter(pk=model.pk).update(special_tokens=found)
+    model.special_tokens = found
+    return found
 
 
 def vision(machine: Machine, key: str) -> tuple[str, bool]:

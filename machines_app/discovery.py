@@ -101,6 +101,8 @@ class ModelInfo:
         has_chat_template: the file carries a chat template.
         sampling_defaults: the file's ``general.sampling.*`` values by request name
             (:attr:`machines_app.gguf.GGUFHead.sampling_defaults`).
+        special_tokens: the strings of its vocabulary the server reads as the template's
+            special tokens (:attr:`machines_app.gguf.GGUFHead.special_tokens`).
         has_mtp: the file carries a multi-token-prediction (NextN) head.
         has_vision: a vision projector (mmproj) lies in the same directory.
         projector_key: that projector's key (the first by key when there are several),
@@ -126,6 +128,7 @@ class ModelInfo:
     error: str | None
     projector_key: str | None = None
     sampling_defaults: dict = field(default_factory=dict)
+    special_tokens: tuple[str, ...] = ()
 
     @property
     def is_complete(self) -> bool:
@@ -371,6 +374,7 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
                 missing_parts=candidate.missing_parts,
                 error=candidate.error,
                 sampling_defaults=head.sampling_defaults if head else {},
+                special_tokens=head.special_tokens if head else (),
             )
         )
     result.sort(key=lambda m: (m.display_name.casefold(), m.key))

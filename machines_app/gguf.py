@@ -27,7 +27,7 @@ import math
 import struct
 from dataclasses import dataclass, field
 
-from gguf import GGUF_MAGIC, GGUFValueType, Keys, LlamaFileType
+from gguf import GGUF_MAGIC, GGUFValueType, Keys, LlamaFileType, TokenType
 
 __all__ = [
     "ARRAY_SUMMARY_THRESHOLD",
@@ -37,6 +37,7 @@ __all__ = [
     "GGUFHead",
     "NeedMoreBytes",
     "parse_head",
+    "special_token_texts",
 ]
 
 #: Arrays longer than this are stored as an :class:`ArraySummary`, not as values.
@@ -154,6 +155,10 @@ class GGUFHead:
     tensor_count: int
     metadata: dict[str, object]
     metadata_end: int = field(default=0, compare=False)
+    #: The vocabulary's strings that llama.cpp's tokenizer reads as special tokens of the
+    #: template (:func:`special_token_texts`), in vocabulary order; () when the file has
+    #: no vocabulary (a projector, a later split part) or it could not be read.
+    special_tokens: tuple[str, ...] = field(default=(), compare=False)
 
     def _str(self, key: str) -> str | None:
         value = self.metadata.get(key)
@@ -386,11 +391,15 @@ def parse_head(data: bytes | bytearray | memoryview) -> GGUFHead:
         raise GGUFError(f"corrupt GGUF header: metadata key count {kv_count} is absurd")
 
     metadata: dict[str, object] = {}
+    vocabulary: dict[str, tuple[int, int]] = {}  # tokens / token types → where their array lies
     for index in range(kv_count):
         try:
             key = cur.string(f"key #{index}")
             vtype = _value_type(cur.u32(), key)
+            start = cur.pos
             value = _read_value(cur, vtype, key)
+            if key in (_TOKENS, _TOKEN_TYPES) and vtype is GGUFValueType.ARRAY:
+                vocabulary[key] = (start, cur.pos)
         except NeedMoreBytes as exc:
             # Also account for the key/value pairs that are still to come.
             remaining = kv_count - index - 1
@@ -398,4 +407,84 @@ def parse_head(data: bytes | bytearray | memoryview) -> GGUFHead:
         if key in metadata:
             raise GGUFError(f"corrupt GGUF header: duplicate metadata key {key!r}")
         metadata[key] = value
-    return GGUFHead(version=version, tensor_count=tensor_count, metadata=metadata, metadata_end=cur.pos)
+    specials = ()
+    if _TOKENS in vocabulary and _TOKEN_TYPES in vocabulary:
+        types = _array_ints(cur.data, *vocabulary[_TOKEN_TYPES])
+        # Only the tokens of a type that can be special are decoded: a vocabulary has
+        # 50,000 to 260,000 strings and a few hundred of those.
+        maybe = {i for i, kind in enumerate(types) if kind in _MAYBE}
+        tokens = _array_strings(cur.data, *vocabulary[_TOKENS], keep=maybe.__contains__)
+        specials = special_token_texts(tokens, types, _templates(metadata))
+    return GGUFHead(
+        version=version, tensor_count=tensor_count, metadata=metadata, metadata_end=cur.pos, special_tokens=specials
+    )
+
+
+_TOKENS = Keys.Tokenizer.LIST  # "tokenizer.ggml.tokens"
+_TOKEN_TYPES = Keys.Tokenizer.TOKEN_TYPE  # "tokenizer.ggml.token_type"
+_MAYBE = frozenset(int(t) for t in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED))
+
+
+def special_token_texts(tokens: list[str], types: list[int], templates: list[str]) -> tuple[str, ...]:
+    """The strings of the vocabulary ``tokens`` (``tokenizer.ggml.tokens``) that the
+    server's tokenizer would read as the template's special tokens in a message's text.
+
+    llama.cpp's tokenizer matches the text of every CONTROL, UNKNOWN and USER_DEFINED
+    token (``types``: ``tokenizer.ggml.token_type``, values of gguf's ``TokenType``) in a
+    prompt before anything else, and llama-server tokenises a chat prompt with special
+    tokens on. Kept:
+
+    - every CONTROL and UNKNOWN token (``<|im_start|>``, ``<end_of_turn>``, ``<unk>``…);
+    - a USER_DEFINED token only when a chat template of the file (``templates``) writes
+      it: these are also the model's ordinary spelling of text (Gemma's ``<table>``), and
+      breaking them up everywhere would change how a model reads plain HTML. The ones a
+      template writes (``<tool_call>``) are its markup.
+
+    Left out: strings shorter than two characters (nothing can be put inside them) and
+    strings of white space only (``▁`` counts as white space): neither can open a turn.
+    Returns the strings in vocabulary order, each once.
+    """
+    wanted = {int(TokenType.CONTROL), int(TokenType.UNKNOWN)}
+    user_defined = int(TokenType.USER_DEFINED)
+    found: dict[str, None] = {}
+    for text, kind in zip(tokens, types, strict=False):
+        if len(text) < 2 or not text.replace("\u2581", " ").strip():
+            continue
+        if kind in wanted or (kind == user_defined and any(text in template for template in templates)):
+            found[text] = None
+    return tuple(found)
+
+
+def _templates(metadata: dict[str, object]) -> list[str]:
+    return [
+        value for key, value in metadata.items()
+        if (key == "tokenizer.chat_template" or key.startswith("tokenizer.chat_template.")) and isinstance(value, str)
+    ]
+
+
+def _array_strings(data: memoryview, start: int, end: int, keep) -> list[str]:
+    """The elements of a string array whose encoding (element type, count, elements)
+    lies in ``data[start:end]``, "" for each index ``keep(index)`` refuses; [] for an
+    array of another type. Already bounds-checked by the parse that found it."""
+    cur = _Cursor(data[start:end])
+    etype, length = cur.u32(), cur.u64()
+    if etype != GGUFValueType.STRING:
+        return []
+    found = []
+    view, pos, unpack_from = cur.data, cur.pos, _U64.unpack_from
+    for index in range(length):
+        (size,) = unpack_from(view, pos)
+        pos += 8
+        found.append(str(view[pos:pos + size], "utf-8", errors="replace") if keep(index) else "")
+        pos += size
+    return found
+
+
+def _array_ints(data: memoryview, start: int, end: int) -> list[int]:
+    """The elements of an integer array in ``data[start:end]``; [] for another type."""
+    cur = _Cursor(data[start:end])
+    etype, length = cur.u32(), cur.u64()
+    fmt = _SCALAR_FORMATS.get(GGUFValueType(etype))  # a known type: the parse checked it
+    if fmt is None or etype in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64, GGUFValueType.BOOL):
+        return []
+    return [int(value) for (value,) in fmt.iter_unpack(cur.data[cur.pos : cur.pos + fmt.size * length])]

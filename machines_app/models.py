@@ -165,6 +165,11 @@ class ModelFile(models.Model):
         help_text="The file's general.sampling.* keys, by request name (temperature, top_k, …): llama-server "
         "applies them to a request that does not set its own (docs/behaviour.md §17).",
     )
+    # The strings the server's tokenizer would read as the template's special tokens
+    # (machines_app.gguf.special_token_texts), broken up in every message before a request
+    # (docs/security.md "Text never becomes control tokens"). None: not read yet (a row from
+    # before this was kept); catalog.special_tokens reads it then.
+    special_tokens = models.JSONField(null=True, blank=True, default=None, editable=False)
     # Set by an admin, kept across refreshes (a refresh updates the row in place by key).
     system_prompt = models.TextField(
         blank=True,

@@ -248,6 +248,10 @@ CORRAL_PRESENCE_SECONDS = env_float("CORRAL_PRESENCE_SECONDS", 20.0, minimum=0.1
 # Images a message may carry (docs/behaviour.md §16): the largest one in bytes, and how many.
 CORRAL_IMAGE_MAX_BYTES = env_int("CORRAL_IMAGE_MAX_BYTES", 10_000_000, minimum=1)
 CORRAL_IMAGE_MAX_COUNT = env_int("CORRAL_IMAGE_MAX_COUNT", 8, minimum=1, maximum=100)
+# … and the most pixels one may have (width × height): the bytes say little about what
+# decoding costs (a 9000×9000 PNG of one colour is a few hundred KB and 320 MB decoded).
+# At most Pillow's own decompression-bomb limit, which refuses more anyway.
+CORRAL_IMAGE_MAX_PIXELS = env_int("CORRAL_IMAGE_MAX_PIXELS", 16_777_216, minimum=1, maximum=89_478_485)
 # Threads of the turns worker that ./corral run starts: how many turns stream at once on
 # this host; more wait in the queue, and their pages say how many are ahead.
 CORRAL_TURN_WORKERS = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)

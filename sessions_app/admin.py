@@ -8,6 +8,8 @@ sharing) is read-only here: a session is started, changed and stopped from its p
 stopped like one deleted from its page (``sessions_app.signals``).
 """
 
+import json
+
 from django import forms
 from django.contrib import admin
 from django.shortcuts import redirect
@@ -103,8 +105,29 @@ class TranscriptEventAdmin(InternalRowAdmin):
         return event_text(obj.payload)
 
 
+#: What the headers field shows for each stored value; sent back as it is, it keeps that value.
+HEADER_KEPT = "(stored, not shown)"
+
+
+class SecretHeadersWidget(forms.Textarea):
+    """The headers as JSON with every value written as :data:`HEADER_KEPT`: header values
+    are API keys more often than not, so none is written into the page — neither a stored
+    one nor one just typed, when the form comes back for an error. Text that is not a
+    JSON object is not shown back at all."""
+
+    def format_value(self, value):
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        return json.dumps({str(name): HEADER_KEPT for name in parsed}, ensure_ascii=False)
+
+
 class McpServerForm(forms.ModelForm):
-    """The MCP server form; its API key is write-only: typed in, never shown back."""
+    """The MCP server form; its API key and its header values are write-only: typed in,
+    never shown back (a value left as :data:`HEADER_KEPT` keeps the stored one)."""
 
     api_key = forms.CharField(
         required=False, strip=True, label="API key",
@@ -117,6 +140,31 @@ class McpServerForm(forms.ModelForm):
     class Meta:
         model = McpServer
         fields = ["name", "url", "headers", "api_key", "enabled"]
+        widgets = {"headers": SecretHeadersWidget(attrs={"rows": 3, "autocomplete": "off"})}
+        help_texts = {
+            "headers": escape(f'Extra HTTP headers as JSON, e.g. {{"x-api-key": "…"}}. Stored values are never shown: '
+                              f'each reads "{HEADER_KEPT}"; leave it so to keep it, or type a new one.'),
+        }
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # A model field with a callable default (dict) would also write its stored value
+        # into a hidden "initial-headers" input.
+        self.fields["headers"].show_hidden_initial = False
+
+    def clean_headers(self) -> dict:
+        headers = self.cleaned_data.get("headers") or {}
+        if not isinstance(headers, dict):
+            raise forms.ValidationError('Give the headers as a JSON object: {"name": "value"}.')
+        stored = self.instance.headers if self.instance.pk and isinstance(self.instance.headers, dict) else {}
+        kept = {}
+        for name, value in headers.items():
+            if value == HEADER_KEPT:
+                if name not in stored:
+                    raise forms.ValidationError(f"Type the value of the header {name}: none is stored for it.")
+                value = stored[name]
+            kept[name] = value
+        return kept
 
     def clean_api_key(self) -> str:
         typed = self.cleaned_data.get("api_key", "")

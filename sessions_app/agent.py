@@ -36,6 +36,7 @@ from . import (
     broadcast,
     callcard,
     completions,
+    control_tokens,
     images,
     lifecycle,
     machine_use,
@@ -421,6 +422,9 @@ class Step:
         sampling, seed = request_sampling(fresh.sampling, settings.CORRAL_DEFAULT_MAX_TOKENS)
         ready = transcript.last_server_ready(events)
         model = ModelFile.objects.filter(machine_id=fresh.machine_id, key=fresh.model_key).first()
+        # docs/security.md: what was typed, returned or written reaches the server as text,
+        # never as the template's control tokens (the transcript keeps it as it was).
+        messages = control_tokens.neutralise(messages, catalog.special_tokens(model) if model else ())
         in_force, sources = sampling_in_force(
             sampling, model.sampling_defaults if model else {}, ready.get("sampling_defaults") or {}
         )

@@ -71,6 +71,19 @@ def max_count() -> int:
     return settings.CORRAL_IMAGE_MAX_COUNT
 
 
+def max_pixels() -> int:
+    """``CORRAL_IMAGE_MAX_PIXELS``: the most pixels (width × height) an image may have."""
+    return settings.CORRAL_IMAGE_MAX_PIXELS
+
+
+def megapixels(pixels: int) -> str:
+    """A pixel count as people read it: ``16.8 megapixels``, ``81 megapixels``; below a
+    tenth of a megapixel, ``10,000 pixels``."""
+    if pixels < 100_000:
+        return f"{pixels:,} pixels"
+    return f"{pixels / 1_000_000:.1f}".removesuffix(".0") + " megapixels"
+
+
 def megabytes(size: int) -> str:
     """A size as people read it: ``10 MB``, ``1.5 MB``, ``300 KB``."""
     if size >= 1_000_000:
@@ -80,7 +93,8 @@ def megabytes(size: int) -> str:
 
 def limits_sentence() -> str:
     """The composer's line about what may be attached."""
-    return f"Up to {max_count()} images ({KINDS}), {megabytes(max_bytes())} each."
+    return (f"Up to {max_count()} images ({KINDS}), {megabytes(max_bytes())} each. "
+            f"Each at most {megapixels(max_pixels())}.")
 
 
 def check_image(upload: Upload) -> ImageRef:
@@ -90,9 +104,11 @@ def check_image(upload: Upload) -> ImageRef:
     Taken: PNG, JPEG, WebP and GIF, judged by the bytes (Pillow reads and verifies them,
     then decodes every pixel of the first frame — what llama-server's image loader reads),
     never by the name or the type the browser claimed, at most :func:`max_bytes` long and
-    not a decompression bomb (Pillow's ``MAX_IMAGE_PIXELS``). A file whose header is sound
-    but whose pixel data is cut short or damaged is refused too: the image goes with every
-    later request of the session, so one the server cannot decode would fail them all.
+    at most :func:`max_pixels` pixels, as its header says — read before any pixel is
+    decoded, so a file over the bound costs no decoding at all. A file whose header is
+    sound but whose pixel data is cut short or damaged is refused too: the image goes with
+    every later request of the session, so one the server cannot decode would fail them
+    all. Its pixels are decoded once, here.
     """
     name = upload.name or "The attached file"
     if upload.length > max_bytes():
@@ -104,6 +120,12 @@ def check_image(upload: Upload) -> ImageRef:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(upload.data)) as image:
                 kind = image.format
+                width, height = image.size
+                if kind in FORMATS and width * height > max_pixels():
+                    raise ImageRefused(
+                        f"{name} is {width}×{height} pixels ({megapixels(width * height)}); an image can have at "
+                        f"most {megapixels(max_pixels())}."
+                    )
                 image.verify()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ImageRefused(f"{name} has too many pixels to be taken as an image.") from None
@@ -231,8 +253,39 @@ def data_uri(ref: ImageRef) -> str | None:
         return None
     media_type = ref["media_type"]
     if media_type not in SERVER_READS:
-        try:
-            data, media_type = as_png(data), "image/png"
-        except (OSError, ValueError, Image.DecompressionBombError):
+        data, media_type = server_copy(ref, data), "image/png"
+        if data is None:
             return None  # checked when attached; unreadable now is as good as missing
     return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def server_copy(ref: ImageRef, data: bytes) -> bytes | None:
+    """The PNG a request carries for an image llama-server cannot read as it is (``data``:
+    the stored bytes of ``ref``), made once and kept beside the image
+    (``<sha256>.server.png``, written like the image): an image goes with every later
+    request of its session, and decoding it anew each time would cost its pixels every
+    turn. None when its pixels cannot be read."""
+    path = image_dir() / f"{ref['sha256']}.server.png"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        fd = None
+    if fd is not None:
+        with os.fdopen(fd, "rb") as source:
+            if stat.S_ISREG(os.fstat(source.fileno()).st_mode):
+                return source.read()
+    try:
+        png = as_png(data)
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return None
+    try:
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")  # O_EXCL, mode 0600
+    except OSError:
+        return png  # made again next time
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(png)
+        os.replace(partial, path)  # a rename: never written through a link
+    except OSError:
+        Path(partial).unlink(missing_ok=True)
+    return png

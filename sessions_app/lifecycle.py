@@ -28,6 +28,7 @@ from machines_app.llama_server import (
     ServerStartError,
     SlotError,
     build_argv,
+    explain_start_failure,
     new_api_key,
     read_props,
     restore_slot,
@@ -38,6 +39,12 @@ from machines_app.llama_server import (
     wait_until_ready,
 )
 from machines_app.models import Machine, ModelFile, ServerRecord, SlotSave
+from machines_app.template_files import (
+    MAX_TEMPLATE_BYTES,
+    TemplateFileRefused,
+    check_template_file,
+    without_template_lines,
+)
 from machines_app.transports import ProcessId, Transport, TransportError, machine_place, transport_at, transport_for
 
 from . import dispatch, tools, turns
@@ -83,6 +90,22 @@ def server_endpoint(session: AgentSession) -> Endpoint | None:
     if record is None:
         return None
     return _endpoint(transport_for(record.machine), record)
+
+
+def template_safe(session: AgentSession, transport: Transport, log_tail: str) -> str:
+    """A server's last log lines as every watcher of ``session`` may read them (and its
+    export keeps them): without the lines that quote its model file's chat template file
+    (docs/security.md), read back from the machine to know them. Unchanged for a model
+    whose template is not a file."""
+    model = ModelFile.objects.filter(machine_id=session.machine_id, key=session.model_key).first()
+    if model is None or not model.chat_template_file or not log_tail.strip():
+        return log_tail
+    try:
+        path = transport.real_path(model.chat_template_file)
+        text = transport.read_head(path, MAX_TEMPLATE_BYTES).decode("utf-8", "replace")
+    except (TransportError, OSError):
+        text = None
+    return without_template_lines(log_tail, text)
 
 
 def _fail(session: AgentSession, message: str, log: str = "") -> None:
@@ -257,6 +280,17 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
                 f"Machine '{session.machine.name}' has no chat template file {model.chat_template_file}, which an "
                 f"admin set for {model.display_name}; copy it there or change the model file's template."
             )
+        if model.chat_template_file:
+            # Checked again before each start (docs/security.md): a file that became a link to
+            # a secret, or went away, since an admin set it.
+            try:
+                check_template_file(transport, model.chat_template_file, session.machine.name,
+                                    local=session.machine.transport == Machine.Transport.LOCAL)
+            except TemplateFileRefused as exc:
+                raise catalog.ModelUnavailable(
+                    f"The chat template file set for {model.display_name} cannot be used: {exc} An admin can "
+                    "change it on the model file (admin → Model files)."
+                ) from None
         log_path = log_path_for(session, transport, port)
         set_status(session.pk, Status.LOADING)
         # Corral's own, owner-only, never a link (docs/behaviour.md C43): llama-server
@@ -327,7 +361,8 @@ def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bo
         stopped_on_purpose = not ServerRecord.objects.filter(pk=record.pk, stopping=False).exists()
         ServerRecord.objects.filter(pk=record.pk).delete()
         if not stopped_on_purpose:
-            _fail(session, exc.sentence, log=exc.log_tail)
+            tail = template_safe(session, transport, exc.log_tail)
+            _fail(session, explain_start_failure(exc.headline, tail), log=tail)
         return
     # llama-server read its key at start; the file need not outlive that.
     try:
@@ -784,4 +819,5 @@ def check_server(record: ServerRecord) -> None:
     except TransportError:
         tail = ""
     message = "llama-server exited by itself (nobody stopped it). Restart it to go on."
-    _fail(AgentSession.objects.get(pk=record.session_id), message, log=tail.strip())
+    session = AgentSession.objects.select_related("machine").get(pk=record.session_id)
+    _fail(session, message, log=template_safe(session, transport, tail.strip()))
