@@ -266,7 +266,9 @@ def _asked(session) -> list[dict]:
 def _outputs(session) -> list[str]:
     from sessions_app.models import TranscriptEvent
 
-    return [e.payload["output"] for e in TranscriptEvent.objects.filter(session=session, kind="tool_end").order_by("seq")]
+    # read_file answers a file's lines each ended by a newline, as llama-server's does.
+    return [e.payload["output"].removesuffix("\n")
+            for e in TranscriptEvent.objects.filter(session=session, kind="tool_end").order_by("seq")]
 
 
 def _answer(session, user, model_side, answer, scope_kind=None, **scope_fields):
