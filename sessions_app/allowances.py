@@ -65,14 +65,24 @@ WHOLE_TOOLS = frozenset({"get_info"})
 #: two apart is the shell's job, and a mistake here runs a command nobody approved).
 COMPOUND_CHARS = frozenset(";&|`$<>(){}\n\r")
 
-#: Programs that run whatever their arguments say (a shell, an interpreter, a wrapper):
-#: a prefix allowance for them would be the gate turned off, so only the exact command is
-#: offered.
+#: Programs that run whatever their arguments say (a shell, an interpreter, a wrapper, the
+#: shell's own ``!``, ``coproc`` and ``trap``): a prefix allowance for them would be the
+#: gate turned off, so only the exact command is offered. A name is looked up without a
+#: version at its end (``python3.12``, ``perl5.36``, ``bash5`` are ``python``, ``perl``,
+#: ``bash``: :func:`_runs_anything`).
 RUNS_ANYTHING = frozenset({
-    "sh", "bash", "zsh", "dash", "ksh", "fish", "csh", "tcsh", "env", "sudo", "su", "doas", "exec", "eval",
-    "command", "builtin", "xargs", "nohup", "nice", "timeout", "time", "watch", "strace", "ssh", "python",
-    "python3", "perl", "ruby", "node", "php", "lua", "awk", "gawk", "busybox", "find", "source", ".",
+    "sh", "bash", "zsh", "dash", "ksh", "mksh", "fish", "csh", "tcsh", "env", "sudo", "su", "doas", "exec",
+    "eval", "command", "builtin", "xargs", "nohup", "nice", "timeout", "time", "watch", "strace", "ltrace",
+    "ssh", "python", "pypy", "ipython", "perl", "ruby", "irb", "node", "nodejs", "deno", "bun", "php", "lua",
+    "luajit", "tclsh", "wish", "expect", "rscript", "pwsh", "awk", "gawk", "mawk", "nawk", "busybox",
+    "toybox", "find", "source", ".", "!", "coproc", "trap", "setsid", "stdbuf", "chroot", "unshare", "nsenter",
+    "flock", "ionice", "chrt", "taskset", "script", "runuser", "pkexec", "sg", "parallel", "fakeroot",
+    "firejail", "systemd-run", "gdb", "valgrind",
 })
+
+#: Characters that make the shell match a word against file names (a glob): the word that
+#: runs is then whatever the machine's files say, not the word shown.
+GLOB_CHARS = frozenset("*?[")
 
 #: The most words a prefix allowance may name (the first word, or the first two).
 MAX_PREFIX_WORDS = 2
@@ -101,15 +111,23 @@ def simple_words(command: Any) -> list[str] | None:
     return words or None
 
 
+def _runs_anything(word: str) -> bool:
+    """Whether a command named ``word`` (a name or a path) is one of :data:`RUNS_ANYTHING`,
+    its version at the end left off: ``/usr/bin/python3.12`` is ``python``."""
+    name = posixpath.basename(word).lower()
+    return name in RUNS_ANYTHING or name.rstrip("0123456789.-") in RUNS_ANYTHING
+
+
 def _prefix_offers(command: str) -> list[list[str]]:
     words = simple_words(command)
-    if not words or "=" in words[0] or words[0] in RUNS_ANYTHING or posixpath.basename(words[0]) in RUNS_ANYTHING:
+    if not words or "=" in words[0] or _runs_anything(words[0]) or GLOB_CHARS & set(words[0]):
         return []
     choices = []
     for count in range(min(MAX_PREFIX_WORDS, len(words)), 0, -1):
         prefix = words[:count]
-        # A word that is itself an option or a path is no command name: "ls -la" → "ls" only.
-        if count > 1 and (prefix[-1].startswith("-") or "/" in prefix[-1]):
+        # A word that is itself an option, a path or a glob is no command name: "ls -la",
+        # "cat *.txt" → "ls", "cat" only.
+        if count > 1 and (prefix[-1].startswith("-") or "/" in prefix[-1] or GLOB_CHARS & set(prefix[-1])):
             continue
         choices.append(prefix)
     return choices
@@ -256,8 +274,10 @@ def matches(allowance: Mapping[str, Any], call: Mapping[str, Any], entry: Mappin
         prefix = scope.get("words")
         if tool != SHELL_TOOL or not isinstance(prefix, list) or not 0 < len(prefix) <= MAX_PREFIX_WORDS:
             return False
-        words = simple_words(args.get("command"))
-        return words is not None and words[: len(prefix)] == prefix
+        command = args.get("command")
+        # Only a prefix the command itself would be offered: one stored before a name was
+        # known to run anything (or forged into the transcript) covers nothing.
+        return isinstance(command, str) and prefix in _prefix_offers(command)
     if kind in ("path", "folder"):
         wanted = scope.get("path")
         if tool not in FILE_TOOLS or not isinstance(wanted, str):
