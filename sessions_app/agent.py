@@ -424,13 +424,17 @@ class Step:
         model = ModelFile.objects.filter(machine_id=fresh.machine_id, key=fresh.model_key).first()
         # docs/security.md: what was typed, returned or written reaches the server as text,
         # never as the template's control tokens (the transcript keeps it as it was).
-        messages = control_tokens.neutralise(messages, catalog.special_tokens(model) if model else ())
+        specials = catalog.special_tokens(model) if model else ()
+        messages = control_tokens.neutralise(messages, specials)
         in_force, sources = sampling_in_force(
             sampling, model.sampling_defaults if model else {}, ready.get("sampling_defaults") or {}
         )
         # A server started with a built-in template runs llama.cpp's legacy template engine,
         # which refuses any request with tools ("tools param requires --jinja flag").
         definitions = catalogue.definitions() if ready.get("jinja", True) else []
+        # The template writes the tools' descriptions and schemas (an MCP server's words) into
+        # the prompt too: they are text of the request like any message.
+        definitions = control_tokens.neutralise_tools(definitions, specials)
         assembler = ToolCallAssembler()
         usage: Usage | None = None
         finish_reason = None

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["BREAKERS", "Neutraliser", "neutralise"]
+__all__ = ["BREAKERS", "Neutraliser", "neutralise", "neutralise_tools"]
 
 #: What goes after a special string's first character, the first of these that no special
 #: string contains (so the break can never itself spell a token): ZERO WIDTH SPACE, WORD
@@ -105,6 +105,19 @@ class Neutraliser:
         cleaned = self._walk(parsed)
         return self.text(raw) if cleaned == parsed else json.dumps(cleaned, ensure_ascii=False)
 
+    def tool(self, definition: Any) -> Any:
+        """One tool definition (``{"type": "function", "function": {"name", "description",
+        "parameters"}}``): every string and key in it broken up — the template writes an MCP
+        server's descriptions and schema into the prompt — but ``function.name``, which a
+        call must name exactly (tool names hold no token: tools.mcp_tool_name)."""
+        function = definition.get("function") if isinstance(definition, dict) else None
+        if not isinstance(function, dict):
+            return self._walk(definition)
+        cleaned = self._walk(definition)
+        if "name" in function:
+            cleaned["function"]["name"] = function["name"]
+        return cleaned
+
     def _walk(self, value: Any) -> Any:
         if isinstance(value, str):
             return self.text(value)
@@ -129,3 +142,13 @@ def neutralise(messages: list[dict[str, Any]], specials: Iterable[str]) -> list[
     if not neutraliser.strings:
         return messages
     return [neutraliser.message(message) for message in messages]
+
+
+def neutralise_tools(definitions: list[dict[str, Any]], specials: Iterable[str]) -> list[dict[str, Any]]:
+    """A request's ``tools`` (OpenAI function definitions) as they may be sent to a server
+    whose tokenizer reads ``specials`` as special tokens (:meth:`Neutraliser.tool`): new
+    dicts, the input untouched; with no specials the list comes back as it is."""
+    neutraliser = Neutraliser(specials)
+    if not neutraliser.strings:
+        return definitions
+    return [neutraliser.tool(definition) for definition in definitions]
