@@ -83,7 +83,7 @@ class Neutraliser:
         """One chat message with every text in it broken up: its ``content`` (whatever
         the role: the system prompt and the model's own earlier words are text too — a
         reply that copied a tool's output must not smuggle it back as tokens) and the
-        ``arguments`` of its tool calls. Ids, names and roles are left as they are."""
+        ``arguments`` and names of its tool calls. Ids and roles are left as they are."""
         changed = dict(message)
         if "content" in message:
             changed["content"] = self.content(message["content"])
@@ -129,9 +129,16 @@ class Neutraliser:
 
     def _call(self, call: Any) -> Any:
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        if not isinstance(function, dict):
             return call
-        return {**call, "function": {**function, "arguments": self.arguments(function["arguments"])}}
+        changed = dict(function)
+        if isinstance(function.get("arguments"), str):
+            changed["arguments"] = self.arguments(function["arguments"])
+        if isinstance(function.get("name"), str):
+            # The model wrote it (a tool that does not exist may be called anything); a real
+            # tool's name holds no token and stays as it is.
+            changed["name"] = self.text(function["name"])
+        return {**call, "function": changed}
 
 
 def neutralise(messages: list[dict[str, Any]], specials: Iterable[str]) -> list[dict[str, Any]]:
