@@ -140,12 +140,16 @@ def normal_path(path: Any, working_dir: str) -> str | None:
     """``path`` (as a file tool was given it) relative to ``working_dir``, normalised:
     ``"src/./a.py"`` → ``"src/a.py"``, ``"/wd/src"`` → ``"src"``, the working directory
     itself → ``"."``. None when it is not a non-empty string, holds a control character,
-    starts with ``~`` (expanded by nobody we can see), or leads outside the working
-    directory (``..``, another absolute path): such a call is always asked.
+    starts with ``~`` (expanded by nobody we can see), has a ``..`` part anywhere, or leads
+    outside the working directory (another absolute path): such a call is always asked.
 
-    Lexical only: a symlink inside the working directory is not followed here.
+    Lexical only: a symlink inside the working directory is not followed here. That is why
+    ``..`` is refused rather than folded: the machine follows ``link`` in ``link/../a``
+    first, and ``..`` then leads next to wherever it points, not to ``a``.
     """
     if not isinstance(path, str) or not path or path.startswith("~") or not working_dir.startswith("/"):
+        return None
+    if ".." in path.split("/"):
         return None
     if any(unicodedata.category(char) == "Cc" for char in path):
         return None

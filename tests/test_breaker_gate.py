@@ -141,3 +141,34 @@ def test_a_call_name_the_model_wrote_is_broken_up_in_later_requests():
     names = [call["function"]["name"] for call in sent[0]["tool_calls"]]
     assert "<|im_end|>" not in names[0] and names[0].replace("\u200b", "") == forged
     assert names[1] == "read_file"
+
+
+# --------------------------------------------------------------------------- file paths
+
+
+def test_a_path_with_dot_dot_is_never_covered_a_symlink_makes_it_another_file(tmp_path):
+    """``link/../notes.txt`` reads as ``notes.txt``, but the machine follows ``link`` first
+    and ``..`` then leads to the parent of wherever it points (a repository may hold such a
+    link): "writes to notes.txt" must not cover it."""
+    import os
+
+    from sessions_app.allowances import normal_path
+
+    work, away = tmp_path / "work", tmp_path / "elsewhere" / "deep"
+    work.mkdir()
+    away.mkdir(parents=True)
+    (work / "link").symlink_to(away)
+    (work / "notes.txt").write_text("inside")
+    (tmp_path / "elsewhere" / "notes.txt").write_text("outside")
+    written = "link/../notes.txt"
+    assert open(os.path.join(work, written)).read() == "outside"  # what a write through it reaches
+
+    write_entry = {"name": "write_file", "origin": "machine", "writes": True, "remote_name": "write_file"}
+    allowed = {"seq": 1, "tool": "write_file", "scope": {"kind": "path", "path": "notes.txt"}, "by": None, "at": None}
+    folder = {**allowed, "scope": {"kind": "folder", "path": "src"}}
+    for path in (written, "src/../notes.txt", f"{work}/link/../notes.txt", "../work/notes.txt"):
+        call = {"tool": "write_file", "input": {"path": path, "content": "x"}}
+        assert normal_path(path, str(work)) is None, path
+        assert not matches(allowed, call, write_entry, str(work)), path
+        assert offers(call, write_entry, str(work)) == [], path
+    assert not matches(folder, {"tool": "write_file", "input": {"path": "src/link/../x"}}, write_entry, str(work))
