@@ -29,6 +29,8 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
+from .callcard import escape
+
 __all__ = [
     "FILE_TOOLS",
     "SHELL_TOOL",
@@ -305,7 +307,13 @@ _VERBS = {"read_file": "reads of", "write_file": "writes to", "edit_file": "edit
 def label(tool: str, scope: Mapping[str, Any]) -> str:
     """An allowance in words, as its button and the list of allowances say it:
     ``"this exact command: git status"``, ``"commands starting with: git status"``,
-    ``"writes to notes.txt"``, ``"edits of files in src/"``, ``"calc's tool add (as defined now)"``."""
+    ``"writes to notes.txt"``, ``"edits of files in src/"``, ``"calc's tool add (as defined now)"``.
+    Invisible, control and bidirectional characters are written as escapes, as the card
+    writes them (callcard.escape): the list must not read otherwise than what it covers."""
+    return escape(_label(tool, scope))
+
+
+def _label(tool: str, scope: Mapping[str, Any]) -> str:
     kind = scope.get("kind")
     if kind == "exact":
         return f"this exact command: {scope.get('command', '')}"

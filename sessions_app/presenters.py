@@ -11,6 +11,7 @@ fragments as plain text; when it closes it is replaced by its rendered Markdown.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -155,7 +156,9 @@ def always_button(tool: str, scope: Mapping) -> str:
     if kind == "exact":
         return "Always allow this exact command"
     if kind == "prefix":
-        return f"Always allow commands starting with “{' '.join(scope.get('words') or [])}”"
+        # Quoted as sh reads it (shlex.join): ["git status"] is one word, never "git" "status".
+        words = [str(word) for word in scope.get("words") or []]
+        return f"Always allow commands starting with “{callcard.escape(shlex.join(words))}”"
     return f"Always allow {allowances.label(tool, scope)}"
 
 

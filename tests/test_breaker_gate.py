@@ -172,3 +172,23 @@ def test_a_path_with_dot_dot_is_never_covered_a_symlink_makes_it_another_file(tm
         assert not matches(allowed, call, write_entry, str(work)), path
         assert offers(call, write_entry, str(work)) == [], path
     assert not matches(folder, {"tool": "write_file", "input": {"path": "src/link/../x"}}, write_entry, str(work))
+
+
+# --------------------------------------------------------------------------- what an allowance says
+
+
+def test_an_allowance_is_said_with_its_invisible_characters_escaped_and_its_words_quoted():
+    """The list of allowances and the buttons say what is covered as the card does: a
+    bidirectional override in an exact command or a path would make it read in another
+    order than it is, and a quoted word must not read as two."""
+    from sessions_app.allowances import label
+    from sessions_app.presenters import always_button
+
+    exact = label("exec_shell_command", {"kind": "exact", "command": "echo \u202eevil"})
+    assert "\u202e" not in exact and "\\u202e" in exact
+    path = label("write_file", {"kind": "path", "path": "src/\u202etxt.exe"})
+    assert "\u202e" not in path and "\\u202e" in path
+    one_word = always_button("exec_shell_command", {"kind": "prefix", "words": ["git status"]})
+    two_words = always_button("exec_shell_command", {"kind": "prefix", "words": ["git", "status"]})
+    assert one_word != two_words
+    assert two_words == "Always allow commands starting with “git status”"
