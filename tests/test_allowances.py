@@ -145,7 +145,8 @@ def test_a_path_allowance_covers_that_file_for_that_tool_only():
     path = allowance("write_file", kind="path", path="notes.txt")
     for same in ("notes.txt", "./notes.txt", f"{WD}/notes.txt"):
         assert matches(path, write(same), WRITE, WD), same
-    for other in ("src/../notes.txt", "notes.txt.bak", "notes", "src/notes.txt", "../notes.txt", "/notes.txt", "~/notes.txt"):
+    for other in ("src/../notes.txt", "notes.txt.bak", "notes", "src/notes.txt", "../notes.txt", "/notes.txt",
+                  "~/notes.txt"):
         assert not matches(path, write(other), WRITE, WD), other
     # Allowing writes to a file allows no reads of it, and the other way round.
     assert not matches(path, {"tool": "read_file", "input": {"path": "notes.txt"}}, READ, WD)
