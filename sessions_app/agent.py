@@ -585,7 +585,8 @@ class Step:
         answers = {e.payload.get("id"): e.payload for e in events if e.kind == Kind.ANSWERED}
         asked = {e.payload.get("id") for e in events if e.kind == Kind.QUESTION}
         running = {e.payload.get("id") for e in events if e.kind == Kind.TOOL_RUNNING}
-        in_force = transcript.allowances(events)
+        # Only what a person who may still give it granted (docs/access.md).
+        in_force = machine_use.standing(session, transcript.allowances(events))
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
             if self.interrupted():

@@ -8,7 +8,8 @@ allowed it. Otherwise the call gets a tool result saying so and is not run, and 
 ends with an error in words. The views refuse such people already
 (``AgentSession.access_for``); this covers what was under way, or queued, when an account,
 a group or the machine changed. The turn loop (``agent.Step``) calls :func:`check_turn` as
-a step starts and :func:`check_call` before each call runs.
+a step starts and :func:`check_call` before each call runs, and counts only the
+allowances whose granter still stands behind them (:func:`standing`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from django.contrib.auth import get_user_model
 
 from machines_app.access import lost_refusal
 
-from . import transcript
+from . import actions, transcript
 from .models import AgentSession, TranscriptEvent
 from .transcript import Kind, TurnEnd
 
@@ -74,3 +75,26 @@ def check_call(step, session: AgentSession, call: dict) -> None:
             step.finish(TurnEnd.ERROR)
             raise TurnCutOff(reason)
 
+
+
+def standing(session: AgentSession, in_force: list[transcript.Allowance]) -> list[transcript.Allowance]:
+    """The allowances of ``in_force`` (transcript.allowances) whose granter may still grant
+    them: an account still active, still allowed on the session's machine, and still one
+    who may answer "always" there (actions.may_grant_always: the owner, staff, a holder of
+    the bypass permission). An allowance is a person's standing answer; once that person
+    could no longer give it, the calls it covered are asked about again (docs/access.md,
+    "When access changes"). A grant recorded without an id stands for the owner, as in
+    :func:`_refusal_for`."""
+    verdicts: dict[int, bool] = {}
+    users = get_user_model().objects
+    kept = []
+    for allowance in in_force:
+        actor = allowance.get("by")
+        user_id = actor["id"] if actor and actor.get("id") is not None else session.owner_id
+        if user_id not in verdicts:
+            user = users.filter(pk=user_id).first()
+            verdicts[user_id] = bool(user is not None and not lost_refusal(user, session.machine)
+                                     and actions.may_grant_always(session, user))
+        if verdicts[user_id]:
+            kept.append(allowance)
+    return kept

@@ -615,3 +615,38 @@ def serve_mcp(port: int, description: str) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve-mcp"]:
     serve_mcp(int(sys.argv[2]), sys.argv[3])
+
+
+@pytest.mark.parametrize("change", ["bypass_revoked", "deactivated", "left_the_group"])
+def test_an_allowance_lapses_when_its_granter_could_no_longer_give_it(real_session, alice, bob, model_side, change):
+    # bob, who may act and holds the bypass permission, allows `pwd` always in alice's
+    # session; once bob could no longer grant that (the permission taken back, his account
+    # off, the machine's group left), the same command is asked about again.
+    from django.contrib.auth.models import Group, Permission
+
+    from sessions_app.models import AgentSession
+
+    from .conftest import grant_bypass
+
+    session = real_session
+    AgentSession.objects.filter(pk=session.pk).update(visibility="team_act")
+    session.refresh_from_db()
+    grant_bypass(bob)
+    team = Group.objects.create(name="shepherds")
+    team.user_set.add(alice, bob)
+    session.machine.allowed_groups.add(team)
+    _turn(session, alice, model_side, ("exec_shell_command", '{"command": "pwd"}'))
+    _answer(session, bob, model_side, "allow_always", "exact")
+    assert len(_outputs(session)) == 1
+    _turn(session, alice, model_side, ("exec_shell_command", '{"command": "pwd"}'))
+    assert len(_outputs(session)) == 2 and len(_asked(session)) == 1  # covered while bob stands behind it
+
+    if change == "bypass_revoked":
+        bob.user_permissions.remove(Permission.objects.get(codename="bypass_permissions"))
+    elif change == "deactivated":
+        bob.is_active = False
+        bob.save()
+    else:
+        team.user_set.remove(bob)
+    _turn(session, alice, model_side, ("exec_shell_command", '{"command": "pwd"}'))
+    assert len(_asked(session)) == 2 and len(_outputs(session)) == 2  # asked again, not run
