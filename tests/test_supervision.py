@@ -222,8 +222,7 @@ def test_a_turn_whose_worker_is_killed_ends_truthfully_and_its_server_outlives_t
 
     launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60")
     launcher.start()
-    log = (launcher.data.parent / "launcher.log").read_text()
-    redis_url = re.search(r"embedded Redis on (redis://\S+)", log).group(1)
+    redis_url = (launcher.data / "redis" / "url").read_text().strip()  # password-protected: docs/security.md
 
     def enqueue(task: str, *args: object) -> bool:
         with app.connection_for_write(redis_url) as connection:
