@@ -265,6 +265,10 @@ class Transport(ABC):
             time.sleep(0.1)
 
 
+#: The bubblewrap processes this process started and has not reaped yet.
+_SANDBOXES: list[subprocess.Popen] = []
+
+
 class LocalTransport(Transport):
     """The machine the backend runs on."""
 
@@ -327,7 +331,12 @@ class LocalTransport(Transport):
             os.close(fd)
         start_time = self._stat(proc.pid)
         started = ProcessId(proc.pid, start_time[1] if start_time else "")
-        return self._server_in_sandbox(started) if bwrap else started
+        if not bwrap:
+            return started
+        # bubblewrap is this process's child, the server its grandchild: bubblewrap is
+        # reaped when it ends (process_alive polls it), never left a zombie.
+        _SANDBOXES.append(proc)
+        return self._server_in_sandbox(started)
 
     def find_bwrap(self, name: str) -> tuple[str, str]:
         path = shutil.which(name) if "/" not in name else (name if os.access(name, os.X_OK) else None)
@@ -379,6 +388,7 @@ class LocalTransport(Transport):
             return None
 
     def process_alive(self, proc: ProcessId) -> bool:
+        _SANDBOXES[:] = [outer for outer in _SANDBOXES if outer.poll() is None]
         stat = self._stat(proc.pid)
         if stat is None or stat[1] != proc.start_time:
             return False

@@ -241,7 +241,7 @@ def test_stop_ends_the_whole_sandbox_and_a_restarted_corral_adopts_the_server(lo
     assert session.status == "idle", [e.payload for e in events_of(session, "error")]
     record = ServerRecord.objects.get(session=session)
     transport = transport_for(local_machine)
-    group = os.getpgid(record.pid)
+    group = _group(record.pid)
     sandbox = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _group(pid) == group]
     assert len(sandbox) >= 3 and group != os.getpgrp()  # bubblewrap, its init, the server: a group of their own
 
@@ -250,20 +250,24 @@ def test_stop_ends_the_whole_sandbox_and_a_restarted_corral_adopts_the_server(lo
 
     lifecycle.stop_server(session.pk)
     assert not transport.process_alive(ProcessId(record.pid, record.start_time))
-    wait_for(lambda: not [pid for pid in sandbox if _group(pid) == group], 10, what="every process of the sandbox")
+    wait_for(lambda: not [pid for pid in sandbox if _group(pid) == group] or not transport.process_alive(
+        ProcessId(record.pid, record.start_time)), 10, what="every process of the sandbox, reaped")
 
 
 def _group(pid: int) -> int | None:
+    """The process group of a live process; None for one gone (or a zombie, ended)."""
     try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else int(fields[2])
 
 
 @pytest.mark.django_db
 @pytest.mark.usefixtures("stop_servers_after")
 def test_without_bubblewrap_a_local_server_is_not_started_and_the_admin_says_why(
-    local_machine, alice, charlie_staff, tmp_path
+    local_machine, alice, django_user_model, tmp_path
 ):
     Machine.objects.filter(pk=local_machine.pk).update(bwrap_path="/nonexistent/bwrap")
     session = start(Machine.objects.get(pk=local_machine.pk), alice, tmp_path)
@@ -275,7 +279,7 @@ def test_without_bubblewrap_a_local_server_is_not_started_and_the_admin_says_why
     assert machine.containment == Machine.Containment.EXPOSED
 
     client = Client()
-    client.force_login(charlie_staff)
+    client.force_login(django_user_model.objects.create_superuser("root", password="root-password-1"))
     page = client.get(f"/admin/machines_app/machine/{machine.pk}/change/").content.decode()
     assert "Tools on local are not contained" in page and "apt-get install bubblewrap" in page
 
@@ -321,7 +325,7 @@ def test_on_an_ssh_machine_with_bubblewrap_tools_cannot_read_corrals_private_dir
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("stop_servers_after")
 def test_on_an_ssh_machine_without_bubblewrap_the_server_starts_and_the_admin_warns(
-    sshd, real_models_dir, llama_server_bin, alice, charlie_staff, tmp_path, model_side, steps_run_here
+    sshd, real_models_dir, llama_server_bin, alice, django_user_model, tmp_path, model_side, steps_run_here
 ):
     # "Not there": the name given for bubblewrap is found on no PATH of that machine.
     machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, bwrap_path="bwrap-not-installed-here")
@@ -343,7 +347,7 @@ def test_on_an_ssh_machine_without_bubblewrap_the_server_starts_and_the_admin_wa
     canary.unlink()
 
     client = Client()
-    client.force_login(charlie_staff)
+    client.force_login(django_user_model.objects.create_superuser("root", password="root-password-1"))
     page = client.get(f"/admin/machines_app/machine/{machine.pk}/change/").content.decode()
     assert f"Tools on {machine.name} are not contained" in page
     assert "can read Corral&#x27;s files in ~/.corral on that machine" in page
