@@ -73,7 +73,7 @@ def restart(session, user) -> None:
 
 def slot_path(stack, session, save: SlotSave) -> Path:
     # The worker's private directory (the stack's data directory), where its servers write.
-    return stack.data_dir / "logs" / "slots" / slot_file_name(session.pk, save.pk)
+    return stack.data_dir / "logs" / "slots" / f"session-{session.pk}" / slot_file_name(session.pk, save.pk)
 
 
 # --- the command line and the directory (C43) ------------------------------------------------
