@@ -28,6 +28,7 @@ import ctypes
 import fcntl
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -124,6 +125,19 @@ def ensure_redis() -> subprocess.Popen | None:
     _write_private(workdir / "url", os.environ["REDIS_URL"] + "\n")
     print(f"embedded Redis on 127.0.0.1:{port} (password-protected; URL in {workdir / 'url'})", flush=True)
     return proc
+
+
+def say_containment() -> bool:
+    """Print whether local sessions' tools will be contained (docs/security.md, "What a
+    tool can reach"): loudly when ``bwrap`` is not on the PATH, since a local session's
+    server is then refused. True when it is there."""
+    bwrap = shutil.which("bwrap")
+    if bwrap:
+        print(f"tools of local sessions run in a bubblewrap sandbox ({bwrap})", flush=True)
+        return True
+    print("corral: WARNING: bubblewrap (bwrap) is not installed: local sessions' servers will not start "
+          "(apt-get install bubblewrap; docs/security.md)", file=sys.stderr, flush=True)
+    return False
 
 
 def embedded_redis_config(password: str) -> str:
@@ -329,6 +343,7 @@ def run(port: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     try:
+        say_containment()
         redis = ensure_redis()
         _manage("migrate", "--noinput")
         _manage("corral_setup")

@@ -362,6 +362,14 @@ def test_on_an_ssh_machine_without_bubblewrap_the_server_starts_and_the_admin_wa
     assert "are not contained" not in client.get(f"/admin/machines_app/machine/{machine.pk}/change/").content.decode()
 
 
+def test_the_launcher_says_loudly_when_bubblewrap_is_missing(monkeypatch, capsys):
+    assert launcher.say_containment()
+    assert "bubblewrap sandbox" in capsys.readouterr().out
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert not launcher.say_containment()
+    assert "WARNING: bubblewrap (bwrap) is not installed" in capsys.readouterr().err
+
+
 def test_the_corral_script_installs_bubblewrap_when_it_is_missing():
     script = (Path(settings.BASE_DIR) / "corral").read_text()
     install = script.index("apt-get install -y -qq bubblewrap")
