@@ -74,11 +74,48 @@ def do_test_connection(machine: Machine) -> str:
         return f"Machine '{machine.name}' is this backend itself: always reachable."
     try:
         home = transport.check()
+        bwrap = check_containment(machine, transport)
     except TransportError as exc:
         raise MachineError(str(exc)) from None
+    contained = (f"tools contained by bubblewrap ({bwrap})" if bwrap
+                 else f"tools NOT contained: {machine.containment_reason}")
     return (
         f"Machine '{machine.name}' answers as {machine.user or 'the SSH user'} (home {home}), "
-        f"host key {machine.host_key_fingerprint}."
+        f"host key {machine.host_key_fingerprint}; {contained}."
+    )
+
+
+def check_containment(machine: Machine, transport=None) -> str:
+    """bubblewrap's absolute path on ``machine`` when a sandbox can be made there, else ''
+    (the machine's 'bubblewrap' field empty, the program missing, or the kernel refusing
+    its namespaces). What was found is noted on the machine, for its admin page
+    (docs/security.md "What a tool can reach"). Raises TransportError when the machine
+    cannot be asked."""
+    if not machine.bwrap_path.strip():
+        machine.note_containment(False, "the machine's 'bubblewrap' field is empty: an admin turned the sandbox off")
+        return ""
+    bwrap, reason = (transport or transport_for(machine)).find_bwrap(machine.bwrap_path.strip())
+    machine.note_containment(bool(bwrap), reason)
+    return bwrap
+
+
+def containment_warning(machine: Machine) -> str:
+    """The admin's sentence for a machine whose tools are not contained ('' otherwise):
+    what a tool there can read, and what to do about it."""
+    if machine.containment != Machine.Containment.EXPOSED:
+        return ""
+    if machine.transport == Machine.Transport.LOCAL:
+        return (
+            f"Tools on {machine.name} are not contained ({machine.containment_reason}): a tool call there can read "
+            "Corral's own files on this backend — its database with every server's key, its secret key, the SSH keys "
+            "of every machine. Install bubblewrap (apt-get install bubblewrap) and fill in the 'bubblewrap' field."
+        )
+    return (
+        f"Tools on {machine.name} are not contained ({machine.containment_reason}): every tool call there runs as "
+        f"{machine.user or 'the SSH user'} and can read Corral's files in ~/.corral on that machine — other "
+        "sessions' saved prompt caches (their conversations), server logs, key files while a server starts — and "
+        "signal other sessions' servers. Install bubblewrap there (Debian/Ubuntu: apt-get install bubblewrap), "
+        "then restart the servers; or give Corral an account of its own on that machine."
     )
 
 

@@ -47,8 +47,8 @@ class MachineForm(forms.ModelForm):
         model = Machine
         fields = [
             "name", "transport", "host", "port", "user", "private_key", "private_key_path", "expected_fingerprint",
-            "host_key", "models_dir", "llama_server_path", "workspace_roots", "allowed_groups", "idle_stop_seconds",
-            "enabled",
+            "host_key", "models_dir", "llama_server_path", "bwrap_path", "workspace_roots", "allowed_groups",
+            "idle_stop_seconds", "enabled",
         ]
 
     #: Said on the key's field when the form comes back with a key typed in: it is not shown.
@@ -102,13 +102,14 @@ class MachineForm(forms.ModelForm):
 class MachineAdmin(admin.ModelAdmin):
     form = MachineForm
     list_display = (
-        "name", "transport", "address", "state", "running_sessions", "models_dir", "enabled", "models_refreshed_at"
+        "name", "transport", "address", "state", "tools", "running_sessions", "models_dir", "enabled",
+        "models_refreshed_at",
     )
     list_filter = ("transport", "enabled", "link_state", "allowed_groups")
     filter_horizontal = ("allowed_groups",)
     actions = ["refresh_models", "test_connection", "repin_host_key", "stop_idle_servers"]
     readonly_fields = (
-        "running_servers", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
+        "tool_containment", "running_servers", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
         "offered_key_fingerprint", "models_refreshed_at", "models_refresh_error",
     )
 
@@ -127,6 +128,25 @@ class MachineAdmin(admin.ModelAdmin):
             return "reachable"
         label = obj.get_link_state_display()
         return f"{label}: {obj.link_reason}" if obj.link_reason else label
+
+    @admin.display(description="tools")
+    def tools(self, obj: Machine) -> str:
+        """Whether the last start found the tools there contained (docs/security.md)."""
+        return obj.get_containment_display()
+
+    @admin.display(description="tool containment")
+    def tool_containment(self, obj: Machine) -> str:
+        """What the last server start (or Test connection) found: contained by bubblewrap,
+        or the plain warning of what a tool there can read and what to do."""
+        return machine_actions.containment_warning(obj) or obj.get_containment_display()
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        # The warning at the top of the page too, where an admin cannot miss it.
+        machine = self.get_object(request, object_id)
+        warning = machine_actions.containment_warning(machine) if machine is not None else ""
+        if warning and request.method == "GET":
+            self.message_user(request, warning, messages.WARNING)
+        return super().change_view(request, object_id, form_url, extra_context)
 
     @admin.display(description="running sessions", ordering="running")
     def running_sessions(self, obj: Machine) -> int:

@@ -265,10 +265,13 @@ class SlotError(Exception):
     invalid slot save file")."""
 
 
-def slot_dir(private_dir: str) -> str:
-    """The directory of a machine's saved slots, inside Corral's private directory there
-    (created mode 0700 before a server that uses it starts: docs/behaviour.md C43)."""
-    return posixpath.join(private_dir, "slots")
+def slot_dir(private_dir: str, session_id: int) -> str:
+    """The directory of one session's saved slots, ``slots/session-<id>`` inside Corral's
+    private directory on its machine (created mode 0700 before a server that uses it
+    starts: docs/behaviour.md C43). One per session: it is the only part of that private
+    directory its sandboxed server sees, so no session's tools can read another's saved
+    KV cache (docs/security.md)."""
+    return posixpath.join(private_dir, "slots", f"session-{int(session_id)}")
 
 
 def slot_file_name(session_id: int, save_id: int) -> str:

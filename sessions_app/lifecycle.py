@@ -19,6 +19,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from machines_app import actions as machine_actions
 from machines_app import catalog
 from machines_app.llama_server import (
     SLOT_IO_TIMEOUT,
@@ -39,6 +40,7 @@ from machines_app.llama_server import (
     wait_until_ready,
 )
 from machines_app.models import Machine, ModelFile, ServerRecord, SlotSave
+from machines_app.sandbox import Sandbox
 from machines_app.template_files import (
     MAX_TEMPLATE_BYTES,
     TemplateFileRefused,
@@ -251,7 +253,7 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
         model = catalog.model_for_session(session.machine, session.model_key)
         port = transport.free_port()
         key_path = key_path_for(session, transport, port)
-        slots = slot_dir(transport.private_dir())
+        slots = slot_dir(transport.private_dir(), session.pk)
         spec = ServerSpec(
             binary=session.machine.llama_server_path,
             model_path=model.path,
@@ -292,13 +294,21 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
                     "change it on the model file (admin → Model files)."
                 ) from None
         log_path = log_path_for(session, transport, port)
+        bwrap = _sandbox_for(session.machine, transport)
         set_status(session.pk, Status.LOADING)
         # Corral's own, owner-only, never a link (docs/behaviour.md C43): llama-server
         # writes the saved KV caches there.
+        transport.make_private_dir(posixpath.dirname(slots))
         transport.make_private_dir(slots)
         api_key = new_api_key()
         transport.write_private(spec.api_key_file, api_key + "\n")
-        proc = transport.spawn(build_argv(spec), log_path, cwd=None)
+        sandbox = Sandbox(
+            # What the server needs from the hidden directories, bound back at its own path:
+            # its files (read-only) and its own slot directory.
+            read=(model.path, model.mmproj_path, model.chat_template_file, key_path), write=(slots,),
+            mask=_other_secrets(session.machine),
+        )
+        proc = transport.spawn(build_argv(spec), log_path, cwd=None, bwrap=bwrap, sandbox=sandbox)
     except (catalog.ModelUnavailable, TransportError) as exc:
         if key_path:
             transport.remove(key_path)
@@ -329,6 +339,35 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
         transport.release_port(spec.port)
         return
     _wait(session, transport, record, restore=restore)
+
+
+#: Why a server on the backend's own machine is not started without its sandbox.
+UNCONTAINED_REFUSED = (
+    "llama-server was not started: its tools would run next to Corral's own files on this machine (database, "
+    "secret key, SSH keys). {reason}. An admin who accepts that can empty the machine's 'bubblewrap' field."
+)
+
+
+def _sandbox_for(machine: Machine, transport: Transport) -> str:
+    """bubblewrap's absolute path on the machine, for the server about to start there, or
+    '' to start it without a sandbox; what was found is noted on the machine (the admin
+    shows it). On the backend's own machine a missing or broken bubblewrap refuses the
+    start (TransportError with the sentence): the tools would sit next to every secret
+    Corral holds. On an SSH machine the server starts anyway, and its admin page says that
+    tools there can read Corral's files (docs/security.md)."""
+    bwrap = machine_actions.check_containment(machine, transport)
+    if not bwrap and machine.bwrap_path.strip() and machine.transport == Machine.Transport.LOCAL:
+        raise TransportError(UNCONTAINED_REFUSED.format(reason=machine.containment_reason))
+    return bwrap
+
+
+def _other_secrets(machine: Machine) -> tuple[str, ...]:
+    """Secret files on the backend a local server's sandbox masks besides the data
+    directory: the private keys of SSH machines that an admin gave by path (a key pasted
+    in the admin is stored in the data directory, hidden anyway)."""
+    if machine.transport != Machine.Transport.LOCAL:
+        return ()
+    return tuple(Machine.objects.exclude(private_key_path="").values_list("private_key_path", flat=True))
 
 
 def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bool = True) -> None:
@@ -434,7 +473,7 @@ class RestoreRefused(Exception):
 
 
 def _slot_path(transport: Transport, session_id: int, save_id: int) -> str:
-    return posixpath.join(slot_dir(transport.private_dir()), slot_file_name(session_id, save_id))
+    return posixpath.join(slot_dir(transport.private_dir(), session_id), slot_file_name(session_id, save_id))
 
 
 def _forget(saved: SlotSave, transport: Transport) -> None:

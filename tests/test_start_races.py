@@ -41,7 +41,10 @@ def servers_of(session, private_dir=None) -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if state != "Z" and b"--api-key-file" in argv and any(mark in part for part in argv):
+        # bubblewrap and its init carry the server's command line too: the server is the one
+        # that is not bwrap (docs/security.md).
+        sandbox = argv[0].endswith(b"bwrap")
+        if state != "Z" and not sandbox and b"--api-key-file" in argv and any(mark in part for part in argv):
             found.append(int(pid))
     return found
 

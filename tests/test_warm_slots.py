@@ -73,7 +73,7 @@ def restart(session, user) -> None:
 
 def slot_path(stack, session, save: SlotSave) -> Path:
     # The worker's private directory (the stack's data directory), where its servers write.
-    return stack.data_dir / "logs" / "slots" / slot_file_name(session.pk, save.pk)
+    return stack.data_dir / "logs" / "slots" / f"session-{session.pk}" / slot_file_name(session.pk, save.pk)
 
 
 # --- the command line and the directory (C43) ------------------------------------------------
@@ -342,7 +342,7 @@ def test_a_remote_session_saves_and_restores_its_slot_over_ssh_and_never_writes_
 
     save = SlotSave.objects.create(session=session, machine=ssh_machine, model_key=session.model_key,
                                    fingerprint="placeholder")  # the path the save will use, known now
-    path = Path(slot_dir(transport.private_dir())) / slot_file_name(session.pk, save.pk)
+    path = Path(slot_dir(transport.private_dir(), session.pk)) / slot_file_name(session.pk, save.pk)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ class Migration(migrations.Migration):
     vocabulary at discovery (None on rows discovered before: read at their next request)."""
 
     dependencies = [
-        ("machines_app", "0010_slot_saves_and_idle_time"),
+        ("machines_app", "0011_machine_tool_containment"),
     ]
 
     operations = [
