@@ -179,6 +179,27 @@ class Transport(ABC):
         """What a sandboxed server on this machine must never reach: Corral's private
         directory there (and on the backend's own machine its data directory and code)."""
 
+    def reachable_by_tools(self, path: str, mask: tuple[str, ...] = ()) -> bool:
+        """Whether a tool in this machine's sandbox could see the file at ``path`` (links and
+        ``..`` resolved there, :meth:`real_path`): not inside a directory :meth:`own_secrets`
+        hides, not a file it or ``mask`` masks. What Corral reads itself for a tool (read_file, a write's
+        diff on the card) is held to this, so it shows nothing the sandbox hides. Raises
+        TransportError when the machine cannot be asked."""
+        real = self.real_path(path)
+        secrets = self.own_secrets()
+        hidden = [self.real_path(root) for root in secrets.hide]
+        masked = {self.real_path(file) for file in (*secrets.mask, *mask)}
+        return real not in masked and not any(
+            real == root or real.startswith(root.rstrip("/") + "/") for root in hidden)
+
+    def _sandboxed(self, bwrap: str, argv: list[str], cwd: str, mask: tuple[str, ...] = ()) -> list[str]:
+        """``argv`` run in ``cwd`` inside this machine's tool sandbox (see :meth:`run_command`),
+        the files of ``mask`` (secrets outside Corral's directories) empty there too."""
+        own = self.own_secrets()
+        existing = tuple(path for path in mask if self.file_info(path) is not None)
+        sandbox = Sandbox(mask=existing).with_hidden(*own.hide, read_only=own.read_only, mask=own.mask)
+        return bwrap_argv(bwrap, sandbox, ["--chdir", cwd, "--", *argv])
+
     def _server_in_sandbox(self, outer: ProcessId, timeout: float = 10.0) -> ProcessId:
         """The server bubblewrap ``outer`` runs: the one child of its init (pid 1 of the
         new PID namespace), as this machine numbers it. ``outer`` itself when bubblewrap
@@ -276,9 +297,16 @@ class Transport(ABC):
         max_output: int,
         stdin: bytes = b"",
         cancel: threading.Event | None = None,
+        bwrap: str = "",
+        mask: tuple[str, ...] = (),
     ) -> CommandResult:
         """Run ``argv`` in ``cwd`` on that machine, in a session and process group of its own
         (a tool call: docs/behaviour.md §9, C47), and wait for it, at most ``timeout`` seconds.
+
+        With ``bwrap`` (bubblewrap's absolute path there) it runs in the sandbox a server of
+        that machine runs in (:meth:`own_secrets` hidden, the files of ``mask`` empty, a PID
+        namespace of its own, no secret in its environment: docs/security.md "What a tool
+        can reach"): a tool Corral runs reaches no more than one llama-server runs.
 
         stdout and stderr are merged; ``max_output`` bytes are kept. ``stdin`` is written to
         it, then closed (empty: ``/dev/null``). The command ends, its whole process group
@@ -586,12 +614,18 @@ class LocalTransport(Transport):
         max_output: int,
         stdin: bytes = b"",
         cancel: threading.Event | None = None,
+        bwrap: str = "",
+        mask: tuple[str, ...] = (),
     ) -> CommandResult:
+        if bwrap:
+            argv = self._sandboxed(bwrap, argv, cwd, mask)
         try:
-            # A session of its own: the pgid is the pid, and killpg reaches all it started.
+            # A session of its own: the pgid is the pid, and killpg reaches all it started
+            # (bubblewrap's init included: it keeps the group). Never Corral's secrets in
+            # its environment (sandbox.server_environment), sandboxed or not.
             proc = subprocess.Popen(
                 argv, cwd=cwd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                stderr=subprocess.STDOUT, start_new_session=True, env=server_environment(os.environ),
             )
         except OSError as exc:
             raise TransportError(f"could not run {argv[0]} in {cwd}: {exc.strerror or exc}") from exc
@@ -1031,7 +1065,11 @@ class SSHTransport(Transport):
         max_output: int,
         stdin: bytes = b"",
         cancel: threading.Event | None = None,
+        bwrap: str = "",
+        mask: tuple[str, ...] = (),
     ) -> CommandResult:
+        if bwrap:
+            argv = self._sandboxed(bwrap, argv, cwd, mask)
         # setsid -w: a session of its own (its leader's pid is the group id, printed first
         # on a line of its own, then exec keeps that pid for the command), waited for, so
         # the channel's exit status says when the command itself ended.
@@ -1159,3 +1197,43 @@ def transport_for(machine) -> Transport:
         refused = machine.link_reason if machine.link_state == machine.LinkState.HOST_KEY_CHANGED else ""
         return SSHTransport(machine.name, ssh_target(machine), report=machine.note_link, refused=refused)
     raise TransportError(f"Machine '{machine.name}' has an unknown transport {machine.transport!r}")
+
+
+class ToolView:
+    """A machine as a tool call sees it: what Corral does there *for a tool* (the built-ins
+    it runs itself, sessions_app.machine_tools; the file a write's card compares with,
+    sessions_app.callcard) reaches no more than a tool in that machine's sandbox would
+    (docs/security.md "What a tool can reach").
+
+    Commands run in the sandbox when ``bwrap`` is bubblewrap's path there ('' where the
+    machine has none: the same exposure as its server's tools). A path inside what the
+    sandbox hides (Corral's data directory here, ``~/.corral`` there), or a masked secret
+    file (its own, or one of ``mask``), reads as nothing there: no file, no directory, no bytes. Everything else is the
+    wrapped transport's. Raises what the transport raises."""
+
+    def __init__(self, transport: Transport, bwrap: str, mask: tuple[str, ...] = ()) -> None:
+        self.transport, self.bwrap, self.mask = transport, bwrap, mask
+        self._reach: dict[str, bool] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
+
+    def reachable(self, path: str) -> bool:
+        if path not in self._reach:
+            self._reach[path] = self.transport.reachable_by_tools(path, self.mask)
+        return self._reach[path]
+
+    def run_command(self, argv: list[str], **kwargs) -> CommandResult:
+        return self.transport.run_command(argv, bwrap=self.bwrap, mask=self.mask, **kwargs)
+
+    def file_info(self, path: str) -> FileInfo | None:
+        return self.transport.file_info(path) if self.reachable(path) else None
+
+    def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
+        return self.transport.read_head(path, nbytes, offset) if self.reachable(path) else b""
+
+    def is_file(self, path: str) -> bool:
+        return self.reachable(path) and self.transport.is_file(path)
+
+    def is_dir(self, path: str) -> bool:
+        return self.reachable(path) and self.transport.is_dir(path)

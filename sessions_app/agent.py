@@ -28,7 +28,7 @@ from django.db import connection
 from machines_app import catalog
 from machines_app.llama_server import Endpoint
 from machines_app.models import ModelFile
-from machines_app.transports import TransportError, transport_for
+from machines_app.transports import TransportError
 
 from . import (
     actions,
@@ -541,7 +541,7 @@ class Step:
         # machine delays or fails no half-recorded batch.
         parsed = [
             callcard.recorded(call.name, call.arguments if call.raw_arguments is None else call.raw_arguments,
-                              working_dir=session.working_dir, transport=lambda: transport_for(session.machine))
+                              working_dir=session.working_dir, transport=lambda: lifecycle.tool_view(session.machine))
             for call in calls
         ]
         for index, call in enumerate(calls):
@@ -657,7 +657,9 @@ class Step:
                 connection.close()
 
         try:
-            transport = transport_for(session.machine)
+            # What Corral runs or reads for the call reaches no more than a tool in the
+            # machine's sandbox (docs/security.md "What a tool can reach").
+            transport = lifecycle.tool_view(session.machine)
         except TransportError:
             transport = None  # the built-ins then go to llama-server, which says what is wrong
         watcher = threading.Thread(target=watch_interrupt, name=f"tool-interrupt-{self.session_id}", daemon=True)

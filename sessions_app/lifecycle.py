@@ -47,7 +47,15 @@ from machines_app.template_files import (
     check_template_file,
     without_template_lines,
 )
-from machines_app.transports import ProcessId, Transport, TransportError, machine_place, transport_at, transport_for
+from machines_app.transports import (
+    ProcessId,
+    ToolView,
+    Transport,
+    TransportError,
+    machine_place,
+    transport_at,
+    transport_for,
+)
 
 from . import dispatch, tools, turns
 from .events import change_status, locked, record_error, record_event, set_status
@@ -359,6 +367,15 @@ def _sandbox_for(machine: Machine, transport: Transport) -> str:
     if not bwrap and machine.bwrap_path.strip() and machine.transport == Machine.Transport.LOCAL:
         raise TransportError(UNCONTAINED_REFUSED.format(reason=machine.containment_reason))
     return bwrap
+
+
+def tool_view(machine: Machine, transport: Transport | None = None) -> ToolView:
+    """The machine as a tool call sees it (machines_app.transports.ToolView): commands in its
+    tool sandbox, Corral's own files there invisible. Raises TransportError when the
+    machine cannot be reached, or, on the backend's own machine, when there is no sandbox
+    to run a tool in (as :func:`_sandbox_for` refuses a server then)."""
+    transport = transport or transport_for(machine)
+    return ToolView(transport, _sandbox_for(machine, transport), _other_secrets(machine))
 
 
 def _other_secrets(machine: Machine) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ from project import launcher
 from sessions_app import actions, lifecycle
 from sessions_app.models import AgentSession
 
-from .conftest import make_ssh_machine, model_key, wait_for
+from .conftest import grant_bypass, make_ssh_machine, model_key, wait_for
 from .test_agent_loop import events_of, step, text_reply, tool_call_reply
 
 #: A loopback client for Redis's protocol in the system's Python (a tool has no redis-cli).
@@ -56,17 +56,24 @@ def start(machine, user, workdir: Path, **fields) -> AgentSession:
 
 
 def run_approved(session, user, model_side, commands: list[str]) -> list[str]:
-    """The model asks for each command through ``exec_shell_command``; the owner answers
-    "Always allow"; every call runs on the session's real server. Their outputs, in order."""
+    """The model asks for each command through ``exec_shell_command``; the owner allows
+    each one once; every call runs on the session's machine, as a tool of its real server
+    would (Corral runs the shell itself, in the same sandbox). Their outputs, in order."""
     calls = [("exec_shell_command", json.dumps({"command": command})) for command in commands]
     model_side.will_answer(*tool_call_reply(*calls))
     model_side.will_answer(*text_reply("Done."))
     actions.do_send_message(fresh(session), user, "Run these, please.")
     step(fresh(session), model_side)
-    question = events_of(session, "question")[-1].payload
-    assert question["tool"] == "exec_shell_command"
-    actions.do_answer(fresh(session), user, question["id"], "allow_always")
-    step(fresh(session), model_side)
+    for _ in commands:
+        asked = {e.payload["id"] for e in events_of(session, "question")}
+        answered = {e.payload["id"] for e in events_of(session, "answered")}
+        waiting = [q for q in asked - answered]
+        if not waiting:
+            break
+        question = next(e.payload for e in events_of(session, "question") if e.payload["id"] == waiting[0])
+        assert question["tool"] == "exec_shell_command"
+        actions.do_answer(fresh(session), user, question["id"], "allow_once")
+        step(fresh(session), model_side)
     ends = [e.payload for e in events_of(session, "tool_end")][-len(commands):]
     assert len(ends) == len(commands)
     return [end["output"] for end in ends]
@@ -376,3 +383,51 @@ def test_the_corral_script_installs_bubblewrap_when_it_is_missing():
     # Before run, setup and test part ways: every command gets it.
     assert install < script.index('run) shift || true; exec')
     assert subprocess.run(["bash", "-n", str(Path(settings.BASE_DIR) / "corral")]).returncode == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_what_corral_reads_or_runs_for_a_tool_reaches_no_more_than_the_sandbox(
+    local_machine, alice, tmp_path, model_side, steps_run_here
+):
+    # Corral runs read_file, grep_search and the shell itself (bounded), and reads the file a
+    # write would change for its card: none of it may show what the server's sandbox hides.
+    data = Path(settings.DATA_DIR)
+    secret = (data / "secret_key").read_text().strip()
+    outside_key = tmp_path / "keys" / "gpu2.key"
+    outside_key.parent.mkdir()
+    outside_key.write_text("KEY-" + secret)
+    Machine.objects.create(name="gpu2", transport="ssh", host="gpu2.example", user="corral",
+                           private_key_path=str(outside_key))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("the sheep are in the north field\n")
+    (workdir / "link").symlink_to(data / "secret_key")
+    session = start(local_machine, alice, workdir)
+    assert session.status == "idle", [e.payload for e in events_of(session, "error")]
+    grant_bypass(alice)
+    actions.do_set_permission_mode(fresh(session), alice, "bypassPermissions")
+    calls = [
+        ("read_file", json.dumps({"path": str(data / "secret_key")})),
+        ("read_file", json.dumps({"path": "link"})),
+        ("read_file", json.dumps({"path": str(outside_key)})),
+        ("grep_search", json.dumps({"path": str(data), "pattern": secret[:12], "literal": True})),
+        ("grep_search", json.dumps({"path": str(outside_key.parent), "pattern": "KEY-", "literal": True})),
+        ("read_file", json.dumps({"path": "notes.txt"})),
+    ]
+    model_side.will_answer(*tool_call_reply(*calls))
+    model_side.will_answer(*text_reply("Done."))
+    actions.do_send_message(fresh(session), alice, "Look around.")
+    step(fresh(session), model_side)
+    outputs = [e.payload["output"] for e in events_of(session, "tool_end")]
+    assert len(outputs) == len(calls)
+    for (name, arguments), output in zip(calls[:-1], outputs[:-1], strict=True):
+        assert secret[:12] not in output and "KEY-" not in output, (name, arguments, output)
+    assert "the sheep are in the north field" in outputs[-1]  # the working directory still reads
+
+    # The card of a write to Corral's secret key shows nothing of it (not even as "before").
+    from sessions_app import callcard
+
+    payload = callcard.recorded("write_file", json.dumps({"path": str(data / "secret_key"), "content": "x"}),
+                                working_dir=str(workdir), transport=lambda: lifecycle.tool_view(local_machine))
+    assert secret not in json.dumps(payload) and payload["file_before"]["state"] != "text"
