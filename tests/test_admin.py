@@ -169,8 +169,8 @@ def test_a_session_deleted_while_its_server_is_spawned_leaves_no_process(local_m
     spawned = []
     spawn = LocalTransport.spawn
 
-    def spawn_then_delete(self, argv, log_path, cwd=None):
-        proc = spawn(self, argv, log_path, cwd)
+    def spawn_then_delete(self, argv, log_path, cwd=None, **sandbox):
+        proc = spawn(self, argv, log_path, cwd, **sandbox)
         spawned.append(proc.pid)
         AgentSession.objects.filter(pk=session.pk).delete()
         return proc
