@@ -617,6 +617,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--serve-mcp"]:
     serve_mcp(int(sys.argv[2]), sys.argv[3])
 
 
+@pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
 @pytest.mark.parametrize("change", ["bypass_revoked", "deactivated", "left_the_group"])
 def test_an_allowance_lapses_when_its_granter_could_no_longer_give_it(real_session, alice, bob, model_side, change):
     # bob, who may act and holds the bypass permission, allows `pwd` always in alice's
