@@ -287,7 +287,6 @@ class Transport(ABC):
     def release_port(self, port: int) -> None:
         """This backend no longer needs to reach ``port`` (its server was stopped)."""
 
-    @abstractmethod
     def run_command(
         self,
         argv: list[str],
@@ -315,6 +314,22 @@ class Transport(ABC):
         background, holding the output open or not, never holds the call and never outlives
         it. What it printed before is kept. Raises TransportError when it cannot be started
         (the machine unreachable, ``cwd`` missing)."""
+        if bwrap:
+            argv = self._sandboxed(bwrap, argv, cwd, mask)
+        return self._run_command(argv, cwd=cwd, timeout=timeout, max_output=max_output, stdin=stdin, cancel=cancel)
+
+    @abstractmethod
+    def _run_command(
+        self,
+        argv: list[str],
+        *,
+        cwd: str,
+        timeout: float,
+        max_output: int,
+        stdin: bytes,
+        cancel: threading.Event | None,
+    ) -> CommandResult:
+        """:meth:`run_command` once ``argv`` is what runs (wrapped in the sandbox or not)."""
 
     @abstractmethod
     def file_info(self, path: str) -> FileInfo | None:
@@ -605,20 +620,16 @@ class LocalTransport(Transport):
         kind = "file" if stat.S_ISREG(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "other"
         return FileInfo(kind, st.st_size)
 
-    def run_command(
+    def _run_command(
         self,
         argv: list[str],
         *,
         cwd: str,
         timeout: float,
         max_output: int,
-        stdin: bytes = b"",
-        cancel: threading.Event | None = None,
-        bwrap: str = "",
-        mask: tuple[str, ...] = (),
+        stdin: bytes,
+        cancel: threading.Event | None,
     ) -> CommandResult:
-        if bwrap:
-            argv = self._sandboxed(bwrap, argv, cwd, mask)
         try:
             # A session of its own: the pgid is the pid, and killpg reaches all it started
             # (bubblewrap's init included: it keeps the group). Never Corral's secrets in
@@ -1056,20 +1067,16 @@ class SSHTransport(Transport):
         kind = "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode) else "other"
         return FileInfo(kind, attr.st_size or 0)
 
-    def run_command(
+    def _run_command(
         self,
         argv: list[str],
         *,
         cwd: str,
         timeout: float,
         max_output: int,
-        stdin: bytes = b"",
-        cancel: threading.Event | None = None,
-        bwrap: str = "",
-        mask: tuple[str, ...] = (),
+        stdin: bytes,
+        cancel: threading.Event | None,
     ) -> CommandResult:
-        if bwrap:
-            argv = self._sandboxed(bwrap, argv, cwd, mask)
         # setsid -w: a session of its own (its leader's pid is the group id, printed first
         # on a line of its own, then exec keeps that pid for the command), waited for, so
         # the channel's exit status says when the command itself ended.
