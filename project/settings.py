@@ -267,6 +267,15 @@ CORRAL_TOOL_RESULT_MAX_CHARS = env_int("CORRAL_TOOL_RESULT_MAX_CHARS", 20_000, m
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # One line per event: a refused request and an SSH link that fails are expected, not
+    # tracebacks (project/log_filters.py).
+    "filters": {
+        "one_line_refusals": {"()": "project.log_filters.OneLineRefusals"},
+        "no_paramiko_tracebacks": {"()": "project.log_filters.NoParamikoTracebacks"},
+    },
+    # On the handler, not on the loggers: a logger's filters do not apply to records of its
+    # children (paramiko logs as ``paramiko.transport``).
+    "handlers": {"console": {"class": "logging.StreamHandler",
+                             "filters": ["one_line_refusals", "no_paramiko_tracebacks"]}},
     "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", set(logging.getLevelNamesMapping()))},
 }

@@ -198,17 +198,19 @@ def test_check_deploy_names_what_is_missing_without_the_switch(tmp_path):
 # --- the launcher --------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
-    ("https", "debug", "expected_debug", "daphne_args"),
-    [(None, None, "1", []), ("1", None, "0", ["--proxy-headers"]), (None, "0", "0", []), ("1", "true", "1",
-                                                                                      ["--proxy-headers"])],
+    ("https", "debug", "flag", "expected_debug", "daphne_args"),
+    [(None, None, False, "0", []), (None, None, True, "1", []), ("1", None, False, "0", ["--proxy-headers"]),
+     (None, "0", False, "0", []), (None, "1", False, "1", []), ("1", "true", False, "1", ["--proxy-headers"])],
 )
-def test_corral_run_has_debug_only_on_a_plain_loopback_run(monkeypatch, https, debug, expected_debug, daphne_args):
+def test_corral_run_has_debug_only_when_asked_for(monkeypatch, https, debug, flag, expected_debug, daphne_args):
+    """The run the README gives a team has DEBUG off: a member must never meet Django's
+    debug 404 that lists every URL pattern. ``--debug`` or ``DEBUG=1`` turns it on."""
     for name, value in (("CORRAL_HTTPS", https), ("DEBUG", debug)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    assert launcher.run_environment() == daphne_args
+    assert launcher.run_environment(flag) == daphne_args
     assert os.environ["DEBUG"] == expected_debug
 
 
@@ -233,7 +235,8 @@ def test_the_launcher_refuses_bad_input_with_a_message_not_a_traceback(tmp_path,
 
 @pytest.mark.parametrize(
     ("args", "port"),
-    [(["--port", "8765"], 8765), (["--port=8765"], 8765), ([], 8000), (["--port", "1", "--port=2"], 2)],
+    [(["--port", "8765"], 8765), (["--port=8765"], 8765), ([], 8000), (["--port", "1", "--port=2"], 2),
+     (["--debug", "--port", "8765"], 8765)],
 )
 def test_corral_run_takes_its_port_in_either_spelling(monkeypatch, args, port):
     monkeypatch.delenv("PORT", raising=False)
