@@ -262,6 +262,9 @@ CORRAL_DEFAULT_MAX_TOKENS = env_int("CORRAL_DEFAULT_MAX_TOKENS", 4096, minimum=1
 # The most characters of one tool result that are stored and sent to the model; the rest is
 # cut with a note saying how much and how to ask for a part (docs/behaviour.md §9): one
 # huge result would otherwise be re-sent with every request and overflow the context.
+# A bearer token that may read /metrics (Prometheus' scrape, project/metrics.py); staff may
+# always. Unset: only staff.
+CORRAL_METRICS_TOKEN = env_str("CORRAL_METRICS_TOKEN", "")
 CORRAL_TOOL_RESULT_MAX_CHARS = env_int("CORRAL_TOOL_RESULT_MAX_CHARS", 20_000, minimum=1_000, maximum=10_000_000)
 
 LOGGING = {
