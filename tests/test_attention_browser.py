@@ -58,28 +58,34 @@ def in_thread(work) -> object:
 
 
 @pytest.fixture
-def browser(monkeypatch):
+def profiles(monkeypatch, stack, tmp_path):
+    """``open(name, width, height)`` → a browser profile of its own (a persistent context:
+    Chromium installs no app from an incognito one) in which Corral may show notifications,
+    as a person would allow it."""
     from playwright.sync_api import sync_playwright
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    opened = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"],
-        )
-        yield browser
-        browser.close()
+        def open_profile(name: str = "alice", width: int = 1366, height: int = 900):
+            context = p.chromium.launch_persistent_context(
+                str(tmp_path / f"profile-{name}"), executable_path=CHROMIUM, viewport={"width": width, "height": height},
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"],
+            )
+            context.grant_permissions(["notifications"], origin=stack.base_url)
+            context.set_default_timeout(30_000)
+            opened.append(context)
+            return context
+
+        yield open_profile
+        for context in opened:
+            context.close()
 
 
 @pytest.fixture
-def context(browser, stack):
-    """A browser profile in which Corral may show notifications (as a person would allow it)."""
-    context = browser.new_context(viewport={"width": 1366, "height": 900})
-    context.grant_permissions(["notifications"], origin=stack.base_url)
-    context.set_default_timeout(30_000)
-    yield context
-    context.close()
+def context(profiles):
+    return profiles()
 
 
 @pytest.fixture
@@ -99,10 +105,21 @@ def notifications(page) -> list[dict]:
         ns.map(n => ({title: n.title, body: n.body, tag: n.tag, url: n.data && n.data.url})))""")
 
 
+def poll(page, predicate, what: str, timeout: float = 30.0):
+    """``wait_for`` for what the browser does on its own: between two tries Playwright is
+    called (its sync API hands events over and lets the browser's work through only then)."""
+
+    def tried():
+        page.wait_for_timeout(200)
+        return predicate()
+
+    return wait_for(tried, timeout, what=what)
+
+
 def opt_in(page, stack) -> None:
     page.goto(stack.base_url + "/notifications/")
     page.check("#notify-switch")
-    page.wait_for_function("localStorage.getItem('corral.notify') === 'on'")
+    page.wait_for_function("() => localStorage.getItem('corral.notify') === 'on'")
 
 
 def test_a_question_in_another_session_counts_in_every_tab_and_is_a_notification(stack, context, fake_machine,
@@ -122,13 +139,13 @@ def test_a_question_in_another_session_counts_in_every_tab_and_is_a_notification
     send(asking, "Run the tests.")
     asking.locator("[id='tool-call_1_0'] button", has_text="Refuse").wait_for()
 
-    other.wait_for_function("document.title.startsWith('(1) ')")
-    assert other.title() == "(1) Corral"
+    other.wait_for_function("() => document.title.startsWith('(1) ')")
+    assert other.title() == "(1) Sessions — Corral"
     assert other.locator('link[rel="icon"]').get_attribute("href").endswith("/favicon-alert.svg")
     assert other.locator("#inbox-count").inner_text() == "1"
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     other.screenshot(path=str(ARTEFACTS / "attention-other-tab.png"))
-    shown = wait_for(lambda: notifications(other), 30, what="the notification")
+    shown = poll(other, lambda: notifications(other), "the notification")
     assert shown == [{"title": "Your session wants to run `make test`", "body": "Shopping list helper",
                       "tag": f"corral-question-{session.pk}:call_1_0", "url": f"/sessions/{session.pk}/#tool-call_1_0"}]
     # The notification's link opens the card, in view.
@@ -139,13 +156,14 @@ def test_a_question_in_another_session_counts_in_every_tab_and_is_a_notification
         return r.top < innerHeight && r.bottom > 0; }""")
     # Answered: every tab's count and badge go.
     card.locator("button", has_text="Refuse").click()
-    asking.wait_for_function("!document.title.startsWith('(')")
-    other.wait_for_function("!document.title.startsWith('(')")
+    asking.wait_for_function("() => !document.title.startsWith('(')")
+    other.wait_for_function("() => !document.title.startsWith('(')")
     assert other.locator('link[rel="icon"]').get_attribute("href").endswith("/favicon.svg")
 
 
-def test_the_inbox_and_the_session_page_answer_the_same_question_and_follow_each_other(stack, context, fake_machine,
-                                                                                      alice, bob, tmp_path):
+def test_the_inbox_and_the_session_page_answer_the_same_question_and_follow_each_other(stack, context, profiles,
+                                                                                      fake_machine, alice, bob,
+                                                                                      tmp_path):
     machine = fake_machine([shell("make test"), shell("make clean"), {"text": "Both done."}])
     session = start_session(alice, machine, tmp_path, title="Build helper")
     in_thread(lambda: actions.do_set_visibility(AgentSession.objects.get(pk=session.pk), alice,
@@ -157,9 +175,7 @@ def test_the_inbox_and_the_session_page_answer_the_same_question_and_follow_each
     page.locator("[id='tool-call_1_0'] button", has_text="Refuse").wait_for()
 
     # bob, who may act in the shared session, answers from his inbox in another browser profile.
-    bobs_context = context.browser.new_context(viewport={"width": 390, "height": 844})
-    inbox = bobs_context.new_page()
-    inbox.set_default_timeout(30_000)
+    inbox = profiles("bob", 390, 844).new_page()
     log_in(inbox, stack, "bob", "bob-password-1")
     inbox.goto(stack.base_url + "/inbox/")
     entry = inbox.locator(f".inbox-entry[data-key='{session.pk}:call_1_0']")
@@ -179,8 +195,7 @@ def test_the_inbox_and_the_session_page_answer_the_same_question_and_follow_each
     page.locator("[id='tool-call_2_0'] button", has_text="Refuse").click()
     second.wait_for(state="detached")
     inbox.locator("#inbox-empty").wait_for(state="visible")
-    inbox.wait_for_function("!document.title.startsWith('(')")
-    bobs_context.close()
+    inbox.wait_for_function("() => !document.title.startsWith('(')")
 
 
 def test_web_push_end_to_end_and_a_gone_subscription_is_removed(stack, fake_machine, alice, tmp_path, push_service):
@@ -217,22 +232,34 @@ def test_the_service_worker_shows_a_pushed_message_and_the_app_is_installable(st
     worker_ready(page)
     cdp = context.new_cdp_session(page)
     # Chromium's own installability checks: the manifest, its icons, the service worker.
-    errors = wait_for(lambda: (lambda e: e if not e["installabilityErrors"] else None)(
-        cdp.send("Page.getInstallabilityErrors")) or None, 30, what="no installability errors")
-    assert errors["installabilityErrors"] == []
+    # (Asked again for a while: the checks wait for the worker and the icons, fetched after the page.)
+    said: list = []
+
+    def installable() -> bool:
+        said[:] = cdp.send("Page.getInstallabilityErrors")["installabilityErrors"]
+        return not said
+
+    try:
+        wait_for(installable, 30, what="no installability errors")
+    except AssertionError:
+        raise AssertionError(f"Chromium says the app is not installable: {said}") from None
     manifest = cdp.send("Page.getAppManifest")
     assert manifest["url"] == stack.base_url + "/manifest.webmanifest" and not manifest["errors"]
 
     registrations: list[dict] = []
     cdp.on("ServiceWorker.workerRegistrationUpdated", lambda e: registrations.extend(e["registrations"]))
     cdp.send("ServiceWorker.enable")
-    ours = wait_for(lambda: next((r for r in registrations if r["scopeURL"] == stack.base_url + "/"), None), 30,
-                    what="the service worker's registration")
+
+    def registered():
+        page.wait_for_timeout(100)  # Playwright's sync API hands events over only while it is called
+        return next((r for r in registrations if r["scopeURL"] == stack.base_url + "/"), None)
+
+    ours = wait_for(registered, 30, what=f"the service worker's registration (seen: {registrations})")
     message = {"title": "bob's session wants to run `make deploy`", "body": "Release", "url": "/sessions/7/#tool-c1",
                "tag": "corral-question-7:c1"}
     cdp.send("ServiceWorker.deliverPushMessage", {"origin": stack.base_url, "registrationId": ours["registrationId"],
                                                   "data": json.dumps(message)})
-    shown = wait_for(lambda: notifications(page), 30, what="the pushed notification")
+    shown = poll(page, lambda: notifications(page), "the pushed notification")
     assert shown == [{"title": message["title"], "body": "Release", "tag": message["tag"], "url": message["url"]}]
     # The app shell is cached; a transcript never is.
     cached = page.evaluate("caches.open('corral-shell-v1').then(c => c.keys()).then(ks => ks.map(k => k.url))")
@@ -297,13 +324,13 @@ def test_the_page_follows_new_text_at_the_bottom_and_offers_new_messages_when_sc
     # At the bottom: the reply, streamed, keeps the page at the bottom.
     send(page, "Go on.")
     page.locator("#transcript .msg.assistant", has_text="First reply").last.wait_for()
-    page.wait_for_function("!document.querySelector('#transcript .msg.streaming')")
+    page.wait_for_function("() => !document.querySelector('#transcript .msg.streaming')")
     page.wait_for_timeout(300)
     assert at_bottom(page) and page.locator("#new-messages").is_hidden()
 
     # Scrolled up: the page stays where the reader is, and offers the new messages.
     page.mouse.wheel(0, -3000)
-    page.wait_for_function("scrollY < document.documentElement.scrollHeight - innerHeight - 500")
+    page.wait_for_function("() => scrollY < document.documentElement.scrollHeight - innerHeight - 500")
     where = page.evaluate("scrollY")
     in_thread(lambda: actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "And again."))
     page.locator("#new-messages").wait_for(state="visible")
@@ -311,5 +338,5 @@ def test_the_page_follows_new_text_at_the_bottom_and_offers_new_messages_when_sc
     assert abs(page.evaluate("scrollY") - where) < 2
     page.screenshot(path=str(ARTEFACTS / "new-messages-button.png"))
     page.click("#new-messages")
-    page.wait_for_function("innerHeight + scrollY >= document.documentElement.scrollHeight - 2")
+    page.wait_for_function("() => innerHeight + scrollY >= document.documentElement.scrollHeight - 2")
     assert page.locator("#new-messages").is_hidden() and last_message_in_view(page)
