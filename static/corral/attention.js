@@ -19,12 +19,12 @@
   let retry = 1000;
 
   // --- the service worker: the app shell offline, the push handler, notification clicks.
-  let registration = null;
-  if ("serviceWorker" in navigator && window.isSecureContext) {
-    navigator.serviceWorker.register(link.dataset.sw, { scope: "/" }).then(function (reg) {
-      registration = reg;
-    }, function (err) { console.warn("Corral's service worker could not be registered:", err); });
-  }
+  // Resolves to the active registration (showNotification needs one), or rejects.
+  const registered = "serviceWorker" in navigator && window.isSecureContext
+    ? navigator.serviceWorker.register(link.dataset.sw, { scope: "/" }).then(function (reg) {
+      return reg.active ? reg : navigator.serviceWorker.ready;
+    }) : Promise.reject(new Error("no service worker here"));
+  registered.catch(function (err) { console.warn("Corral's service worker is not running:", err); });
 
   // --- the title and the icon.
   function applyTitle() {
@@ -84,14 +84,16 @@
     return document.visibilityState === "visible" && root && root.dataset.sessionId === String(question.session_id);
   }
 
+  // Through the service worker when there is one (its click handler opens the card, even
+  // once this tab is closed; a phone's browser has no other way); else a page notification.
   function notify(question) {
     const options = { body: question.body, tag: question.tag, data: { url: question.url }, icon: "/static/corral/icon-192.png" };
-    if (registration && registration.showNotification) {
-      return registration.showNotification(question.title, options);
-    }
-    const shown = new Notification(question.title, options);
-    shown.onclick = function () { window.focus(); location.href = question.url; };
-    return Promise.resolve();
+    return registered.then(function (reg) {
+      return reg.showNotification(question.title, options);
+    }, function () {
+      const shown = new Notification(question.title, options);
+      shown.onclick = function () { window.focus(); location.href = question.url; };
+    });
   }
 
   let audio = null;
