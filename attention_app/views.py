@@ -3,8 +3,10 @@ service worker (docs/attention.md)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.contrib import messages as flash
@@ -63,12 +65,30 @@ def _device(user_agent: str) -> str:
     return f"{browser} on {system}" if system else browser
 
 
+def endpoint_refusal(endpoint: str) -> str:
+    """Why Corral will not send to ``endpoint`` ('' when it will). Corral's workers POST to
+    it, so only an ``https`` URL of a host that is not an address inside this network
+    (loopback, private, link-local: a member must not make Corral knock on internal
+    services); every browser's push service is such a URL (RFC 8030 §5)."""
+    parsed = urlsplit(endpoint)
+    if parsed.scheme != "https" or not parsed.hostname:
+        return "That is not a push subscription (its endpoint is not an https URL)."
+    try:
+        address = ipaddress.ip_address(parsed.hostname)
+    except ValueError:
+        return "" if parsed.hostname != "localhost" else "A push subscription cannot point at this server's network."
+    if address.is_private or address.is_loopback or address.is_link_local or address.is_reserved:
+        return "A push subscription cannot point at this server's network."
+    return ""
+
+
 @require_POST
 def subscribe(request: HttpRequest) -> JsonResponse:
     """Keep this browser's push subscription: the JSON of ``PushSubscription.toJSON()``
     (``endpoint``, ``keys.p256dh``, ``keys.auth``). One endpoint belongs to one person: a
     browser that subscribes again under another login moves to them. 400 with a sentence
-    when the body is not such a subscription."""
+    when the body is not such a subscription or its endpoint is refused
+    (:func:`endpoint_refusal`)."""
     if len(request.body) > MAX_SUBSCRIPTION_BYTES:
         return JsonResponse({"error": "That is not a push subscription (it is too long)."}, status=400)
     try:
@@ -77,9 +97,10 @@ def subscribe(request: HttpRequest) -> JsonResponse:
         p256dh, auth = keys["p256dh"], keys["auth"]
     except (ValueError, KeyError, TypeError):
         return JsonResponse({"error": "That is not a push subscription."}, status=400)
-    if not all(isinstance(v, str) and v for v in (endpoint, p256dh, auth)) or not endpoint.startswith(("https://",
-                                                                                                       "http://")):
+    if not all(isinstance(v, str) and v for v in (endpoint, p256dh, auth)):
         return JsonResponse({"error": "That is not a push subscription."}, status=400)
+    if refusal := endpoint_refusal(endpoint):
+        return JsonResponse({"error": refusal}, status=400)
     if len(endpoint) > 2000 or len(p256dh) > 200 or len(auth) > 100:
         return JsonResponse({"error": "That is not a push subscription (a part is too long)."}, status=400)
     subscription, _ = PushSubscription.objects.update_or_create(

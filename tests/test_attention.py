@@ -14,6 +14,7 @@ from asgiref.sync import async_to_sync
 from bs4 import BeautifulSoup
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from cryptography.exceptions import InvalidTag
 from django.conf import settings
 from django.contrib.auth.models import Group
 from django.test import Client
@@ -173,6 +174,13 @@ def test_subscriptions_are_kept_per_person_and_device_and_removable_only_by_thei
                 json.dumps({"endpoint": "https://x", "keys": {"p256dh": "", "auth": "b"}})):
         refused = client.post("/notifications/subscribe/", bad, content_type="application/json")
         assert refused.status_code == 400 and "not a push subscription" in refused.json()["error"]
+    # Corral's workers would POST there: nothing inside this network, nothing in plain http.
+    for inside in ("https://127.0.0.1:6379/x", "https://10.1.2.3/x", "https://[::1]/x", "https://localhost/x",
+                   "https://169.254.169.254/latest", "http://push.example/x"):
+        refused = client.post("/notifications/subscribe/", json.dumps(Device(inside).subscription()),
+                              content_type="application/json")
+        assert refused.status_code == 400, inside
+    assert PushSubscription.objects.count() == 1
     assert logged_in(bob).post(f"/notifications/{stored.pk}/remove/").status_code == 404
     assert client.post(f"/notifications/{stored.pk}/remove/").status_code == 302
     assert not PushSubscription.objects.exists()
@@ -236,7 +244,7 @@ def test_web_push_reaches_every_device_of_whoever_may_answer_encrypted_for_each(
                            "url": f"/sessions/{session.pk}/#tool-call_1_0", "title": title,
                            "body": "Shopping list helper", "tag": f"corral-question-{session.pk}:call_1_0"}
     # Another device's keys cannot read it (each message is encrypted for one subscription).
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidTag):
         push_service.read(received[phone.endpoint.removeprefix(push_service.origin)], laptop, key)
     assert PushSubscription.objects.filter(last_sent_at__isnull=False).count() == 3
     # Answered: nothing more is pushed about it.

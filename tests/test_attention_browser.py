@@ -209,8 +209,8 @@ def test_web_push_end_to_end_and_a_gone_subscription_is_removed(stack, fake_mach
                                                       auth=b64url(phone.auth), device="Chrome on Android"))
     in_thread(lambda: actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "Build it."))
     request = push_service.wait(1, 120)[0]
-    from py_vapid import Vapid
     from cryptography.hazmat.primitives import serialization
+    from py_vapid import Vapid
 
     vapid = Vapid.from_pem((stack.data_dir / "vapid_private.pem").read_bytes())
     key = b64url(vapid.public_key.public_bytes(serialization.Encoding.X962,
