@@ -136,6 +136,8 @@ def test_the_inbox_shows_the_sessions_card_and_its_answers_answer_the_same_quest
     assert {b["hx-post"] for b in buttons} == {f"/sessions/{session.pk}/calls/call_1_0/answer/"}
     targets = [b["hx-target"] for e in entries for b in e.select(".question button")]
     assert len(set(targets)) == 2 and all(soup.select_one(t) is not None for t in targets)
+    ids = [element["id"] for element in soup.select("[id]")]
+    assert len(ids) == len(set(ids))  # two sessions' calls named alike are still two cards
     assert "(1) " not in page.content.decode() and soup.select_one("#inbox-count").get_text() == "2"
     # The owner is offered "always" too, as on the session page.
     owners = BeautifulSoup(logged_in(alice).get("/inbox/").content, "html.parser")

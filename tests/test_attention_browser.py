@@ -261,6 +261,18 @@ def test_the_service_worker_shows_a_pushed_message_and_the_app_is_installable(st
                                                   "data": json.dumps(message)})
     shown = poll(page, lambda: notifications(page), "the pushed notification")
     assert shown == [{"title": message["title"], "body": "Release", "tag": message["tag"], "url": message["url"]}]
+    # A click on it (the worker's notificationclick, dispatched as the browser would) takes a
+    # tab already on that page to the card named in the message, and closes the notification.
+    tab = context.new_page()
+    tab.goto(stack.base_url + "/inbox/")
+    worker = next(w for w in context.service_workers if w.url == stack.base_url + "/sw.js")
+    worker.evaluate("""async url => {
+        await self.registration.showNotification("to click", {tag: "click", data: {url}});
+        const [shown] = await self.registration.getNotifications({tag: "click"});
+        self.dispatchEvent(new NotificationEvent("notificationclick", {notification: shown}));
+    }""", "/inbox/?from=notification")
+    tab.wait_for_url(stack.base_url + "/inbox/?from=notification")
+    poll(page, lambda: [n["tag"] for n in notifications(page)] == [message["tag"]], "the clicked one to close")
     # The app shell is cached; a transcript never is.
     cached = page.evaluate("caches.open('corral-shell-v1').then(c => c.keys()).then(ks => ks.map(k => k.url))")
     assert stack.base_url + "/static/corral/offline.html" in cached
