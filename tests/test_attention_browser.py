@@ -352,3 +352,11 @@ def test_the_page_follows_new_text_at_the_bottom_and_offers_new_messages_when_sc
     page.click("#new-messages")
     page.wait_for_function("() => innerHeight + scrollY >= document.documentElement.scrollHeight - 2")
     assert page.locator("#new-messages").is_hidden() and last_message_in_view(page)
+
+    # Earlier turns loaded above are not new messages.
+    page.evaluate("window.scrollTo(0, 0)")
+    before = page.locator("#transcript .msg").count()
+    page.click("text=Show earlier turns")
+    page.wait_for_function(f"() => document.querySelectorAll('#transcript .msg').length > {before}")
+    page.wait_for_timeout(300)
+    assert page.locator("#new-messages").is_hidden()
