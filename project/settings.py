@@ -50,6 +50,7 @@ INSTALLED_APPS = [
     "axes",
     "machines_app",
     "sessions_app",
+    "attention_app",
 ]
 
 MIDDLEWARE = [
@@ -88,6 +89,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "django.template.context_processors.csp",  # csp_nonce, for the admin's templates
+                "attention_app.context_processors.attention",  # the inbox count in the top bar
             ],
         },
     },
@@ -142,6 +144,10 @@ SECURE_CSP = {
     "img-src": [CSP.SELF],
     "font-src": [CSP.SELF],
     "connect-src": [CSP.SELF],
+    # The web app manifest and the service worker (docs/attention.md); a worker falls back
+    # to script-src, said here so it stays true if script-src changes.
+    "manifest-src": [CSP.SELF],
+    "worker-src": [CSP.SELF],
     "form-action": [CSP.SELF],
     "base-uri": [CSP.NONE],
     "object-src": [CSP.NONE],
@@ -282,3 +288,7 @@ LOGGING = {
                              "filters": ["one_line_refusals", "no_paramiko_tracebacks"]}},
     "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", set(logging.getLevelNamesMapping()))},
 }
+
+# Web Push (docs/attention.md): who runs this Corral, as the VAPID "sub" claim (RFC 8292 §2.1,
+# a mailto: or https: URL) push services may write to about the messages it sends.
+CORRAL_VAPID_SUBJECT = env_str("CORRAL_VAPID_SUBJECT", "mailto:corral@localhost")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
-from . import broadcast
+from . import broadcast, dispatch
 from .models import AgentSession, TranscriptEvent
 from .transcript import Kind, check_payload
 
@@ -58,6 +58,9 @@ def append(session: AgentSession, kind: str, payload: dict) -> TranscriptEvent:
     event = TranscriptEvent.objects.create(session_id=session.pk, seq=session.last_seq, kind=kind, payload=payload)
     AgentSession.objects.filter(pk=session.pk).update(last_seq=session.last_seq, last_activity_at=timezone.now())
     transaction.on_commit(lambda: broadcast.push_event(session.pk, event.seq, kind, payload))
+    if kind == Kind.QUESTION:
+        # Whoever may answer is told on their devices when no page of theirs shows it (docs/attention.md).
+        dispatch.enqueue_on_commit(dispatch.PUSH_QUESTION, session.pk, payload.get("id", ""))
     return event
 
 

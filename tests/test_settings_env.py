@@ -125,7 +125,9 @@ def test_it_prepares_a_fresh_data_dir_once_with_an_owner_only_key(tmp_path):
     key_file.write_text("")  # e.g. a disk that filled up mid-write
     data_dir.prepare(target)
     assert data_dir.read_secret_key(target) and data_dir.read_secret_key(target) != key
-    assert sorted(p.name for p in target.iterdir()) == ["logs", "secret_key", "static"]  # no partial file left
+    # The VAPID key of Web Push, owner-only too (docs/attention.md); no partial file left.
+    assert stat.S_IMODE((target / data_dir.VAPID_KEY_FILE).stat().st_mode) == 0o600
+    assert sorted(p.name for p in target.iterdir()) == ["logs", "secret_key", "static", "vapid_private.pem"]
 
 
 def test_importing_settings_writes_nothing_and_a_missing_key_is_a_clear_error(tmp_path):

@@ -224,10 +224,6 @@
     }
   }
 
-  function nearBottom() {
-    return window.innerHeight + window.scrollY >= document.body.scrollHeight - 80;
-  }
-
   function connect() {
     const scheme = location.protocol === "https:" ? "wss://" : "ws://";
     socket = new WebSocket(scheme + location.host + root.dataset.wsPath + "?after=" + lastSeq);
@@ -249,11 +245,9 @@
         socket.close();
         return;
       }
-      const stick = nearBottom();
-      msg.ops.forEach(apply);
+      msg.ops.forEach(apply);  // follow.js keeps the reader at the bottom, or offers "new messages"
       lastSeq = msg.seq;
       root.dataset.lastSeq = String(lastSeq);
-      if (stick) window.scrollTo(0, document.body.scrollHeight);
     };
     socket.onclose = function (e) {
       // A close code the page has a sentence for is final: say why and how to go on
