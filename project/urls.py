@@ -12,6 +12,7 @@ urlpatterns = [
     path("favicon.ico", login_not_required(RedirectView.as_view(url=static("corral/favicon.svg"), permanent=True))),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", include("machines_app.urls")),
     path("", include("sessions_app.urls")),
 ]
 
