@@ -142,7 +142,7 @@ class NewSessionForm(forms.Form):
             else:
                 if refusal := catalog.context_refusal(model, data.get("contextSize")):
                     self.add_error("contextSize", refusal)
-                elif refusal := room.never_fits(machine, key, self.server_params_of(data)):
+                elif refusal := room.never_fits(machine, key, chosen_server_params(data)):
                     self.add_error("model_key", refusal)
         if machine and data.get("working_dir"):
             try:
@@ -155,17 +155,19 @@ class NewSessionForm(forms.Form):
 
     def server_params(self) -> dict:
         """The server flags chosen; ``speculative`` only when turned off ("auto" is the default)."""
-        return self.server_params_of(self.cleaned_data)
-
-    def server_params_of(self, data: dict) -> dict:
-        return {
-            k: data[k]
-            for k in self.SERVER_FIELDS
-            if data.get(k) not in (None, "") and not (k == "speculative" and data[k] == "auto")
-        }
+        return chosen_server_params(self.cleaned_data)
 
     def sampling(self) -> dict:
         return {k: self.cleaned_data[k] for k in self.SAMPLING_FIELDS if self.cleaned_data.get(k) is not None}
+
+
+def chosen_server_params(data: dict) -> dict:
+    """The server flags in a form's cleaned ``data``; ``speculative`` only when turned off."""
+    return {
+        k: data[k]
+        for k in NewSessionForm.SERVER_FIELDS
+        if data.get(k) not in (None, "") and not (k == "speculative" and data[k] == "auto")
+    }
 
 
 def show_model_defaults(form: forms.Form, model: ModelFile | None) -> None:
