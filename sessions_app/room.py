@@ -205,6 +205,8 @@ def admit(session: AgentSession, transport: Transport) -> bool:
                 ahead = line.filter(queued_at__lte=claim.queued_at).exclude(
                     queued_at=claim.queued_at, pk__gt=claim.pk).count()
             room = room_of(machine, reading, gpu=gpu, leave_out=session.pk)
+            if not room.total:
+                return True  # nothing known of its memory (no /proc/meminfo, no budget): not measured
             idle = idle_servers(machine, reading, room.where, leave_out=session.pk)
             fit = memory.plan(need.total, room, idle, ahead=ahead)
             if fit.kind == Fit.FITS:

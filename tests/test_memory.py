@@ -303,6 +303,7 @@ def test_the_machines_page_shows_members_their_machines_memory_servers_and_who_w
     for _ in range(3):
         room.sample_machine(local_machine)
 
+    assert Client().get("/machines/").status_code == 302  # to the login page
     client = Client()
     client.force_login(alice)
     response = client.get("/machines/")
@@ -330,3 +331,33 @@ def test_the_machines_page_shows_members_their_machines_memory_servers_and_who_w
     assert staff.post(f"/machines/servers/{running.pk}/stop/").status_code == 302
     assert sent == [(dispatch.STOP_SERVER, (running.pk, {"id": charlie_staff.pk, "username": "charlie"}))]
     assert 'href="/machines/"' in client.get("/").content.decode()  # the top bar's link
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_staff_stop_a_server_from_the_machines_page_in_a_browser_without_a_csp_violation(
+        stack, page, local_machine, alice, tmp_path):
+    from django.contrib.auth import get_user_model
+
+    from .test_browser import log_in
+    from .test_csp import RECORD_VIOLATIONS
+
+    get_user_model().objects.create_user("staffer", password="staffer-password-1", is_staff=True)
+    session = create(local_machine, alice, tmp_path)
+    wait_for(lambda: fresh(session).status == "idle", 180, what="the server")
+    room.sample_machines(force=True)
+    room.sample_machines(force=True)
+
+    page.add_init_script(RECORD_VIOLATIONS)
+    log_in(page, stack, "staffer", "staffer-password-1")
+    page.click("nav >> text=Machines")
+    row = page.locator(f"#server-{session.pk}")
+    assert "alice" in row.inner_text() and "idle" in row.inner_text()
+    assert page.locator(f"#machine-{local_machine.pk} svg.memory-plot polyline").count() == 1
+    row.locator("button", has_text="Stop").click()
+    page.wait_for_selector("text=Stopping the server of")
+    wait_for(lambda: fresh(session).status == "stopped", 60, what="the server to stop")
+    assert not ServerRecord.objects.filter(session=session).exists()
+    page.reload()
+    assert page.locator(f"#server-{session.pk}").count() == 0
+    assert page.evaluate("window.__csp") == []
