@@ -307,9 +307,19 @@ def admit_waiting() -> list[int]:
     now = timezone.now()
     handed = []
     for machine_id in MemoryClaim.objects.filter(granted=False).values_list("machine_id", flat=True).distinct():
-        head = (MemoryClaim.objects.filter(machine_id=machine_id, granted=False).select_related("session")
-                .order_by("queued_at", "pk").first())
-        if head is None or start_live(head.session):
+        line = list(MemoryClaim.objects.filter(machine_id=machine_id, granted=False)
+                    .select_related("session", "machine").order_by("queued_at", "pk"))
+        if not line:
+            continue
+        # Those behind the head are told when their place changes (the head hears it from
+        # its own try, with the numbers).
+        for ahead, claim in enumerate(line[1:], start=1):
+            if claim.told_ahead != ahead and MemoryClaim.objects.filter(
+                    pk=claim.pk, told_ahead=claim.told_ahead).update(told_ahead=ahead):
+                record_event(claim.session_id, Kind.NOTICE, {
+                    "message": f"Waiting for memory on {claim.machine.name} — {ahead} ahead."})
+        head = line[0]
+        if start_live(head.session):
             continue
         if head.tried_at is not None and head.tried_at > now - timedelta(seconds=RETRY_SECONDS):
             continue

@@ -167,6 +167,9 @@ def test_a_start_that_can_never_fit_is_refused_before_anything_starts_naming_the
     assert not form.is_valid()
     assert "64 MiB in all" in form.errors["model_key"][0]
     assert "too big" in next(m for m in form.model_choices if m.key == model.key).fit.label()
+    # And so does a switch to another model that cannot fit either.
+    with pytest.raises(actions.SessionError, match="64 MiB in all"):
+        actions.do_change_model(fresh(session), alice, model_key(local_machine, "gemma3"))
 
 
 @pytest.mark.django_db(transaction=True)
@@ -361,3 +364,33 @@ def test_staff_stop_a_server_from_the_machines_page_in_a_browser_without_a_csp_v
     page.reload()
     assert page.locator(f"#server-{session.pk}").count() == 0
     assert page.evaluate("window.__csp") == []
+
+
+@pytest.mark.django_db
+def test_the_line_is_folded_from_its_rows_and_each_waiting_start_hears_when_its_place_changes(
+        local_machine, alice, tmp_path, monkeypatch):
+    from sessions_app import dispatch
+
+    sent = []
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args: sent.append((task, args)) or True)
+    key = model_key(local_machine, "llama")
+    line = []
+    for ahead in range(3):
+        session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key=key,
+                                              working_dir=str(tmp_path), status="loading")
+        MemoryClaim.objects.create(session=session, machine=local_machine, need=MIB, told_ahead=ahead)
+        line.append(session)
+    assert room.admit_waiting() == [line[0].pk]  # the head is handed back to the servers queue …
+    assert sent == [(dispatch.START_SERVER, (line[0].pk,))]
+    assert room.admit_waiting() == []  # … not again before it had time to try
+    assert notices(line[2]) == []
+
+    AgentSession.objects.filter(pk=line[0].pk).update(status="stopped")  # Stop cancels the wait
+    MemoryClaim.objects.filter(session=line[1]).update(tried_at=None)
+    assert room.admit_waiting() == [line[1].pk]
+    assert not MemoryClaim.objects.filter(session=line[0]).exists()
+    assert notices(line[2]) == [f"Waiting for memory on {local_machine.name} — 1 ahead."]
+    # A start let through whose start claim is gone (its worker died) stops counting.
+    MemoryClaim.objects.filter(session=line[1]).update(granted=True)
+    room.admit_waiting()
+    assert not MemoryClaim.objects.filter(session=line[1]).exists()
