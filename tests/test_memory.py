@@ -359,8 +359,8 @@ def test_staff_stop_a_server_from_the_machines_page_in_a_browser_without_a_csp_v
     assert page.locator(f"#machine-{local_machine.pk} svg.memory-plot polyline").count() == 1
     row.locator("button", has_text="Stop").click()
     page.wait_for_selector("text=Stopping the server of")
-    wait_for(lambda: fresh(session).status == "stopped", 60, what="the server to stop")
-    assert not ServerRecord.objects.filter(session=session).exists()
+    wait_for(lambda: fresh(session).status == "stopped" and not ServerRecord.objects.filter(session=session).exists(),
+             60, what="the server to stop")
     page.reload()
     assert page.locator(f"#server-{session.pk}").count() == 0
     assert page.evaluate("window.__csp") == []

@@ -6,6 +6,9 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    """Room on a machine (docs/behaviour.md §5): a machine's memory budget, a model file's
+    memory shape (read at its next refresh; {} before: the estimate is then weights plus
+    overhead), the starts' claims on a machine's memory and the machines' memory samples."""
 
     dependencies = [
         ('machines_app', '0012_modelfile_special_tokens'),
