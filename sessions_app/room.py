@@ -25,6 +25,7 @@ The line is folded from stored rows: a claim whose session is no longer ``loadin
 from __future__ import annotations
 
 import logging
+import posixpath
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -32,6 +33,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from machines_app import memory
+from machines_app.discovery import read_model_head
+from machines_app.gguf import GGUFError
 from machines_app.memory import Fit, Need, Room, size
 from machines_app.models import Machine, MachineSample, MemoryClaim, ModelFile, ServerRecord
 from machines_app.transports import ProcessId, Transport, TransportError, transport_for
@@ -62,6 +65,27 @@ def need_of(model: ModelFile, server_params: dict) -> Need:
         context = None
     projector = shape.get("projector_size", 0) if model.projector_key else 0
     return memory.estimate(model.file_size, shape, context_size=context or None, projector_size=projector)
+
+
+def shape_of(model: ModelFile, transport: Transport) -> dict:
+    """The model file's memory shape (:func:`machines_app.memory.model_shape`), read from
+    its head through its machine once when discovery has not (a row from before shapes
+    were kept: its next refresh would) and stored. {} when it cannot be read now."""
+    if model.memory_shape or model.error:
+        return model.memory_shape
+    try:
+        root = transport.expand_path(model.machine.models_dir)
+        path = posixpath.join(root, model.key)
+        shape = memory.model_shape(read_model_head(model.key, lambda _key, n, offset=0: transport.read_head(path, n,
+                                                                                                          offset)))
+        if model.projector_key:
+            info = transport.file_info(posixpath.join(root, model.projector_key))
+            shape["projector_size"] = info.size if info is not None else 0
+    except (TransportError, OSError, GGUFError):
+        return {}
+    ModelFile.objects.filter(pk=model.pk).update(memory_shape=shape)
+    model.memory_shape = shape
+    return shape
 
 
 def uses_gpu(server_params: dict) -> bool:
@@ -180,6 +204,7 @@ def admit(session: AgentSession, transport: Transport) -> bool:
     model = ModelFile.objects.filter(machine=machine, key=session.model_key).first()
     if model is None or model.problem:
         return True
+    shape_of(model, transport)
     need = need_of(model, session.server_params)
     gpu = uses_gpu(session.server_params)
     slept: list[int] = []

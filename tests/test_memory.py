@@ -15,7 +15,7 @@ from django.test import Client
 
 from machines_app import catalog, memory
 from machines_app.memory import MIB, Fit, Room
-from machines_app.models import MachineSample, MemoryClaim, ServerRecord
+from machines_app.models import MachineSample, MemoryClaim, ModelFile, ServerRecord
 from machines_app.transports import LocalTransport, ProcessId
 from sessions_app import actions, lifecycle, room
 from sessions_app.forms import NewSessionForm
@@ -95,6 +95,12 @@ def test_the_shapes_of_the_real_models_are_read_from_their_heads(local_machine):
     # Gemma 3's: five layers of six keep only the window (512 + a micro-batch of 512).
     model = local_machine.model_files.get(architecture="gemma3")
     assert room.need_of(model, {"contextSize": 8192}).kv_cache == (3 * 8192 + 15 * 1024) * 1 * 512 * 2
+    # A row from before shapes were kept has its shape read from the file at its next start.
+    shape = model.memory_shape
+    ModelFile.objects.filter(pk=model.pk).update(memory_shape={})
+    model.refresh_from_db()
+    assert room.shape_of(model, LocalTransport()) == shape
+    assert ModelFile.objects.get(pk=model.pk).memory_shape == shape
 
 
 @pytest.mark.django_db(transaction=True)
