@@ -22,7 +22,7 @@ tests/test_memory.py holds the estimate against the resident memory of real serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gguf import Keys
 
@@ -234,7 +234,6 @@ class Fit:
     room: Room
     to_sleep: tuple[int, ...] = ()
     ahead: int = 0
-    extra: dict = field(default_factory=dict, compare=False)
 
     def label(self) -> str:
         """The picker's words for it."""
