@@ -231,6 +231,7 @@ CELERY_BEAT_SCHEDULER = "project.beat:Scheduler"
 CELERY_BEAT_SCHEDULE = {
     "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},
+    "sample-machines": {"task": "sessions_app.tasks.sample_machines", "schedule": 10.0, "options": {"expires": 20}},
 }
 
 # A refused token is answered like any refusal, in the page's message line.

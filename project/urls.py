@@ -16,6 +16,7 @@ urlpatterns = [
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("attention_app.urls")),
+    path("", include("machines_app.urls")),
     path("", include("sessions_app.urls")),
 ]
 

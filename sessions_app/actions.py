@@ -20,7 +20,7 @@ from django.http import Http404
 from machines_app import catalog
 from machines_app.access import machine_refusal
 
-from . import dispatch, images, transcript, turns
+from . import dispatch, images, room, transcript, turns
 from .events import append, change_status, load_events, load_kinds, load_queue_events, locked, record_event
 from .lifecycle import start_live
 from .models import Access, AgentSession, TranscriptEvent
@@ -154,6 +154,8 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
         raise SessionError(str(exc)) from None
     if refusal := catalog.context_refusal(model, session.server_params.get("contextSize")):
         raise SessionError(f"{refusal[:-1]} in Settings before switching to it.")
+    if refusal := room.never_fits(session.machine, model_key, session.server_params):
+        raise SessionError(refusal)  # docs/behaviour.md §5 "Room on a machine"
     with transaction.atomic():
         current = locked(session.pk)
         if current.turn_active:

@@ -57,7 +57,7 @@ from machines_app.transports import (
     transport_for,
 )
 
-from . import dispatch, tools, turns
+from . import dispatch, room, tools, turns
 from .events import change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
 from .transcript import Kind, TurnEnd
@@ -233,7 +233,14 @@ def _start(session_id: int) -> None:
                 _go_on(session.pk)
             return
         record.delete()
-    _spawn(session, transport)
+    # Room on the machine first (docs/behaviour.md §5): a start that does not fit waits in
+    # line or is refused before anything is spawned; one let through counts until ready.
+    if not room.admit(session, transport):
+        return
+    try:
+        _spawn(session, transport)
+    finally:
+        room.release(session.pk)
 
 
 def _wait_for_stop(record: ServerRecord, transport: Transport) -> ServerRecord | None:
@@ -800,7 +807,7 @@ def recover_starts() -> list[int]:
     lost = AgentSession.objects.filter(
         Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now),
         status=Status.LOADING, last_activity_at__lt=stale,
-    ).values_list("pk", flat=True)
+    ).exclude(memory_claim__granted=False).values_list("pk", flat=True)  # waiting for memory: room.admit_waiting
     found = list(lost)
     for session_id in found:
         record_event(session_id, Kind.NOTICE, {"message": LOST_START})

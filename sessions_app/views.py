@@ -13,7 +13,7 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machine_refusal, machines_for
 
-from . import actions, export, images, markdown, presence, transcript, turns
+from . import actions, export, images, markdown, presence, room, transcript, turns
 from .consumers import CloseCode
 from .events import load_events, load_kinds, load_queue_events, load_turns
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
@@ -132,8 +132,9 @@ def model_options(request: HttpRequest) -> HttpResponse:
         context = {"models": [], "machine": None, "error": form.errors["machine"][0]}
         return render(request, "sessions_app/_model_options.html", context, status=400)
     machine = form.cleaned_data["machine"]
-    return render(request, "sessions_app/_model_options.html",
-                  {"models": list(catalog.models_for(machine)), "machine": machine})
+    models = list(catalog.models_for(machine))
+    room.mark_fits(machine, models)  # fits now / after sleeping idle servers / waits / too big
+    return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine})
 
 
 @require_GET
@@ -171,6 +172,7 @@ def refresh_status(request: HttpRequest, machine_id: int) -> HttpResponse:
     if not done:
         return render(request, "sessions_app/_refreshing.html", {"machine": machine, "since": since, "selected": selected})
     models = list(catalog.models_for(machine))
+    room.mark_fits(machine, models)
     return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine, "selected": selected})
 
 
