@@ -44,14 +44,13 @@ def test_the_usage_line_says_how_many_drafted_tokens_the_model_kept():
     assert "draft" not in usage_line({"prompt_tokens": 3})
 
 
-@pytest.fixture
-def real_server(llama_server_bin, tmp_path):
-    """The real llama-server with SmolLM2, a small batch so a long prompt is read in steps."""
+def serve(llama_server_bin, tmp_path, *flags: str):
+    """The real llama-server with SmolLM2 and ``flags``; its URL while the test runs."""
     port = LocalTransport().free_port()
     log = open(tmp_path / "server.log", "wb")
     process = subprocess.Popen(
         [llama_server_bin, "-m", str(packaged_model_paths()["smollm2"]), "--host", "127.0.0.1", "--port", str(port),
-         "-c", "8192", "-b", "256", "-ub", "256", "-t", "2", "--no-warmup"],
+         "-t", "2", "--no-warmup", *flags],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
@@ -71,6 +70,30 @@ def real_server(llama_server_bin, tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def real_server(llama_server_bin, tmp_path):
+    """A small batch, so a long prompt is read in steps."""
+    yield from serve(llama_server_bin, tmp_path, "-c", "8192", "-b", "256", "-ub", "256")
+
+
+@pytest.fixture
+def drafting_server(llama_server_bin, tmp_path):
+    """Speculative decoding with SmolLM2 drafting for itself (same vocabulary): llama-server
+    reports the drafted and accepted tokens in ``timings``, as with a draft model or MTP."""
+    model = str(packaged_model_paths()["smollm2"])
+    yield from serve(llama_server_bin, tmp_path, "-c", "2048", "-md", model, "--spec-type", "draft-simple")
+
+
+def test_the_real_server_reports_drafted_and_accepted_tokens_and_the_usage_line_says_them(drafting_server):
+    messages = [{"role": "user", "content": "Count from 1 to 20."}]
+    deltas = list(CompletionClient(drafting_server).stream(messages, sampling={"max_tokens": 24, "seed": 1,
+                                                                               "temperature": 0}))
+    usage = next(d for d in deltas if isinstance(d, Usage))
+    assert usage.draft_n and usage.draft_n > 0 and 0 <= usage.draft_n_accepted <= usage.draft_n, usage
+    rate = round(100 * usage.draft_n_accepted / usage.draft_n)
+    assert f"draft {rate}% accepted ({usage.draft_n_accepted} of {usage.draft_n})" in usage_line(usage.as_payload())
 
 
 def test_the_real_server_reports_how_far_it_has_read_a_long_prompt(real_server):
