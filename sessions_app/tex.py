@@ -10,7 +10,7 @@ Delimiters follow pandoc's ``tex_math_dollars``, so prices stay text:
 - ``$$…$$`` is display math, inline or on lines of its own;
 - ``$…$`` is inline math when the opening ``$`` has a non-space character to its right,
   the closing one a non-space character to its left and no digit right after it
-  (``$5 and $10`` is text), and no bare ``$`` inside;
+  (``$5 and $10`` is text), and no bare ``$`` or backtick inside;
 - ``\\$`` is a dollar sign; inside a code span or block nothing is math (markdown-it reads
   code first).
 
@@ -86,6 +86,8 @@ def _closing(src: str, start: int, end: int) -> int:
         if char == "\\":
             pos += 2
             continue
+        if char == "`":
+            return -1  # a code span begins: nothing in it is math, nor is a formula across it
         if char == "$":
             after = src[pos + 1] if pos + 1 < end else ""
             return pos if not src[pos - 1].isspace() and not after.isdigit() else -1

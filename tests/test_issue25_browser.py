@@ -218,6 +218,8 @@ def test_an_image_dropped_on_a_model_without_vision_is_said_and_text_files_go_as
     page.locator(".msg.assistant .md", has_text="I read your notes.").wait_for()
     idle(page)
     bubble = page.locator("#transcript .msg.user .body").last
+    sent = list(TranscriptEvent.objects.filter(session=session, kind="message_taken").values_list("payload", flat=True))
+    assert len(sent) == 1 and sent[0]["text"].endswith("buy milk\n```"), sent
     assert bubble.inner_text() == "Summarise my notes.\n\nnotes.md:\n```markdown\n# Notes\n\nbuy milk\n```"
     assert requests_seen(session)[-1]["messages"][-1]["content"].endswith("```markdown\n# Notes\n\nbuy milk\n```")
     check_views(page, "text-file-sent")

@@ -26,6 +26,7 @@ def test_inline_and_display_math_become_mathml():
 @pytest.mark.parametrize("text", [
     "It costs $5 and $10.", "between $5-$10 a day", "a $ b $ c", "`$x$` in code", "```\n$E=mc^2$\n```",
     "an escaped \\$x$ dollar", "$$ never closed", "only one $ here", "from $5 to $ 7",
+    "costs $10; `$x$` is code",
 ])
 def test_prices_code_and_stray_dollars_stay_text(text):
     html = render_markdown(text)

@@ -79,6 +79,7 @@
       while (pos < end) {
         const c = src[pos];
         if (c === "\\") { pos += 2; continue; }
+        if (c === "`") return -1;
         if (c === "$") return !/\s/.test(src[pos - 1]) && !/[0-9]/.test(src[pos + 1] || "") ? pos : -1;
         pos += 1;
       }
