@@ -70,7 +70,7 @@ def to_mathml(tex: str, display: bool) -> str:
     if source and len(source) <= MAX_TEX_CHARS:
         try:
             return convert(source, display="block" if display else "inline")
-        except Exception:  # latex2mathml raises many kinds on what it cannot read  # noqa: BLE001
+        except Exception:  # latex2mathml raises many kinds on what it cannot read
             pass
     fence = "$$" if display else "$"
     return f"<code>{escapeHtml(fence + tex + fence)}</code>"
