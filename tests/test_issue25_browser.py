@@ -32,6 +32,16 @@ SIZES = {"desktop": (1366, 900), "phone": (390, 844)}
 AXE_TAGS = ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"]
 
 
+#: Console lines another part of issue 25 removes (point 12: the waiting note's poll logs
+#: htmx:sendAbort / htmx:afterRequest when a turn ends). Only these exact events are let
+#: through here; drop this once that fix is merged.
+WAITING_NOTE_NOISE = re.compile(r"^htmx:(sendAbort|afterRequest), \[object HTML\w+Element\]$")
+
+
+def console_errors(page) -> list[str]:
+    return [line for line in page.errors if not WAITING_NOTE_NOISE.match(line)]
+
+
 @pytest.fixture
 def browser_page(page):
     """The page with axe-core in every document and its console watched: ``page.errors``
@@ -100,7 +110,7 @@ def test_search_finds_a_word_said_and_its_link_opens_the_message(stack, browser_
     log_in(page, stack, "bob", "bob-password-1")
     page.goto(stack.base_url + "/?q=stripes")
     assert page.locator("#said").count() == 0
-    assert page.errors == []
+    assert console_errors(page) == []
 
 
 # --- 5 and 6: versions, math ----------------------------------------------------------------
@@ -169,7 +179,7 @@ def test_versions_show_as_one_bubble_and_math_renders_while_it_streams(stack, br
         {"role": "user", "content": "Go on."}]
     kinds = list(TranscriptEvent.objects.filter(session=session).values_list("kind", flat=True))
     assert kinds.count("version_chosen") == 1 and kinds.count("message_taken") == 4
-    assert page.errors == []
+    assert console_errors(page) == []
 
 
 # --- 7: images and text files -----------------------------------------------------------------
@@ -210,12 +220,15 @@ def test_an_image_dropped_on_a_model_without_vision_is_said_and_text_files_go_as
     page.locator("#composer-error", has_text="huge.log is 150 KB; a text file can be at most 100 KB.").wait_for()
     check_views(page, "text-file-refused", sizes={"desktop": SIZES["desktop"]})
     page.click("#send-button")  # sent anyway: the server refuses it in the same words
+    page.locator("#attached-files li").first.wait_for(state="detached")  # the composer came back from the server
     page.locator("#composer-error", has_text="huge.log is 150 KB; a text file can be at most 100 KB.").wait_for()
+    assert not TranscriptEvent.objects.filter(session=session, kind="message_taken").exists()
 
     page.set_input_files("#id_files", files=[{"name": "notes.md", "mimeType": "text/markdown",
                                               "buffer": b"# Notes\n\nbuy milk"}])
     send(page, "Summarise my notes.")
-    page.locator(".msg.assistant .md", has_text="I read your notes.").wait_for()
+    page.locator("#transcript .msg.user", has_text="notes.md:").wait_for(timeout=60_000)
+    page.locator(".msg.assistant .md", has_text="I read your notes.").wait_for(timeout=120_000)
     idle(page)
     bubble = page.locator("#transcript .msg.user .body").last
     sent = list(TranscriptEvent.objects.filter(session=session, kind="message_taken").values_list("payload", flat=True))
@@ -224,7 +237,7 @@ def test_an_image_dropped_on_a_model_without_vision_is_said_and_text_files_go_as
     assert requests_seen(session)[-1]["messages"][-1]["content"].endswith("```markdown\n# Notes\n\nbuy milk\n```")
     check_views(page, "text-file-sent")
     # The 413-free path: nothing on the console but what this test caused on purpose (none).
-    assert page.errors == []
+    assert console_errors(page) == []
 
 
 # --- 8: progress ------------------------------------------------------------------------------
@@ -259,7 +272,7 @@ def test_reading_a_long_conversation_and_writing_the_reply_show_progress(stack, 
     assert page.locator("#progress").is_hidden()  # gone once the turn ended
     usage = TranscriptEvent.objects.filter(session=session, kind="usage").last().payload
     assert usage["prompt_tokens"] == total
-    assert page.errors == []
+    assert console_errors(page) == []
 
 
 # --- 9: every page, both modes, axe-core ---------------------------------------------------------
@@ -283,8 +296,8 @@ def test_every_page_is_clean_under_axe_in_both_modes(stack, browser_page, fake_m
     page.locator(".msg.assistant:not(.streaming) .md", has_text="there").wait_for()
     idle(page)
     check_views(page, "session")
-    assert page.errors == []
+    assert console_errors(page) == []
     page.goto(stack.base_url + "/sessions/999999/")  # the styled 404
     page.wait_for_selector("main")
     check_views(page, "not-found")
-    assert [e for e in page.errors if "404" not in e] == []  # the 404 itself is the one console line
+    assert [e for e in console_errors(page) if "404" not in e] == []  # the 404 itself is the one console line
