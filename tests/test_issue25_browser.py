@@ -210,8 +210,10 @@ def test_an_image_dropped_on_a_model_without_vision_is_said_and_text_files_go_as
     assert "cat.png was not attached: this session's model cannot take images." in error.inner_text()
     check_views(page, "image-refused", sizes={"phone": SIZES["phone"]})
 
-    # A text file dropped, and one too large picked: the second is refused at once, in words.
-    page.evaluate(DROP, ["#id_text", [{"name": "notes.md", "type": "text/markdown", "text": "# Notes\n\nbuy milk"}]])
+    # A text file dropped (on the transcript: it goes to the composer all the same), and one
+    # too large picked: the second is refused at once, in words.
+    assert page.evaluate(DROP, ["#transcript", [{"name": "notes.md", "type": "text/markdown",
+                                                 "text": "# Notes\n\nbuy milk"}]]) is False
     page.locator("#attached-files li", has_text="notes.md").wait_for()
     assert error.is_hidden()
     page.set_input_files("#id_files", files=[

@@ -98,11 +98,13 @@
     if (!inComposer(e.target) || !e.clipboardData || !e.clipboardData.files.length) return;
     if (add(e.clipboardData.files)) e.preventDefault();  // a file, not its name as text
   });
+  // A file dropped anywhere on a page with a composer goes to it (taken or said there):
+  // the browser would otherwise open the file in place of the session page.
   document.addEventListener("dragover", function (e) {
-    if (inComposer(e.target)) e.preventDefault();  // allow the drop: every file is taken or said
+    if (document.getElementById("composer")) e.preventDefault();  // allow the drop
   });
   document.addEventListener("drop", function (e) {
-    if (!inComposer(e.target) || !e.dataTransfer || !e.dataTransfer.files.length) return;
+    if (!document.getElementById("composer") || !e.dataTransfer || !e.dataTransfer.files.length) return;
     e.preventDefault();  // never let the browser open the file instead
     add(e.dataTransfer.files);
   });
