@@ -97,6 +97,7 @@ def test_search_finds_a_word_said_and_its_link_opens_the_message(stack, browser_
     page.wait_for_selector("#said a")
     assert page.locator("#said mark").first.inner_text() == "stripes"
     assert page.locator("#said .said-who").first.inner_text() == "the model"
+    assert page.locator("#session-tables", has_text="No sessions yet").count() == 0
     check_views(page, "search")
     page.click("#said a")
     page.wait_for_url(re.compile(rf"/sessions/{session.pk}/\?at=\d+#a-\d+$"))

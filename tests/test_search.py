@@ -103,6 +103,9 @@ def test_the_list_shows_what_was_said_and_the_link_opens_the_page_at_that_turn(a
     assert [a["href"] for a in links] == [f"/sessions/{session.pk}/?at=1#ev-1"]
     assert page.select_one("#said mark").get_text() == "zebra"
     assert page.select_one("#no-match") is None
+    said_only = BeautifulSoup(client.get("/", {"q": "stripes"}).content, "html.parser")  # in no title: said only
+    assert said_only.select_one("#said a") is not None
+    assert "No sessions yet" not in said_only.get_text() and said_only.select_one("#no-match") is None
     opened = BeautifulSoup(client.get(links[0]["href"].split("#")[0]).content, "html.parser")
     assert opened.find(id="ev-1") is not None
     assert BeautifulSoup(client.get(f"/sessions/{session.pk}/").content, "html.parser").find(id="ev-1") is None
