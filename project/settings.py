@@ -51,6 +51,7 @@ INSTALLED_APPS = [
     "machines_app",
     "sessions_app",
     "attention_app",
+    "search_app",
 ]
 
 MIDDLEWARE = [
@@ -255,6 +256,9 @@ CORRAL_PRESENCE_SECONDS = env_float("CORRAL_PRESENCE_SECONDS", 20.0, minimum=0.1
 # Images a message may carry (docs/behaviour.md §16): the largest one in bytes, and how many.
 CORRAL_IMAGE_MAX_BYTES = env_int("CORRAL_IMAGE_MAX_BYTES", 10_000_000, minimum=1)
 CORRAL_IMAGE_MAX_COUNT = env_int("CORRAL_IMAGE_MAX_COUNT", 8, minimum=1, maximum=100)
+# The largest text file (code, logs, Markdown) a message may carry, in bytes: it goes to
+# the model as text, so it counts against the context (100 KB is about 25,000 tokens).
+CORRAL_TEXT_FILE_MAX_BYTES = env_int("CORRAL_TEXT_FILE_MAX_BYTES", 100_000, minimum=1, maximum=10_000_000)
 # … and the most pixels one may have (width × height): the bytes say little about what
 # decoding costs (a 9000×9000 PNG of one colour is a few hundred KB and 320 MB decoded).
 # At most Pillow's own decompression-bomb limit, which refuses more anyway.

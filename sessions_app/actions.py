@@ -401,6 +401,32 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
                          edited=text is not None)
 
 
+def do_choose_version(session: AgentSession, user, seq: str) -> None:
+    """Make an earlier (or later) version of a message sent again the one in force: a
+    ``version_chosen`` event (docs/transcript.md, "Versions"); the page shows that version
+    and its reply, and the model's next request continues from them.
+
+    Raises SessionError while a turn runs, or when ``seq`` is not a version of a message
+    since the conversation was last cleared. Choosing the version in force changes nothing.
+    """
+    if not str(seq).isdigit() or int(seq) >= 2**63:
+        raise SessionError("That version is not in this conversation.")
+    seq = int(seq)
+    with transaction.atomic():
+        session = locked(session.pk)
+        if session.turn_active:
+            raise SessionError("Wait for the reply to finish (or stop it), then choose a version.")
+        versions = transcript.Versions()
+        for event in load_kinds(session.pk, [Kind.MESSAGE_TAKEN, Kind.VERSION_CHOSEN, Kind.CLEARED],
+                                upto=session.last_seq):
+            versions.feed(event)
+        if seq not in versions.live or len(versions.group(seq)) < 2:
+            raise SessionError("That version is not in this conversation any more (it was cleared).")
+        if versions.chosen[versions.root_of[seq]] == seq:
+            return
+        append(session, Kind.VERSION_CHOSEN, {"seq": seq, "by": by(user)})
+
+
 def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
     """Withdraw a queued message before a turn takes it (docs/behaviour.md §10). A member the team
     may act for withdraws only their own messages; the owner and staff any."""

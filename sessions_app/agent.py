@@ -50,6 +50,7 @@ from .completions import (
     CompletionClient,
     CompletionError,
     Finish,
+    Progress,
     ReasoningDelta,
     TextDelta,
     ToolCallAssembler,
@@ -107,6 +108,7 @@ FRAGMENT_STORE_EVERY = 0.5  # seconds: the longest streamed text waits to be sto
 #: Seconds between the starts of two reads of a reply's stream: tokens gather in the socket
 #: and are read, handed on and shown as one burst (completions.AbortableHTTP).
 READ_EVERY = FRAGMENT_FLUSH_EVERY
+PROGRESS_EVERY = 0.5  # seconds: the longest a watcher's "n / N tokens" lags behind
 INTERRUPT_POLL_EVERY = 0.5  # seconds: an interrupt stops the stream within about a second
 #: Seconds between two looks for an interrupt while a tool runs: Stop reply ends it within
 #: about half a second (the tool's own poll adds a few hundredths).
@@ -350,6 +352,10 @@ class Step:
         """Show the watchers a reply's text not stored yet (see :class:`Fragments`)."""
         broadcast.push_tail(self.session_id, after, kind, storable(text))
 
+    def progress(self, **state) -> None:
+        """Tell the watchers how far the completion is (broadcast.push_progress): never stored."""
+        broadcast.push_progress(self.session_id, state)
+
     def error(self, message: str, *, context_exceeded: bool = False) -> None:
         self.record(Kind.ERROR, {"message": message, **({"context_exceeded": True} if context_exceeded else {})})
 
@@ -476,10 +482,22 @@ class Step:
         # call that can run: a reply with none of it is said to be empty (an empty
         # "<think></think>", a call the server never named).
         produced = False
+        # What the page's progress line says (docs/live-page.md, "Progress"): the prompt read
+        # so far (llama-server's prompt_progress), then the reply's tokens so far — one
+        # streamed chunk is one token — at most every PROGRESS_EVERY seconds.
+        tokens, shown_at = 0, 0.0
         try:
             for delta in stream:
                 if interrupted.is_set():
                     break
+                if isinstance(delta, Progress):
+                    self.progress(phase="prompt", processed=delta.processed, total=delta.total)
+                    continue
+                if isinstance(delta, TextDelta | ReasoningDelta | ToolCallFragment):
+                    tokens += 1
+                    if time.monotonic() - shown_at >= PROGRESS_EVERY:
+                        shown_at = time.monotonic()
+                        self.progress(phase="reply", tokens=tokens)
                 if isinstance(delta, TextDelta):
                     produced = produced or not delta.text.isspace()
                     pending.add(Kind.ASSISTANT_TEXT, delta.text)

@@ -186,6 +186,15 @@ def push_tail(session_id: int, after: int, kind: str, text: str) -> None:
     _send(group_name(session_id), {"type": "transcript.tail", "after": after, "kind": kind, "text": text})
 
 
+def push_progress(session_id: int, state: dict) -> None:
+    """Tell every watcher how far a completion has come: ``{"phase": "prompt",
+    "processed": n, "total": N}`` (prompt tokens read, llama-server's ``prompt_progress``)
+    or ``{"phase": "reply", "tokens": n}`` (tokens streamed so far). Not a transcript
+    event: nothing stored; a lost one is replaced by the next, and the page drops the line
+    when the turn ends."""
+    _send(group_name(session_id), {"type": "transcript.progress", "state": state})
+
+
 async def push_presence(session_id: int) -> None:
     """Tell every watcher of the session that who is watching changed. The message
     carries no list: each consumer reads the list when the message arrives, so the last

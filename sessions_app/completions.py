@@ -40,6 +40,7 @@ __all__ = [
     "Delta",
     "Finish",
     "InlineReasoning",
+    "Progress",
     "ReasoningDelta",
     "TextDelta",
     "ToolCall",
@@ -133,8 +134,9 @@ class Usage:
     ``completion_tokens``, ``cached_tokens`` (``usage.prompt_tokens_details.cached_tokens``).
     From llama-server's own ``timings`` object: ``prompt_n`` (prompt tokens processed this
     time), ``cache_n`` (prompt tokens reused from the prompt cache), ``predicted_n`` (tokens
-    generated), ``predicted_per_second`` and ``prompt_per_second`` (tokens per second).
-    Any field the server did not send is ``None``.
+    generated), ``predicted_per_second`` and ``prompt_per_second`` (tokens per second),
+    and with speculative decoding on (a draft model or MTP) ``draft_n`` (tokens drafted)
+    and ``draft_n_accepted`` (drafted tokens the model kept). Any field the server did not send is ``None``.
     """
 
     prompt_tokens: int | None = None
@@ -145,13 +147,26 @@ class Usage:
     predicted_n: int | None = None
     predicted_per_second: float | None = None
     prompt_per_second: float | None = None
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
 
     def as_payload(self) -> dict[str, Any]:
         """The fields that were sent, as a JSON-able dict (e.g. for a ``usage`` event)."""
         return {key: value for key, value in asdict(self).items() if value is not None}
 
 
-Delta = TextDelta | ReasoningDelta | ToolCallFragment | Finish | Usage
+@dataclass(frozen=True)
+class Progress:
+    """How far llama-server has read the prompt (``prompt_progress``, sent while it reads
+    when the request asks ``return_progress``): ``processed`` of ``total`` prompt tokens,
+    ``cache`` of them reused from the prompt cache (``processed`` counts those too)."""
+
+    total: int
+    processed: int
+    cache: int = 0
+
+
+Delta = TextDelta | ReasoningDelta | ToolCallFragment | Finish | Usage | Progress
 
 
 # --------------------------------------------------------------------------- errors
@@ -371,7 +386,7 @@ def _iter_lines(chunks: Iterable[bytes]) -> Iterator[str]:
 
 def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
     """One decoded ``chat.completion.chunk`` → its deltas, in this order:
-    reasoning, text, tool-call fragments, finish, usage.
+    prompt progress, reasoning, text, tool-call fragments, finish, usage.
 
     Only ``choices[0]`` is read (one completion per request). Empty or null ``content``
     / ``reasoning_content`` yield nothing. A :class:`Usage` is produced when the chunk has
@@ -386,6 +401,11 @@ def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
     if data.get("error") is not None:
         raise CompletionError._from_json(data, status=None, body_text=_dump(data))
     deltas: list[Delta] = []
+    progress = data.get("prompt_progress")
+    if isinstance(progress, Mapping):
+        total, processed = _as_int(progress.get("total")), _as_int(progress.get("processed"))
+        if total is not None and processed is not None:
+            deltas.append(Progress(total=total, processed=processed, cache=_as_int(progress.get("cache")) or 0))
     choices = data.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices else None
     finished = False
@@ -438,6 +458,8 @@ def _usage(usage: Any, timings: Any) -> Usage:
         predicted_n=_as_int(timings.get("predicted_n")),
         predicted_per_second=_as_float(timings.get("predicted_per_second")),
         prompt_per_second=_as_float(timings.get("prompt_per_second")),
+        draft_n=_as_int(timings.get("draft_n")),
+        draft_n_accepted=_as_int(timings.get("draft_n_accepted")),
     )
 
 
@@ -554,15 +576,18 @@ class CompletionClient:
         """The JSON body :meth:`stream` sends.
 
         ``{**sampling, "messages", "stream": true, "stream_options": {"include_usage":
-        true}}`` plus ``"tools"`` only when ``tools`` is non-empty. Sampling keys
+        true}, "return_progress": true}`` plus ``"tools"`` only when ``tools`` is non-empty. Sampling keys
         (``temperature``, ``top_k``, ``seed``, …) pass through as given but cannot
-        override ``messages``, ``stream``, ``stream_options`` or ``tools``.
+        override ``messages``, ``stream``, ``stream_options``, ``return_progress`` or ``tools``.
         """
         body: dict[str, Any] = dict(sampling or {})
         body.pop("tools", None)
         body["messages"] = messages
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
+        # llama-server says how far it has read a long prompt (Progress): the page shows it,
+        # and the bytes keep an SSH forward from looking idle before the first token.
+        body["return_progress"] = True
         if tools:
             body["tools"] = tools
         return body

@@ -136,3 +136,11 @@ def load_turns(session_id: int, turns: int, *, before: int | None = None) -> tup
     if before is not None:
         events = events.filter(seq__lt=before)
     return list(events.order_by("seq")), start
+
+
+def turns_since(session_id: int, seq: int) -> int:
+    """How many turns a page must show to reach back to the event ``seq``: the turns that
+    start after it, and the one it is in (a search result links to an earlier message)."""
+    if seq >= 2**63:
+        return 1
+    return TranscriptEvent.objects.filter(session_id=session_id, kind=Kind.MESSAGE_TAKEN, seq__gt=seq).count() + 1

@@ -13,15 +13,16 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machine_refusal, machines_for
 
-from . import actions, export, images, markdown, presence, room, transcript, turns
+from . import actions, export, images, markdown, presence, room, tex, text_files, transcript, turns
 from .consumers import CloseCode
-from .events import load_events, load_kinds, load_queue_events, load_turns
+from .events import load_events, load_kinds, load_queue_events, load_turns, turns_since
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession, TranscriptEvent
 from .presenters import (
     ALLOWANCE_KINDS,
     TOOL_KINDS,
     TURNS_PER_PAGE,
+    VERSION_KINDS,
     Viewer,
     allowance_items,
     attach_context,
@@ -31,6 +32,7 @@ from .presenters import (
     template_info,
     turn_items,
 )
+from .transcript import Versions
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
 
@@ -94,8 +96,17 @@ def session_list(request: HttpRequest) -> HttpResponse:
             shared.append(session)
         else:
             others.append(session)
+    # What was said in those sessions (search_app.search): the same sessions, before the
+    # title filter, so a word said in a chat is found whatever the session is called.
+    said = []
+    if query:
+        from search_app.search import find
+
+        seen = AgentSession.objects.visible_to(request.user)
+        said = find(seen.filter(status__in=statuses) if statuses is not None else seen, query)
     context = {"mine": mine, "shared": shared, "others": others, "any": bool(mine or shared or others),
-               "q": query, "show": show if show in LIST_FILTERS else "", "filtering": bool(query or statuses)}
+               "q": query, "show": show if show in LIST_FILTERS else "", "filtering": bool(query or statuses),
+               "said": said}
     return render(request, "sessions_app/session_list.html", context)
 
 
@@ -197,7 +208,9 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
     viewer = Viewer(request.user.pk, session.access_for(request.user), actions.may_grant_always(session, request.user))
     # The last turns only (docs/live-page.md): the earlier ones come with "Show earlier turns".
-    events, start = load_turns(session.pk, TURNS_PER_PAGE)
+    # A search result (?at=<seq>) asks for an earlier message: the page reaches back to its turn.
+    at = request.GET.get("at", "")
+    events, start = load_turns(session.pk, max(TURNS_PER_PAGE, turns_since(session.pk, int(at)) if at.isdigit() else 0))
     last_seq = events[-1].seq if events else 0
     # The queue and the catalogue span the whole transcript: read their own kinds only,
     # up to the page's last event (the socket brings what comes after it).
@@ -227,7 +240,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         # Why a reader the sharing lets act may only watch: the machine (docs/access.md).
         "held_back": (machine_refusal(request.user, session.machine)
                       if session.shared_access(request.user) > viewer.access else ""),
-        "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk)),
+        "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk),
+                            versions=_versions(session.pk, last_seq)),
         "earlier": start if start > 1 else None,
         "gauge": gauge,
         "queued": [queued_item(payload, viewer, session.pk)
@@ -241,6 +255,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "close_codes": {code.name: code.value for code in CloseCode},
         "down_statuses": " ".join(AgentSession.Status.server_down()),
         "md_tags": " ".join(sorted(markdown.ALLOWED_TAGS)),
+        "md_attrs": " ".join(sorted({"href", "class", *tex.MATHML_ATTRIBUTES})),
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
 
@@ -274,9 +289,19 @@ def session_earlier(request: HttpRequest, session_id: int) -> HttpResponse:
                             status=400, content_type="text/plain; charset=utf-8")
     viewer = Viewer(request.user.pk, session.access_for(request.user), actions.may_grant_always(session, request.user))
     events, start = load_turns(session.pk, TURNS_PER_PAGE, before=int(raw))
-    items = turn_items(events, session.pk, viewer, followed=True, call_events=_call_events(session.pk))
+    items = turn_items(events, session.pk, viewer, followed=True, call_events=_call_events(session.pk),
+                       versions=_versions(session.pk, session.last_seq))
     context = {"items": items, "earlier": start if start > 1 else None, "session_id": session.pk}
     return render(request, "sessions_app/_earlier.html", context)
+
+
+def _versions(session_id: int, upto: int) -> Versions:
+    """Which messages up to seq ``upto`` are versions of one another (a page that draws only
+    some turns still shows "‹ 2/3 ›" for a message whose first version lies before them)."""
+    versions = Versions()
+    for event in load_kinds(session_id, VERSION_KINDS, upto=upto):
+        versions.feed(event)
+    return versions
 
 
 def _call_events(session_id: int):
@@ -327,19 +352,32 @@ def _uploads(request: HttpRequest) -> list[images.Upload]:
     ]
 
 
+def _text_files(request: HttpRequest) -> list[images.Upload]:
+    """The files attached as ``files`` (text: sessions_app/text_files.py); one over the
+    size limit is not read."""
+    return [
+        images.Upload(upload.name or "", upload.read() if upload.size <= text_files.max_bytes() else b"", upload.size)
+        for upload in request.FILES.getlist("files")
+    ]
+
+
 @require_POST
 def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id, ACT)
     uploads = _uploads(request)
-    form = MessageForm(request.POST, with_images=bool(uploads))
+    files = _text_files(request)
+    form = MessageForm(request.POST, with_images=bool(uploads or files))
     if not form.is_valid():
         return _composer(request, session, form, form.errors["text"][0])
     try:
+        text = form.cleaned_data["text"]
+        if files:  # each file after the text, as a fenced block; then the message's own checks
+            text = actions.check_message(text_files.attach(text, files), with_images=bool(uploads))
         if request.POST.get("edit") == "last":  # the composer's "Edit last message"
-            actions.do_send_again(session, request.user, form.cleaned_data["text"])
+            actions.do_send_again(session, request.user, text)
         else:
-            actions.do_send_message(session, request.user, form.cleaned_data["text"], uploads)
-    except actions.SessionError as exc:
+            actions.do_send_message(session, request.user, text, uploads)
+    except (actions.SessionError, text_files.TextFileRefused) as exc:
         return _composer(request, session, form, str(exc))
     return _composer(request, session, MessageForm())
 
@@ -380,6 +418,12 @@ def _act(request: HttpRequest, session_id: int, need: Access, action, *args) -> 
     if request.htmx:
         return render(request, "sessions_app/_flash.html", {"error": ""})
     return redirect(session)
+
+
+@require_POST
+def session_choose_version(request: HttpRequest, session_id: int) -> HttpResponse:
+    """Show another version of a message sent again (the "‹ 2/3 ›" of its bubble)."""
+    return _act(request, session_id, ACT, actions.do_choose_version, request.POST.get("seq", ""))
 
 
 @require_POST
