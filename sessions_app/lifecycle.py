@@ -60,6 +60,7 @@ from machines_app.transports import (
 from . import dispatch, room, tools, turns
 from .events import change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
+from .server_state import idle_sessions, start_live  # noqa: F401 — callers still ask lifecycle.start_live
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -134,11 +135,6 @@ def start_ttl() -> timedelta:
     return timedelta(seconds=settings.CORRAL_START_CLAIM_SECONDS)
 
 
-def start_live(session: AgentSession) -> bool:
-    """Whether a start (or restart) of the session's server is under way, as read from
-    ``session``: its claim is held and was renewed lately. A start lost with its worker
-    or with the broker holds none, and the session may be restarted."""
-    return bool(session.start_owner) and session.start_expires is not None and session.start_expires > timezone.now()
 
 
 def _claim_start(session_id: int, owner: str) -> bool:
@@ -235,7 +231,7 @@ def _start(session_id: int) -> None:
         record.delete()
     # Room on the machine first (docs/behaviour.md §5): a start that does not fit waits in
     # line or is refused before anything is spawned; one let through counts until ready.
-    if not room.admit(session, transport):
+    if not room.admit(session, transport, sleep=sleep_server, fail=_fail):
         return
     try:
         _spawn(session, transport)
@@ -759,22 +755,6 @@ def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict
     return True
 
 
-def idle_sessions(machine: Machine | None = None) -> list[int]:
-    """Sessions whose server has been idle longer than their machine's idle time (or, with
-    ``machine``, every idle one of that machine, for its "stop all idle"), oldest first."""
-    rows = ServerRecord.objects.filter(
-        ready_at__isnull=False, stopping=False, session__status=Status.IDLE, session__turn_active=False
-    )
-    if machine is not None:
-        rows = rows.filter(machine=machine)
-    else:
-        now = timezone.now()
-        rows = rows.filter(machine__idle_stop_seconds__isnull=False).select_related("session", "machine")
-        return [
-            r.session_id for r in rows.order_by("session__last_activity_at")
-            if r.session.last_activity_at <= now - timedelta(seconds=r.machine.idle_stop_seconds)
-        ]
-    return list(rows.order_by("session__last_activity_at").values_list("session_id", flat=True))
 
 
 def sleep_idle_servers() -> list[int]:

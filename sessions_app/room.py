@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -42,6 +43,7 @@ from machines_app.transports import ProcessId, Transport, TransportError, transp
 from . import dispatch
 from .events import record_event
 from .models import AgentSession
+from .server_state import idle_sessions, start_live
 from .transcript import Kind
 
 Status = AgentSession.Status
@@ -174,11 +176,9 @@ def room_of(machine: Machine, reading: Reading, *, gpu: bool = True, leave_out: 
 
 def idle_servers(machine: Machine, reading: Reading, where: str, *, leave_out: int | None = None) -> list[tuple[int, int]]:
     """``(session id, bytes its sleep frees)`` of every idle server on the machine, least
-    recently used first (``lifecycle.idle_sessions``)."""
-    from . import lifecycle
-
+    recently used first (``server_state.idle_sessions``)."""
     found = []
-    for session_id in lifecycle.idle_sessions(machine):
+    for session_id in idle_sessions(machine):
         if session_id == leave_out:
             continue
         frees = _use(reading.server_use.get(session_id, (0, 0)), where)
@@ -194,7 +194,8 @@ def _line(machine: Machine):
     return MemoryClaim.objects.filter(machine=machine, granted=False, session__status=Status.LOADING)
 
 
-def admit(session: AgentSession, transport: Transport) -> bool:
+def admit(session: AgentSession, transport: Transport, *, sleep: Callable[..., bool],
+          fail: Callable[[AgentSession, str], object]) -> bool:
     """Let the session's start go ahead (True) or not (False: it waits in line, or it was
     refused and the session says why, status ``exited``). Called by the start, holding
     the session's start claim, before anything is spawned. A model the machine does not
@@ -254,7 +255,7 @@ def admit(session: AgentSession, transport: Transport) -> bool:
                     record_event(session.pk, Kind.NOTICE, {"message": waiting_sentence(session, model, need, fit)})
                 return False
         # AFTER_SLEEP: outside the transaction (a sleep saves a slot: seconds).
-        slept += _sleep_for(session, machine, fit.to_sleep)
+        slept += _sleep_for(session, machine, fit.to_sleep, sleep)
     else:
         # Sleeping did not free what was counted (a server's memory not given back yet):
         # wait in line; the next try measures again.
@@ -265,19 +266,17 @@ def admit(session: AgentSession, transport: Transport) -> bool:
             waits = Fit(Fit.WAITS, need.total, fit.room)
             record_event(session.pk, Kind.NOTICE, {"message": waiting_sentence(session, model, need, waits)})
         return False
-    from .lifecycle import _fail
-
-    _fail(session, too_big_sentence(model, machine, need, fit.room))  # exited, an open turn ends
+    fail(session, too_big_sentence(model, machine, need, fit.room))  # exited, an open turn ends
     return False
 
 
-def _sleep_for(session: AgentSession, machine: Machine, session_ids: tuple[int, ...]) -> list[int]:
-    """Put those idle servers to sleep for ``session``'s start; the ones that slept."""
-    from . import lifecycle
-
+def _sleep_for(session: AgentSession, machine: Machine, session_ids: tuple[int, ...],
+               sleep: Callable[..., bool]) -> list[int]:
+    """Put those idle servers to sleep for ``session``'s start (``sleep``: the lifecycle's
+    ``sleep_server``); the ones that slept."""
     slept = []
     for session_id in session_ids:
-        if lifecycle.sleep_server(session_id, by=None):
+        if sleep(session_id, by=None):
             slept.append(session_id)
             record_event(session_id, Kind.NOTICE, {"message": (
                 f"Put to sleep to make room on {machine.name} for another session; the next message wakes it "
@@ -321,8 +320,6 @@ def admit_waiting() -> list[int]:
     waits to start), and hand the head of each machine's line back to the servers queue
     (at most every :data:`RETRY_SECONDS`), whose start measures again. The session ids
     handed back."""
-    from .lifecycle import start_live
-
     MemoryClaim.objects.filter(granted=False).exclude(session__status=Status.LOADING).delete()
     # A grant lives only while its start holds the session's start claim: one whose start
     # was lost (its worker died) must not keep counting.
