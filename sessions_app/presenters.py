@@ -31,8 +31,9 @@ CLOSING_KINDS = frozenset({Kind.TURN_END})
 #: The queue's kinds: shown apart from the transcript (pending bubbles), closing nothing.
 QUEUE_KINDS = frozenset({Kind.MESSAGE_QUEUED, Kind.MESSAGE_DROPPED})
 #: Notes that may arrive while a reply still streams (an interrupt is seen a moment after
-#: the click): shown after the block, never splitting it.
-NOTE_KINDS = frozenset({Kind.INTERRUPTED})
+#: the click; a server stopped under a reply is said stopped before its last fragment is
+#: stored): shown after the block, never splitting it.
+NOTE_KINDS = frozenset({Kind.INTERRUPTED, Kind.SERVER_STOPPED})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({Kind.TOOL_START, Kind.TOOL_RUNNING, Kind.TOOL_END, Kind.QUESTION, Kind.ANSWERED})
 #: The kinds :func:`transcript.allowances` folds: the list of allowances follows them.
@@ -313,6 +314,13 @@ def is_restart(status_payload) -> bool:
     return status_payload.get("status") == "loading" and bool(_username(status_payload))
 
 
+def imported_text(payload) -> str:
+    """The note after the events an ``imported`` event brought in (docs/transcript.md, "Import")."""
+    count = payload.get("events")
+    return (f"Imported by {_username(payload) or 'someone'} from an export: the {count} events above came from "
+            "it. Who did what there is kept as names only, and nothing allowed there is allowed here.")
+
+
 def event_item(event, session_id: int = 0) -> dict | None:
     """The display item of one non-block event, or None when it shows nothing by itself."""
     kind, payload, seq = event.kind, event.payload, event.seq
@@ -346,6 +354,8 @@ def event_item(event, session_id: int = 0) -> dict | None:
         if payload.get("reason") == "restart":  # the restart's own note names who asked (below)
             return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped for the restart."}
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
+    if kind == Kind.IMPORTED:
+        return {"type": "note", "dom_id": dom_id, "text": imported_text(payload)}
     if kind == Kind.STATUS and is_restart(payload):
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server restarted by {_username(payload)}."}
     if kind == Kind.SERVER_READY:

@@ -130,6 +130,7 @@ class Kind(StrEnum):
     CLEARED = "cleared"
     TURN_END = "turn_end"
     ALLOWANCE_REVOKED = "allowance_revoked"
+    IMPORTED = "imported"
 
 
 class TurnEnd(StrEnum):
@@ -182,6 +183,7 @@ class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
     sampling_defaults: dict  # default_generation_settings.params: temperature, top_k, top_p, min_p, …
     n_ctx: int  # the slot's context size in tokens, from GET /props (when the server says)
     warm_tokens: int  # prompt tokens restored from a saved slot (docs/behaviour.md §5 warm prompts)
+    opens_thinking: bool  # the generation prompt ends inside "<think>": replies start as reasoning
 
 
 class CataloguePayload(TypedDict):
@@ -335,6 +337,12 @@ class TurnEndPayload(TypedDict):
     reason: str
 
 
+class ImportedPayload(TypedDict):
+    by: Actor  # who imported the file (the new session's owner)
+    events: int  # how many events came from the file: the ones just before this one
+    first_seq: int  # the seq the first of them had in the file's session
+
+
 PAYLOADS: dict[Kind, type] = {
     Kind.SETTINGS: SettingsPayload,
     Kind.STATUS: StatusPayload,
@@ -358,6 +366,7 @@ PAYLOADS: dict[Kind, type] = {
     Kind.CLEARED: ByPayload,
     Kind.TURN_END: TurnEndPayload,
     Kind.ALLOWANCE_REVOKED: AllowanceRevokedPayload,
+    Kind.IMPORTED: ImportedPayload,
 }
 
 
@@ -815,11 +824,16 @@ def allowances(events: Iterable[EventLike]) -> list[Allowance]:
     tool") grants nothing: such a tool is asked about again. A grant equal to one in
     force (same tool and scope) is not listed twice; a grant for an MCP tool replaces an
     earlier one for the same server and remote name (its definition changed since).
-    Allowances are the session's: ``cleared``, a model change and a restart keep them.
+    Allowances are the session's: ``cleared``, a model change and a restart keep them;
+    ``imported`` ends those granted before it (granted in another session, by people who
+    granted nothing here).
     """
     in_force: list[Allowance] = []
     for event in _ordered(events):
         payload = _payload(event)
+        if event.kind == Kind.IMPORTED:
+            in_force = []
+            continue
         if event.kind == Kind.ALLOWANCE_REVOKED:
             in_force = [a for a in in_force if a["seq"] != payload.get("seq")]
             continue
@@ -859,9 +873,19 @@ def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
     A ``message_queued`` payload is pending until a ``message_taken`` names its id as
     ``queued_id`` or a ``message_dropped`` names its id. Returns copies of the queued
-    payloads in queue order. ``cleared`` does not empty the queue.
+    payloads in queue order. ``cleared`` does not empty the queue; ``imported`` does (what
+    was queued in another session is not sent from this one).
     """
-    return _still_open(events, _MESSAGE_QUEUED, {_MESSAGE_TAKEN: "queued_id", _MESSAGE_DROPPED: "id"})
+    return _still_open(_since_import(events), _MESSAGE_QUEUED, {_MESSAGE_TAKEN: "queued_id", _MESSAGE_DROPPED: "id"})
+
+
+def _since_import(events: Iterable[EventLike]) -> list[EventLike]:
+    """The events after the last ``imported`` (all of them when there is none)."""
+    ordered = list(_ordered(events))
+    for index in range(len(ordered) - 1, -1, -1):
+        if ordered[index].kind == Kind.IMPORTED:
+            return ordered[index + 1:]
+    return ordered
 
 
 def open_turn(events: Iterable[EventLike]) -> bool:
