@@ -487,7 +487,7 @@ def do_revoke_allowance(session: AgentSession, user, seq: str) -> None:
     with transaction.atomic():
         current = locked(session.pk)
         in_force = transcript.allowances(
-            load_kinds(current.pk, [Kind.ANSWERED, Kind.ALLOWANCE_REVOKED], upto=current.last_seq))
+            load_kinds(current.pk, [Kind.ANSWERED, Kind.ALLOWANCE_REVOKED, Kind.IMPORTED], upto=current.last_seq))
         allowance = next((allowance for allowance in in_force if allowance["seq"] == number), None)
         if allowance is None:
             raise SessionError("That allowance is no longer in force.")

@@ -37,6 +37,7 @@ from . import broadcast, presence
 from .actions import find_session, may_grant_always
 from .events import load_kinds
 from .models import Access, AgentSession, TranscriptEvent
+from .transcript import Kind
 from .presenters import (
     ALLOWANCE_KINDS,
     BLOCK_KINDS,
@@ -335,7 +336,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     def _allowance_events(self, upto: int) -> list[TranscriptEvent]:
         """What the list of allowances folds from, up to seq ``upto`` (sync thread of feed())."""
-        return load_kinds(self.session_id, ALLOWANCE_KINDS, upto=upto)
+        return load_kinds(self.session_id, [*ALLOWANCE_KINDS, Kind.IMPORTED], upto=upto)
 
     @database_sync_to_async
     def _may_grant(self) -> bool:

@@ -946,19 +946,24 @@ def open_questions(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
 def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     """The tool entries of the latest ``catalogue`` event (recorded when a server became
-    ready, docs/behaviour.md §9); ``[]`` when none was recorded."""
+    ready, docs/behaviour.md §9); ``[]`` when none was recorded since the last ``imported``."""
     latest: list[dict[str, Any]] = []
     for event in _ordered(events):
         if event.kind == Kind.CATALOGUE:
             latest = list(_payload(event).get("tools", []))
+        elif event.kind == Kind.IMPORTED:
+            latest = []  # another deployment's tools: this session's server has not said its own yet
     return latest
 
 
 def last_server_ready(events: Iterable[EventLike]) -> dict[str, Any]:
     """A copy of the latest ``server_ready`` payload (what the running server reported about
-    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none."""
+    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none since
+    the last ``imported``."""
     latest: dict[str, Any] = {}
     for event in _ordered(events):
         if event.kind == Kind.SERVER_READY:
             latest = dict(_payload(event))
+        elif event.kind == Kind.IMPORTED:
+            latest = {}  # another deployment's server: this session's has not said anything yet
     return latest

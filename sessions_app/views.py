@@ -216,7 +216,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session_context = _session_context(session)
     model_file = session_context["model_file"]
     # So do the template the server runs and the context gauge.
-    ready = transcript.last_server_ready(load_kinds(session.pk, [transcript.Kind.SERVER_READY], upto=last_seq))
+    ready = transcript.last_server_ready(
+        load_kinds(session.pk, [transcript.Kind.SERVER_READY, transcript.Kind.IMPORTED], upto=last_seq))
     gauge = gauge_of(
         load_kinds(session.pk, [transcript.Kind.USAGE, transcript.Kind.CLEARED], upto=last_seq),
         n_ctx=context_size(ready, session.server_params.get("contextSize")),
@@ -224,9 +225,11 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     context = {
         **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
-        "tools": transcript.last_catalogue(load_kinds(session.pk, [transcript.Kind.CATALOGUE], upto=last_seq)),
+        "tools": transcript.last_catalogue(
+            load_kinds(session.pk, [transcript.Kind.CATALOGUE, transcript.Kind.IMPORTED], upto=last_seq)),
         "allowances": allowance_items(
-            transcript.allowances(load_kinds(session.pk, ALLOWANCE_KINDS, upto=last_seq)), session.pk, viewer),
+            transcript.allowances(load_kinds(session.pk, [*ALLOWANCE_KINDS, transcript.Kind.IMPORTED], upto=last_seq)),
+            session.pk, viewer),
         "template": template_info(ready, remembered=model_file.chat_template_caps if model_file else None),
         "machine_name": session.machine.name,
         "session": session,

@@ -435,7 +435,11 @@ def test_export_then_import_round_trip_on_every_kind(original, alice, bob, fake_
     # Nothing granted or queued there is in force here; the conversation is.
     assert transcript.allowances(events) == []
     assert transcript.pending_queue(events) == []
+    assert transcript.last_server_ready(events) == {} and transcript.last_catalogue(events) == []
     assert not transcript.open_turn(events)
+    page = client.get(f"/sessions/{new.pk}/")
+    assert page.status_code == 200 and "Imported by alice from an export" in page.content.decode()
+    assert '<div id="allowances"></div>' in page.content.decode()  # nothing allowed here
     assert [m["role"] for m in transcript.build_messages(events)] == []  # the file's last act was a Clear
     # The imported session's own export reads back into its own events again.
     again = export.read_jsonl(_export(alice, new).decode())
@@ -507,6 +511,11 @@ HOSTILE = {
             {"image": {"sha256": hashlib.sha256(b"#!/bin/sh").hexdigest(), "media_type": "image/png",
                        "data": base64.b64encode(b"#!/bin/sh").decode()}}),
         "is not a PNG, JPEG, WebP or GIF image"),
+    "a usage count that is not a number": (_file(MSG, {"seq": 2, "kind": "usage", "payload": {"prompt_tokens": "9"}}),
+                                           "Line 2: usage's prompt_tokens must be a whole number"),
+    "settings sampling that is not an object": (
+        _file({"seq": 1, "kind": "settings", "payload": {"sampling": "hot"}}),
+        "Line 1: settings's sampling must be an object"),
     "not UTF-8": (_file(MSG) + b"\xff\xfe", "Line 2: the file is not UTF-8 text"),
     "empty": (b"\n\n", "The file holds no events"),
 }
