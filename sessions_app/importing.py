@@ -21,8 +21,10 @@ What is written (:func:`import_into`), after the new session's first ``settings`
   messages and "always" allowances before it are not in force here (transcript folds).
 
 Images the messages carry are re-attached from the file's image lines, each checked as an
-upload is (:func:`sessions_app.images.check_image`) and stored under its SHA-256; one the
-file does not carry stays a reference the page and the request say is missing.
+upload is (:func:`sessions_app.images.check_image`) and stored under its SHA-256. A
+reference whose bytes the file does not carry is left out of its message (a notice says
+how many): a bare SHA-256 must never hand its importer an image of this deployment that
+they never had (docs/security.md, "Who can see an image").
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ MAX_IMPORT_EVENTS = 200_000
 NOT_RUN_HERE = "This call was not run: the session was imported from an export before it had a result."
 #: Why an open question of the file was closed.
 CLOSED_ON_IMPORT = "closed when the session was imported"
+#: Said when messages of the file name images whose bytes it does not carry.
+IMAGES_LEFT_OUT = ("{count} image reference(s) of the file came without the image itself (its file was gone when "
+                   "it was exported); they were left out of the messages.")
 #: Said when a file's open turn is closed on import.
 TURN_CLOSED = "The imported session's last turn had not ended; it was closed on import."
 
@@ -244,12 +249,21 @@ def import_into(session: AgentSession, events: list[Event], stored: dict[str, tu
     """Append a checked file's ``events`` to a new ``session`` locked by the caller, then
     what closes what they left open and the ``imported`` event naming ``by``; store the
     images they carry from ``stored`` (sha256 → (media type, bytes)). Returns how many
-    images were attached. Raises :class:`ImportRefused` for an image whose bytes are not an
+    images were attached (references the file carries no bytes for are left out). Raises :class:`ImportRefused` for an image whose bytes are not an
     image Corral takes, or are not the type its reference says."""
     attached = _store_images(events, stored)
     delta = session.last_seq + 1 - events[0].seq
+    left_out = 0
     for event in events:
         payload = _as_text(event.payload)
+        if event.kind in (Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED) and payload.get("images"):
+            # Only images the file itself carries: a reference alone would hand its importer
+            # whatever image of this deployment has that SHA-256 (docs/security.md).
+            kept = [ref for ref in payload["images"] if ref["sha256"] in attached]
+            left_out += len(payload["images"]) - len(kept)
+            payload["images"] = kept
+            if not kept:
+                del payload["images"]
         if event.kind == Kind.MESSAGE_TAKEN and payload.get("replaces") is not None:
             payload["replaces"] += delta
         elif event.kind == Kind.ALLOWANCE_REVOKED:
@@ -257,17 +271,19 @@ def import_into(session: AgentSession, events: list[Event], stored: dict[str, tu
         append(session, event.kind, payload)
     for kind, payload in _closing(events):
         append(session, kind, payload)
+    if left_out:
+        append(session, Kind.NOTICE, {"message": IMAGES_LEFT_OUT.format(count=left_out)})
     append(session, Kind.IMPORTED, {"by": by, "events": len(events), "first_seq": events[0].seq})
-    return attached
+    return len(attached)
 
 
-def _store_images(events: list[Event], stored: dict[str, tuple[str, bytes]]) -> int:
+def _store_images(events: list[Event], stored: dict[str, tuple[str, bytes]]) -> set[str]:
     wanted: dict[str, dict] = {}
     for event in events:
         if event.kind in (Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED):
             for ref in transcript.image_refs(event.payload):
                 wanted.setdefault(ref["sha256"], ref)
-    attached = 0
+    attached: set[str] = set()
     for sha256, ref in wanted.items():
         if sha256 not in stored:
             continue  # not in the file: the reference says the image is missing, as a deleted file does
@@ -280,7 +296,7 @@ def _store_images(events: list[Event], stored: dict[str, tuple[str, bytes]]) -> 
             raise ImportRefused(f"The image {sha256[:12]} is {checked['media_type']}, not the {ref['media_type']} "
                                 "its message says.")
         images.store(images.Upload(name=sha256, data=data), checked)
-        attached += 1
+        attached.add(sha256)
     return attached
 
 

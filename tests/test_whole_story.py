@@ -539,6 +539,27 @@ def test_a_hostile_file_is_refused_naming_the_line_and_the_reason(alice, fake_ma
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("steps_run_here")
+def test_a_bare_image_hash_never_reaches_an_image_stored_here(alice, bob, fake_machine, tmp_path, settings):
+    """bob's private picture is stored here; alice knows its hash. Importing a file that
+    names it without carrying it gives her nothing: the reference is left out."""
+    settings.DATA_DIR = str(tmp_path / "data")
+    secret = _png((1, 2, 3))
+    ref = images.check_image(images.Upload("secret.png", secret))
+    images.store(images.Upload("secret.png", secret), ref)
+    line = {**MSG, "payload": {"text": "show me", "queued_id": None, "images": [ref]}}
+    client = Client()
+    client.force_login(alice)
+    assert client.post("/sessions/new/", _import_form(fake_machine(), tmp_path, _file(line))).status_code == 302
+    new = AgentSession.objects.get(owner=alice)
+    events = load_events(new.pk)
+    taken = [e.payload for e in events if e.kind == "message_taken"]
+    assert taken == [{"text": "show me", "queued_id": None}]
+    assert importing.IMAGES_LEFT_OUT.format(count=1) in [e.payload["message"] for e in events if e.kind == "notice"]
+    assert client.get(f"/sessions/{new.pk}/images/{ref['sha256']}.png").status_code == 404
+
+
+@pytest.mark.django_db
 def test_import_is_only_for_someone_signed_in(fake_machine, tmp_path):
     response = Client().post("/sessions/new/", _import_form(fake_machine(), tmp_path, _file(MSG)))
     assert response.status_code in (302, 401, 403) and "/login" in response.get("Location", "/login")
