@@ -37,7 +37,6 @@ from . import broadcast, presence
 from .actions import find_session, may_grant_always
 from .events import load_kinds
 from .models import Access, AgentSession, TranscriptEvent
-from .transcript import Kind
 from .presenters import (
     ALLOWANCE_KINDS,
     BLOCK_KINDS,
@@ -48,6 +47,7 @@ from .presenters import (
     prime_window,
     render_presence,
 )
+from .transcript import Kind
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,21 @@ import base64
 import hashlib
 import io
 import json
+import os
 import threading
 
 import pytest
 from django.test import Client
 from PIL import Image
 
-from machines_app.llama_server import Endpoint, ServerSpec, build_argv, opens_thinking, prompt_opens_thinking, wait_until_ready
+from machines_app.llama_server import (
+    Endpoint,
+    ServerSpec,
+    build_argv,
+    opens_thinking,
+    prompt_opens_thinking,
+    wait_until_ready,
+)
 from machines_app.models import Machine, ServerRecord
 from machines_app.transports import LocalTransport, TransportError
 from sessions_app import actions, agent, callcard, export, images, importing, lifecycle, transcript
@@ -31,10 +39,30 @@ from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.transcript import Event
 
 from .conftest import model_key, wait_for
-from .scripted_server import chunk, sse
-from .test_turn_endings import DONE, KEY, run_message, server, session, text_of  # noqa: F401 (fixtures)
+from .scripted_server import ScriptedServer, chunk, sse
+from .test_turn_endings import DONE, KEY, run_message, text_of
 
 STOP = sse(chunk({}, finish_reason="stop"))
+
+
+@pytest.fixture
+def server():
+    scripted = ScriptedServer()
+    yield scripted
+    scripted.close()
+
+
+@pytest.fixture
+def session(alice, server, tmp_path):
+    """An idle session whose server is the scripted one (its record names this live process)."""
+    machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf",
+                                          working_dir=str(tmp_path), status="idle", sampling={"seed": 7})
+    me = os.getpid()
+    ServerRecord.objects.create(session=session, machine=machine, model_key="m.gguf", pid=me,
+                                start_time=LocalTransport()._stat(me)[1],
+                                port=int(server.url.rsplit(":", 1)[1]), log_path="/dev/null", api_key=KEY)
+    return session
 
 
 def fresh(session) -> AgentSession:
