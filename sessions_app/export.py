@@ -28,7 +28,6 @@ from markdown_it import MarkdownIt
 
 from . import callcard
 from .allowances import label as allowance_label
-from .presenters import imported_text
 from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload, image_refs
 
 __all__ = ["read_export", "read_jsonl", "to_jsonl", "to_markdown"]
@@ -265,6 +264,15 @@ _WRITTEN = frozenset({
 #: What a turn that ended with a reply still open says, by its ``turn_end`` reason, for a
 #: transcript that carries no notice of the cut (one written before such notices).
 _CUT_ENDINGS = {"stopped": "*The reply above is cut off: llama-server was stopped while it was replying.*"}
+
+
+def imported_text(payload: Any) -> str:
+    """The note after the events an ``imported`` event brought in (docs/transcript.md,
+    "Import"), as the page and the Markdown export say it."""
+    who = actor(payload)
+    count = payload.get("events") if isinstance(payload, dict) else None
+    return (f"Imported by {who['username'] if who else 'someone'} from an export: the {count} events above came "
+            "from it. Who did what there is kept as names only, and nothing allowed there is allowed here.")
 
 
 def _server_stopped(payload: dict) -> str:

@@ -19,6 +19,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 
 from . import allowances, callcard, images
+from .export import imported_text
 from .markdown import render_markdown
 from .models import Access, AgentSession
 from .transcript import Kind, actor, image_refs
@@ -312,13 +313,6 @@ def is_restart(status_payload) -> bool:
     "loading again" name no one in it). Shown as "llama-server restarted by alice."
     (docs/sharing.md, "Who did what")."""
     return status_payload.get("status") == "loading" and bool(_username(status_payload))
-
-
-def imported_text(payload) -> str:
-    """The note after the events an ``imported`` event brought in (docs/transcript.md, "Import")."""
-    count = payload.get("events")
-    return (f"Imported by {_username(payload) or 'someone'} from an export: the {count} events above came from "
-            "it. Who did what there is kept as names only, and nothing allowed there is allowed here.")
 
 
 def event_item(event, session_id: int = 0) -> dict | None:
