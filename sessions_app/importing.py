@@ -41,7 +41,7 @@ from .export import read_export
 from .models import AgentSession
 from .transcript import ANSWER_REFUSE, Event, InvalidEvent, Kind, TurnEnd
 
-__all__ = ["MAX_IMPORT_BYTES", "MAX_IMPORT_EVENTS", "ImportRefused", "check_events", "import_into", "read_file"]
+__all__ = ["MAX_IMPORT_BYTES", "MAX_IMPORT_EVENTS", "ImportRefused", "check_events", "do_import", "import_into", "read_file"]
 
 #: The largest file taken, in bytes (the images' base64 included).
 MAX_IMPORT_BYTES = 64_000_000
