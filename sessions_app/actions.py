@@ -19,6 +19,7 @@ from django.http import Http404
 
 from machines_app import catalog
 from machines_app.access import machine_refusal
+from machines_app.models import ServerRecord
 
 from . import dispatch, images, room, transcript, turns
 from .events import append, change_status, load_events, load_kinds, load_queue_events, locked, record_event
@@ -136,8 +137,17 @@ def do_restart(session: AgentSession, user) -> None:
             raise SessionError("Stop the turn first, then restart.")
         if current.status == Status.LOADING and start_live(current):
             raise SessionError("The server is already starting.")
+        if current.status not in (Status.LOADING, Status.SLEEPING) and stop_under_way(current):
+            # Its status and note change when the stop has finished: a restart now would be
+            # said before the stop it follows.
+            raise SessionError("The server is still stopping; restart it once it shows stopped.")
         change_status(current, Status.LOADING, by=by(user))
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
+
+
+def stop_under_way(session: AgentSession) -> bool:
+    """Whether a stop of the session's server is under way (its record claimed ``stopping``)."""
+    return ServerRecord.objects.filter(session_id=session.pk, stopping=True).exists()
 
 
 def do_change_model(session: AgentSession, user, model_key: str) -> None:
@@ -505,7 +515,7 @@ def do_revoke_allowance(session: AgentSession, user, seq: str) -> None:
     with transaction.atomic():
         current = locked(session.pk)
         in_force = transcript.allowances(
-            load_kinds(current.pk, [Kind.ANSWERED, Kind.ALLOWANCE_REVOKED], upto=current.last_seq))
+            load_kinds(current.pk, [Kind.ANSWERED, Kind.ALLOWANCE_REVOKED, Kind.IMPORTED], upto=current.last_seq))
         allowance = next((allowance for allowance in in_force if allowance["seq"] == number), None)
         if allowance is None:
             raise SessionError("That allowance is no longer in force.")

@@ -58,7 +58,7 @@ from .completions import (
     Usage,
 )
 from .events import load_events, storable
-from .models import AgentSession, McpServer
+from .models import AgentSession, McpServer, TranscriptEvent
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -81,6 +81,10 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
+#: The notice after a reply that a person's *Stop server* broke off (docs/transcript.md).
+STOPPED_REPLY = "The reply above is cut off: llama-server was stopped while it was replying."
+#: The error after a reply whose way to its machine broke (``link``: what failed, in words).
+LINK_BROKEN_REPLY = "{link} The reply above is cut off; send another message once the machine answers."
 #: The result of a call whose arguments were not one JSON object (docs/behaviour.md §9, C04):
 #: the model is told why, so it can call again; the call is neither run nor asked about.
 MALFORMED_RESULT = (
@@ -369,13 +373,37 @@ class Step:
             pk=self.session_id, interrupt_requested=False, lease_owner=self.owner
         ).exists()
 
+    def server_stop_asked(self) -> bool:
+        """Whether a stop of the server on purpose broke this turn off: a stop is under way
+        or done (``lifecycle.stop_under_way``), or the session asks its turn to stop and no
+        ``interrupted`` event was recorded since the turn's message (``actions.do_stop``
+        asks before its stop task runs, without one; *Stop reply* always records one)."""
+        if lifecycle.stop_under_way(self.session_id):
+            return True
+        if not AgentSession.objects.filter(pk=self.session_id, interrupt_requested=True).exists():
+            return False
+        events = TranscriptEvent.objects.filter(session_id=self.session_id)
+        taken = events.filter(kind=Kind.MESSAGE_TAKEN).order_by("-seq").values_list("seq", flat=True).first() or 0
+        return not events.filter(kind=Kind.INTERRUPTED, seq__gt=taken).exists()
+
+    def stop_reason(self) -> TurnEnd:
+        """Why a turn asked to stop ends: ``stopped`` by a stop of its server, else ``interrupted``."""
+        return TurnEnd.STOPPED if self.server_stop_asked() else TurnEnd.INTERRUPTED
+
+    def cut_by_stop(self, produced: bool) -> TurnEnd:
+        """A reply broken off by *Stop server*: its text stays, a notice says it is cut, and
+        the turn ends ``stopped`` (the ``server_stopped`` event names who stopped it)."""
+        if produced:
+            self.record(Kind.NOTICE, {"message": STOPPED_REPLY})
+        return TurnEnd.STOPPED
+
     def run(self, resumed_after_loss: bool) -> None:
         session = AgentSession.objects.select_related("machine").get(pk=self.session_id)
         if session.status == Status.LOADING:
             return  # docs/behaviour.md §4: the message waits; start_server enqueues the step once ready
         events = load_events(self.session_id)
         if not transcript.open_turn(events) or session.interrupt_requested:
-            self.finish(TurnEnd.INTERRUPTED if session.interrupt_requested else TurnEnd.DONE)
+            self.finish(self.stop_reason() if session.interrupt_requested else TurnEnd.DONE)
             return
         if (resumed_after_loss or transcript.reply_cut_off(events)) and not transcript.pending_calls(events):
             # A step died mid-reply (its worker killed, or Redis or the database failing
@@ -476,7 +504,7 @@ class Step:
         watcher = threading.Thread(target=watch_interrupt, name=f"interrupt-{self.session_id}", daemon=True)
         watcher.start()
         stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
-            messages, tools=definitions, sampling=sampling
+            messages, tools=definitions, sampling=sampling, opens_thinking=bool(ready.get("opens_thinking"))
         )
         # Anything a person can see — text or reasoning that is not only white space — or a
         # call that can run: a reply with none of it is said to be empty (an empty
@@ -516,6 +544,15 @@ class Step:
         except CompletionError as exc:
             pending.flush()  # what was seen stays (docs/behaviour.md §6: an interrupted reply is kept)
             if not interrupted.is_set():
+                if exc.status is None and self.server_stop_asked():
+                    # Stop server killed the server under the stream before the watcher saw
+                    # the flag: a person's stop, not a server failure.
+                    return self.cut_by_stop(produced)
+                link = lifecycle.link_broken(self.session_id) if exc.status is None else None
+                if link is not None:
+                    # It was the way to the machine that broke, not llama-server: say so.
+                    self.error(LINK_BROKEN_REPLY.format(link=link) if produced else link)
+                    return TurnEnd.ERROR
                 self.error(str(exc), context_exceeded=exc.context_exceeded)
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
                     lifecycle.check_session_server(self.session_id)
@@ -535,7 +572,7 @@ class Step:
                             "sampling_from": sources})
             self.record(Kind.USAGE, payload)
         if interrupted.is_set():
-            return TurnEnd.INTERRUPTED
+            return self.cut_by_stop(produced) if self.server_stop_asked() else TurnEnd.INTERRUPTED
         calls = assembler.calls()
         if not produced and not calls:
             self.record(Kind.NOTICE, {"message": EMPTY_REPLY})
@@ -608,7 +645,7 @@ class Step:
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
             if self.interrupted():
-                self.finish(TurnEnd.INTERRUPTED)
+                self.finish(self.stop_reason())
                 return False
             if call_id in running:
                 # Started by a worker that died: a command may have run; never re-run it silently.
@@ -645,7 +682,7 @@ class Step:
             if not self.execute(session, entry, call, server):
                 return False  # the server died under the call: its turn was ended with the session
             if self.interrupted():
-                self.finish(TurnEnd.INTERRUPTED)
+                self.finish(self.stop_reason())
                 return False
         return True
 

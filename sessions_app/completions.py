@@ -479,14 +479,30 @@ class InlineReasoning:
     Tags split across chunks (``"<thi"`` + ``"nk>"``) are held back until they can be told
     apart from text, so nothing is shown twice or lost; whitespace right after
     ``</think>`` is dropped. A reply that ends inside ``<think>`` is all reasoning.
+
+    ``opened``: the generation prompt already opened the thinking block (the chat
+    templates of R1-style distills end it with ``<think>``), so the reply starts inside
+    it and carries only the closing ``</think>``: everything before that is reasoning.
+    A server that splits the reasoning out itself (``reasoning_content``) says so with
+    its first reasoning delta: :meth:`server_splits` then reads the rest as answer.
     """
 
-    def __init__(self) -> None:
-        self.state = "start"  # "start" → "thinking" → "answer", or "start" → "answer"
+    def __init__(self, *, opened: bool = False) -> None:
+        # "start" → "thinking" → "after" → "answer", or "start" → "answer"
+        self.state = "thinking" if opened else "start"
+        self.opened = opened
+        self.fed = False
         self.held = ""
+
+    def server_splits(self) -> None:
+        """The server sent reasoning in a field of its own: it closed the opened block
+        itself, so no ``</think>`` will come in ``content``."""
+        if self.opened and self.state == "thinking" and not self.fed:
+            self.state = "start"
 
     def feed(self, text: str) -> list[Delta]:
         self.held += text
+        self.fed = self.fed or bool(text)
         out: list[Delta] = []
         while True:
             if self.state == "start":
@@ -528,6 +544,19 @@ class InlineReasoning:
         if not held or (self.state in ("start", "after") and not held.strip()):
             return []
         return [ReasoningDelta(held) if self.state == "thinking" else TextDelta(held)]
+
+
+def _split_inline(deltas: list[Delta], inline: InlineReasoning) -> Iterator[Delta]:
+    """One chunk's deltas with its text passed through ``inline`` (reasoning in
+    ``<think>`` split out); text ``inline`` holds back comes before whatever else follows."""
+    for delta in deltas:
+        if isinstance(delta, TextDelta):
+            yield from inline.feed(delta.text)
+            continue
+        if isinstance(delta, ReasoningDelta):
+            inline.server_splits()
+        yield from inline.flush()
+        yield delta
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -598,8 +627,13 @@ class CompletionClient:
         *,
         tools: list[dict[str, Any]] | None = None,
         sampling: Mapping[str, Any] | None = None,
+        opens_thinking: bool = False,
     ) -> Generator[Delta, None, None]:
         """POST ``/v1/chat/completions`` and yield the deltas as they arrive.
+
+        ``opens_thinking``: the server's generation prompt ends inside an opened
+        ``<think>`` block (:func:`machines_app.llama_server.prompt_opens_thinking`), so the
+        reply's text up to ``</think>`` is reasoning (:class:`InlineReasoning`).
 
         ``messages`` are OpenAI chat messages; ``tools`` OpenAI function definitions;
         ``sampling`` extra body keys (see :meth:`request_body`). Nothing is sent until
@@ -618,12 +652,13 @@ class CompletionClient:
         """
         body = self.request_body(messages, tools=tools, sampling=sampling)
         if self._http is not None:
-            yield from self._stream(self._http, body)
+            yield from self._stream(self._http, body, opens_thinking)
             return
         with httpx.Client(verify=tls_context()) as http:
-            yield from self._stream(http, body)
+            yield from self._stream(http, body, opens_thinking)
 
-    def _stream(self, http: httpx.Client, body: dict[str, Any]) -> Generator[Delta, None, None]:
+    def _stream(self, http: httpx.Client, body: dict[str, Any], opens_thinking: bool = False
+                ) -> Generator[Delta, None, None]:
         url = self.base_url + CHAT_COMPLETIONS_PATH
         deadline = time.monotonic() + self.timeout
         timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout))
@@ -635,23 +670,18 @@ class CompletionClient:
                     raise CompletionError.from_body(response.status_code, _read_text(response))
                 content_type = response.headers.get("content-type", "")
                 if "text/event-stream" not in content_type:
-                    yield from self._whole_body(response, content_type)
+                    yield from self._whole_body(response, content_type, opens_thinking)
                     return
                 chunks = self._until(deadline, response.iter_bytes())
-                inline = InlineReasoning()
+                inline = InlineReasoning(opened=opens_thinking)
                 finished = False
                 for data in iter_sse_data(_iter_lines(chunks)):
                     if data.strip() == _DONE:
                         finished = True
                         break
-                    for delta in parse_chunk(_decode_chunk(data)):
-                        if isinstance(delta, TextDelta):
-                            yield from inline.feed(delta.text)
-                            continue
-                        if isinstance(delta, Finish):
-                            finished = True
-                        yield from inline.flush()  # held text comes before what follows it
-                        yield delta
+                    deltas = parse_chunk(_decode_chunk(data))
+                    yield from _split_inline(deltas, inline)
+                    finished = finished or any(isinstance(delta, Finish) for delta in deltas)
                 yield from inline.flush()
                 if not finished:
                     # A clean end of stream is not a finished reply: only a finish_reason or
@@ -670,14 +700,20 @@ class CompletionClient:
                 f"llama-server at {self.base_url} closed the connection before replying ({exc})"
             ) from exc
 
-    def _whole_body(self, response: httpx.Response, content_type: str) -> Iterator[Delta]:
-        """A 2xx that is not an event stream: a whole JSON completion or error, else an error."""
+    def _whole_body(self, response: httpx.Response, content_type: str, opens_thinking: bool) -> Iterator[Delta]:
+        """A 2xx that is not an event stream: a whole JSON completion or error, else an error.
+        Read as a stream of one chunk: its ``<think>`` split out the same way, and a body
+        whose ``finish_reason`` is null (or missing) a cut-off reply, as a stream that
+        ended without one is (docs/transcript.md, "How a reply ends")."""
         text = _read_text(response)
-        if "json" in content_type:
-            decoded = _decode_chunk(text)
-            yield from parse_chunk(decoded)
-            return
-        raise CompletionError.from_body(response.status_code, text)
+        if "json" not in content_type:
+            raise CompletionError.from_body(response.status_code, text)
+        deltas = parse_chunk(_decode_chunk(text))
+        inline = InlineReasoning(opened=opens_thinking)
+        yield from _split_inline(deltas, inline)
+        yield from inline.flush()
+        if not any(isinstance(delta, Finish) for delta in deltas):
+            raise CompletionError(INCOMPLETE_REPLY)
 
     def _until(self, deadline: float, chunks: Iterable[bytes]) -> Iterator[bytes]:
         for chunk in chunks:

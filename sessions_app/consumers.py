@@ -49,6 +49,7 @@ from .presenters import (
     progress_text,
     render_presence,
 )
+from .transcript import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -349,7 +350,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     def _allowance_events(self, upto: int) -> list[TranscriptEvent]:
         """What the list of allowances folds from, up to seq ``upto`` (sync thread of feed())."""
-        return load_kinds(self.session_id, ALLOWANCE_KINDS, upto=upto)
+        return load_kinds(self.session_id, [*ALLOWANCE_KINDS, Kind.IMPORTED], upto=upto)
 
     @database_sync_to_async
     def _may_grant(self) -> bool:

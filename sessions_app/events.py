@@ -118,7 +118,7 @@ def load_queue_events(session_id: int, *, upto: int) -> list[TranscriptEvent]:
              .order_by("seq").values_list("seq", flat=True).first())
     if first is None:
         return []
-    kinds = [Kind.MESSAGE_QUEUED, Kind.MESSAGE_TAKEN, Kind.MESSAGE_DROPPED]
+    kinds = [Kind.MESSAGE_QUEUED, Kind.MESSAGE_TAKEN, Kind.MESSAGE_DROPPED, Kind.IMPORTED]
     return load_kinds(session_id, kinds, upto=upto, after=first - 1)
 
 

@@ -62,6 +62,14 @@ class NewSessionForm(forms.Form):
     max_tokens = forms.IntegerField(required=False, min_value=1, max_value=4_194_304)
     seed = forms.IntegerField(required=False, min_value=0, max_value=2**32 - 1)
 
+    # Import (docs/transcript.md, "Import"): a JSON Lines export the new session starts from.
+    transcript = forms.FileField(
+        label="Start from an export", required=False,
+        help_text="A session's JSON Lines export (.jsonl): the new session holds its conversation and goes on "
+        "from it. Who did what there is kept as names; nothing granted there is allowed here.",
+        widget=forms.FileInput(attrs={"accept": ".jsonl,application/x-ndjson,application/json"}),
+    )
+
     SERVER_FIELDS = ("contextSize", "gpuLayers", "threads", "speculative")
     SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
 

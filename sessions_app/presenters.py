@@ -19,6 +19,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 
 from . import allowances, callcard, images, text_files
+from .export import imported_text
 from .markdown import formula_html, render_markdown, reply_formulas
 from .models import Access, AgentSession
 from .transcript import Kind, Versions, actor, image_refs
@@ -31,8 +32,9 @@ CLOSING_KINDS = frozenset({Kind.TURN_END})
 #: The queue's kinds: shown apart from the transcript (pending bubbles), closing nothing.
 QUEUE_KINDS = frozenset({Kind.MESSAGE_QUEUED, Kind.MESSAGE_DROPPED})
 #: Notes that may arrive while a reply still streams (an interrupt is seen a moment after
-#: the click): shown after the block, never splitting it.
-NOTE_KINDS = frozenset({Kind.INTERRUPTED})
+#: the click; a server stopped under a reply is said stopped before its last fragment is
+#: stored): shown after the block, never splitting it.
+NOTE_KINDS = frozenset({Kind.INTERRUPTED, Kind.SERVER_STOPPED})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({Kind.TOOL_START, Kind.TOOL_RUNNING, Kind.TOOL_END, Kind.QUESTION, Kind.ANSWERED})
 #: The kinds :class:`transcript.Versions` folds: which messages are versions of one another.
@@ -386,6 +388,8 @@ def event_item(event, session_id: int = 0) -> dict | None:
         if payload.get("reason") == "restart":  # the restart's own note names who asked (below)
             return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped for the restart."}
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
+    if kind == Kind.IMPORTED:
+        return {"type": "note", "dom_id": dom_id, "text": imported_text(payload)}
     if kind == Kind.STATUS and is_restart(payload):
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server restarted by {_username(payload)}."}
     if kind == Kind.SERVER_READY:

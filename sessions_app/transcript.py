@@ -132,6 +132,7 @@ class Kind(StrEnum):
     TURN_END = "turn_end"
     ALLOWANCE_REVOKED = "allowance_revoked"
     VERSION_CHOSEN = "version_chosen"
+    IMPORTED = "imported"
 
 
 class TurnEnd(StrEnum):
@@ -184,6 +185,7 @@ class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
     sampling_defaults: dict  # default_generation_settings.params: temperature, top_k, top_p, min_p, …
     n_ctx: int  # the slot's context size in tokens, from GET /props (when the server says)
     warm_tokens: int  # prompt tokens restored from a saved slot (docs/behaviour.md §5 warm prompts)
+    opens_thinking: bool  # the generation prompt ends inside "<think>": replies start as reasoning
 
 
 class CataloguePayload(TypedDict):
@@ -344,6 +346,12 @@ class TurnEndPayload(TypedDict):
     reason: str
 
 
+class ImportedPayload(TypedDict):
+    by: Actor  # who imported the file (the new session's owner)
+    events: int  # how many events came from the file: the ones just before this one
+    first_seq: int  # the seq the first of them had in the file's session
+
+
 PAYLOADS: dict[Kind, type] = {
     Kind.SETTINGS: SettingsPayload,
     Kind.STATUS: StatusPayload,
@@ -368,6 +376,7 @@ PAYLOADS: dict[Kind, type] = {
     Kind.TURN_END: TurnEndPayload,
     Kind.ALLOWANCE_REVOKED: AllowanceRevokedPayload,
     Kind.VERSION_CHOSEN: VersionChosenPayload,
+    Kind.IMPORTED: ImportedPayload,
 }
 
 
@@ -866,11 +875,16 @@ def allowances(events: Iterable[EventLike]) -> list[Allowance]:
     tool") grants nothing: such a tool is asked about again. A grant equal to one in
     force (same tool and scope) is not listed twice; a grant for an MCP tool replaces an
     earlier one for the same server and remote name (its definition changed since).
-    Allowances are the session's: ``cleared``, a model change and a restart keep them.
+    Allowances are the session's: ``cleared``, a model change and a restart keep them;
+    ``imported`` ends those granted before it (granted in another session, by people who
+    granted nothing here).
     """
     in_force: list[Allowance] = []
     for event in _ordered(events):
         payload = _payload(event)
+        if event.kind == Kind.IMPORTED:
+            in_force = []
+            continue
         if event.kind == Kind.ALLOWANCE_REVOKED:
             in_force = [a for a in in_force if a["seq"] != payload.get("seq")]
             continue
@@ -910,9 +924,19 @@ def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
     A ``message_queued`` payload is pending until a ``message_taken`` names its id as
     ``queued_id`` or a ``message_dropped`` names its id. Returns copies of the queued
-    payloads in queue order. ``cleared`` does not empty the queue.
+    payloads in queue order. ``cleared`` does not empty the queue; ``imported`` does (what
+    was queued in another session is not sent from this one).
     """
-    return _still_open(events, _MESSAGE_QUEUED, {_MESSAGE_TAKEN: "queued_id", _MESSAGE_DROPPED: "id"})
+    return _still_open(_since_import(events), _MESSAGE_QUEUED, {_MESSAGE_TAKEN: "queued_id", _MESSAGE_DROPPED: "id"})
+
+
+def _since_import(events: Iterable[EventLike]) -> list[EventLike]:
+    """The events after the last ``imported`` (all of them when there is none)."""
+    ordered = list(_ordered(events))
+    for index in range(len(ordered) - 1, -1, -1):
+        if ordered[index].kind == Kind.IMPORTED:
+            return ordered[index + 1:]
+    return ordered
 
 
 def open_turn(events: Iterable[EventLike]) -> bool:
@@ -973,21 +997,26 @@ def open_questions(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
 def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     """The tool entries of the latest ``catalogue`` event (recorded when a server became
-    ready, docs/behaviour.md §9); ``[]`` when none was recorded."""
+    ready, docs/behaviour.md §9); ``[]`` when none was recorded since the last ``imported``."""
     latest: list[dict[str, Any]] = []
     for event in _ordered(events):
         if event.kind == Kind.CATALOGUE:
             latest = list(_payload(event).get("tools", []))
+        elif event.kind == Kind.IMPORTED:
+            latest = []  # another deployment's tools: this session's server has not said its own yet
     return latest
 
 
 def last_server_ready(events: Iterable[EventLike]) -> dict[str, Any]:
     """A copy of the latest ``server_ready`` payload (what the running server reported about
-    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none."""
+    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none since
+    the last ``imported``."""
     latest: dict[str, Any] = {}
     for event in _ordered(events):
         if event.kind == Kind.SERVER_READY:
             latest = dict(_payload(event))
+        elif event.kind == Kind.IMPORTED:
+            latest = {}  # another deployment's server: this session's has not said anything yet
     return latest
 
 

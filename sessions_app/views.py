@@ -13,7 +13,7 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machine_refusal, machines_for
 
-from . import actions, export, images, markdown, presence, room, tex, text_files, transcript, turns
+from . import actions, export, images, importing, markdown, presence, room, tex, text_files, transcript, turns
 from .consumers import CloseCode
 from .events import load_events, load_kinds, load_queue_events, load_turns, turns_since
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
@@ -111,26 +111,40 @@ def session_list(request: HttpRequest) -> HttpResponse:
 
 
 def session_new(request: HttpRequest) -> HttpResponse:
-    form = NewSessionForm(request.POST or None, user=request.user, initial={"machine": request.GET.get("machine")})
+    """The new-session form; with a file in ``transcript``, the session starts from that
+    JSON Lines export (docs/transcript.md, "Import"), as the person asking: the file is
+    refused, naming the line and why, when it is not a sound export."""
+    form = NewSessionForm(request.POST or None, request.FILES or None, user=request.user,
+                          initial={"machine": request.GET.get("machine")})
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
+        create = dict(
+            machine=data["machine"],
+            model_key=data["model_key"],
+            working_dir=data["working_dir"],
+            server_params=form.server_params(),
+            sampling=form.sampling(),
+            permission_mode=data["permission_mode"],
+            title=data["title"],
+            system_prompt=data["system_prompt"],
+        )
+        upload = data.get("transcript")
         try:
-            session = actions.do_create_session(
-                request.user,
-                machine=data["machine"],
-                model_key=data["model_key"],
-                working_dir=data["working_dir"],
-                server_params=form.server_params(),
-                sampling=form.sampling(),
-                permission_mode=data["permission_mode"],
-                title=data["title"],
-                system_prompt=data["system_prompt"],
-            )
+            if upload:
+                if upload.size > importing.MAX_IMPORT_BYTES:
+                    raise importing.ImportRefused(f"The file is {upload.size:,} bytes; an export to import can be at "
+                                                  f"most {importing.MAX_IMPORT_BYTES:,}.")
+                session = importing.do_import(request.user, upload.read(), **create)
+            else:
+                session = actions.do_create_session(request.user, **create)
+        except importing.ImportRefused as exc:
+            form.add_error("transcript", str(exc))
         except actions.SessionError as exc:  # the access changed between the form's check and now
             form.add_error(None, str(exc))
         else:
             return redirect(session)
-    return render(request, "sessions_app/session_new.html", {"form": form})
+    importing_file = bool(request.GET.get("import") or (form.is_bound and request.FILES.get("transcript")))
+    return render(request, "sessions_app/session_new.html", {"form": form, "importing": importing_file})
 
 
 @require_GET
@@ -217,7 +231,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session_context = _session_context(session)
     model_file = session_context["model_file"]
     # So do the template the server runs and the context gauge.
-    ready = transcript.last_server_ready(load_kinds(session.pk, [transcript.Kind.SERVER_READY], upto=last_seq))
+    ready = transcript.last_server_ready(
+        load_kinds(session.pk, [transcript.Kind.SERVER_READY, transcript.Kind.IMPORTED], upto=last_seq))
     gauge = gauge_of(
         load_kinds(session.pk, [transcript.Kind.USAGE, transcript.Kind.CLEARED], upto=last_seq),
         n_ctx=context_size(ready, session.server_params.get("contextSize")),
@@ -225,9 +240,11 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     context = {
         **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
-        "tools": transcript.last_catalogue(load_kinds(session.pk, [transcript.Kind.CATALOGUE], upto=last_seq)),
+        "tools": transcript.last_catalogue(
+            load_kinds(session.pk, [transcript.Kind.CATALOGUE, transcript.Kind.IMPORTED], upto=last_seq)),
         "allowances": allowance_items(
-            transcript.allowances(load_kinds(session.pk, ALLOWANCE_KINDS, upto=last_seq)), session.pk, viewer),
+            transcript.allowances(load_kinds(session.pk, [*ALLOWANCE_KINDS, transcript.Kind.IMPORTED], upto=last_seq)),
+            session.pk, viewer),
         "template": template_info(ready, remembered=model_file.chat_template_caps if model_file else None),
         "machine_name": session.machine.name,
         "session": session,
@@ -269,7 +286,9 @@ def session_export(request: HttpRequest, session_id: int, fmt: str) -> HttpRespo
     session = actions.access_session(request.user, session_id)
     events = load_events(session.pk)
     if fmt == "jsonl":
-        response = HttpResponse("".join(export.to_jsonl(events)), content_type="application/x-ndjson; charset=utf-8")
+        # The images the messages carry go with it, so an import attaches them again.
+        response = HttpResponse("".join(export.to_jsonl(events, image_data=images.read)),
+                                content_type="application/x-ndjson; charset=utf-8")
     else:
         def image_url(ref: dict) -> str:
             path = reverse("session_image", args=[session.pk, ref["sha256"], images.EXTENSIONS.get(ref["media_type"], "bin")])
