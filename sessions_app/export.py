@@ -258,7 +258,7 @@ def _usage_line(payload: dict) -> str:
 #: and the server's stops, which are written as notes after a reply still open).
 _WRITTEN = frozenset({
     Kind.MESSAGE_TAKEN, Kind.TOOL_START, Kind.TOOL_END, Kind.ANSWERED, Kind.ERROR, Kind.NOTICE, Kind.USAGE,
-    Kind.CLEARED, Kind.SERVER_READY, Kind.ALLOWANCE_REVOKED, Kind.IMPORTED,
+    Kind.CLEARED, Kind.SERVER_READY, Kind.ALLOWANCE_REVOKED, Kind.IMPORTED, Kind.VERSION_CHOSEN,
 })
 
 #: What a turn that ended with a reply still open says, by its ``turn_end`` reason, for a
@@ -403,5 +403,10 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
             out.append(f"*llama-server ready with {_plain(payload.get('model', ''))}.*")
         elif kind == Kind.IMPORTED:
             out.append(f"---\n\n*{_plain(imported_text(payload))}*")
+        elif kind == Kind.VERSION_CHOSEN:
+            chosen = taken.get(payload.get("seq")) if isinstance(payload.get("seq"), int) else None
+            said = _plain(_excerpt(str((chosen or {}).get("text") or ""))) or "an earlier message"
+            out.append(f"*{_who(payload, 'Someone')} went back to the version “{said}”: from here the model sees "
+                       "that message and its reply again, and not the versions sent after it.*")
     close_run()
     return "\n\n".join(out) + "\n"

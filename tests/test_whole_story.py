@@ -374,6 +374,7 @@ def test_the_markdown_export_leaves_nothing_out():
     # Regenerate and Edit say which message they replaced: the model no longer saw its reply.
     assert "*Sent again (Regenerate) in place of alice's message “look at this”" in markdown
     assert "*Edited and sent again in place of alice's message “again”" in markdown
+    assert "*alice went back to the version “look at this”: from here the model sees that message" in markdown
     assert markdown.count("the model no longer saw that message, its reply or anything after it") == 2
     # The malformed call: the text the model wrote, the page's flag, and why it did not run.
     assert '{"path": "a' in markdown
