@@ -57,7 +57,7 @@ from machines_app.transports import (
     transport_for,
 )
 
-from . import dispatch, tools, turns
+from . import dispatch, presenters, tools, turns
 from .events import change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
 from .transcript import Kind, TurnEnd
@@ -590,6 +590,8 @@ def server_facts(model: ModelFile | None, props: ServerProps | None) -> dict:
     facts: dict = {
         "chat_template": (model.chat_template_file or model.chat_template) if model else "",
         "jinja": not (model and model.chat_template and not model.chat_template_file),
+        # What the header's model details say of the file (size, quantisation, images).
+        "model_facts": presenters.model_facts(model),
     }
     if props is None:
         return facts
