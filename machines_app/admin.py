@@ -340,7 +340,7 @@ class ModelFileAdmin(admin.ModelAdmin):
     # The columns an admin chooses by, narrow enough for a 1366 px screen (the rest are on
     # each file's page).
     list_display = (
-        "display_name", "machine", "key", "size", "quantization", "context", "template", "has_vision", "is_complete",
+        "display_name", "machine", "key", "size", "quantization", "context", "template", "has_vision", "state",
     )
     list_filter = ("machine", "architecture", "has_mtp", "has_vision")
     search_fields = ("display_name", "key", "name")
@@ -379,9 +379,14 @@ class ModelFileAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False  # model files are discovered, not typed in
 
-    @admin.display(boolean=True, description="can start")
+    @admin.display(boolean=True)
     def is_complete(self, obj):
         return obj.is_complete
+
+    @admin.display(description="can start")
+    def state(self, obj):
+        """"yes", or why not in plain words (a damaged file, missing split parts)."""
+        return obj.problem or "yes"
 
 
 class InternalRowAdmin(admin.ModelAdmin):
