@@ -260,7 +260,7 @@ def test_the_admin_speaks_corrals_language_and_reads_a_new_machines_models(stack
     for field in ("#id_host", "#id_port", "#id_user", "#id_private_key", "#id_host_key"):
         assert page.locator(field).count() == 0, field
     content = page.inner_text("#content")
-    assert "Link state" not in content and "not checked yet" not in content
+    assert "Link state" not in content and "Link checked" not in content
     shoot(page, "admin-local-machine", schemes=("light",))
 
     # An SSH machine added here has its models read at once: the picker lists them.
