@@ -122,6 +122,9 @@ def test_one_compact_header_controls_that_can_do_nothing_are_inactive_and_sharin
     page.set_viewport_size(PHONE)
     log_in(page, stack, "alice", "alice-password-1")
     open_session(page, stack, session)
+    # Started once, as it should (a refused server_ready payload looked like a lost start).
+    assert TranscriptEvent.objects.filter(session=session, kind="server_ready").count() == 1
+    assert not TranscriptEvent.objects.filter(session=session, kind="notice").exists()
 
     # An empty, idle session: nothing to stop, edit or send again.
     for control in ("#stop-button", "#regenerate-button", "#edit-last-button"):
