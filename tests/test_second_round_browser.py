@@ -184,9 +184,11 @@ def test_one_compact_header_controls_that_can_do_nothing_are_inactive_and_sharin
 
 # --- 12: small noise ------------------------------------------------------------------------------
 
+TABLE = "| sheep | count |\n|:------|------:|\n| ewes | 12 |\n| lambs | 7 |\n\nand a few words more to come"
+
 
 def test_small_noise_is_gone(stack, page, fake_machine, alice, tmp_path):
-    machine = fake_machine()
+    machine = fake_machine([{"text": TABLE, "delay": 0.3}])
     session = start_session(alice, machine, tmp_path, title="Sent while loading")
     errors = console_errors(page)
     page.set_viewport_size(WIDE)
@@ -199,6 +201,13 @@ def test_small_noise_is_gone(stack, page, fake_machine, alice, tmp_path):
     page.press("#id_text", "Enter")
     page.locator("#composer-error", has_text="only invisible characters").wait_for()
     assert not TranscriptEvent.objects.filter(session=session, kind="message_taken").exists()
+
+    # An aligned table while it streams: alignment as a class, no style attribute for the
+    # CSP to refuse (a console error each time the preview was drawn).
+    send(page, "Count them in a table.")
+    page.wait_for_selector(".msg.assistant.streaming .preview td.align-right", timeout=30_000)
+    assert page.locator(".msg.assistant.streaming .preview [style]").count() == 0
+    page.wait_for_selector(".msg.assistant:not(.streaming) .md td.align-right", timeout=30_000)
 
     open_menu(page)
     page.click("details.settings > summary")

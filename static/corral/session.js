@@ -70,6 +70,18 @@
   if (md) {
     // Never load an image a model names (a remote image leaks data by its URL): its alt text.
     md.renderer.rules.image = function (tokens, idx) { return md.utils.escapeHtml(tokens[idx].content); };
+    // A table column's alignment as a class, as the server renders it (sessions_app/markdown.py,
+    // ALIGN_CLASSES): a style attribute breaks the page's CSP (style-src-attr) even while
+    // DOMPurify parses it.
+    md.core.ruler.push("alignment_as_class", function (state) {
+      state.tokens.forEach(function (token) {
+        const style = token.attrGet && token.attrGet("style");
+        const align = style && /^text-align:(left|center|right)$/.exec(style);
+        if (!style) return;
+        token.attrs = token.attrs.filter(function (attr) { return attr[0] !== "style"; });
+        if (align) token.attrJoin("class", "align-" + align[1]);
+      });
+    });
     window.DOMPurify.addHook("afterSanitizeAttributes", function (node) {
       if (node.tagName === "A") node.setAttribute("rel", "noopener noreferrer nofollow");
     });
