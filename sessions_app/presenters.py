@@ -321,7 +321,7 @@ def is_restart(status_payload) -> bool:
     ``by``, which ``actions.do_restart`` writes for a Restart and ``actions._wake`` for a
     message that wakes a sleeping server (``reason`` ``"wake"``); a first start, a model
     change and the watch's "loading again" name no one in it. Shown as "llama-server
-    restarted by alice." or "llama-server woken by alice's message." (docs/sharing.md,
+    restarted by alice." or "llama-server woken by a message from alice." (docs/sharing.md,
     "Who did what")."""
     return status_payload.get("status") == "loading" and bool(_username(status_payload))
 
@@ -361,7 +361,8 @@ def event_item(event, session_id: int = 0) -> dict | None:
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
     if kind == Kind.STATUS and is_restart(payload):
         if payload.get("reason") == "wake":
-            return {"type": "note", "dom_id": dom_id, "text": f"llama-server woken by {_username(payload)}'s message."}
+            text = f"llama-server woken by a message from {_username(payload)}."
+            return {"type": "note", "dom_id": dom_id, "text": text}
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server restarted by {_username(payload)}."}
     if kind == Kind.SERVER_READY:
         text = f"llama-server is ready with {payload.get('model', '')}."

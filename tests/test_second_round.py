@@ -64,7 +64,7 @@ def test_a_sharing_change_and_a_wake_are_sentences():
     assert settings_text({"visibility": "team_watch", "by": ALICE}) == "alice shared the session with the team, to watch."
     assert settings_text({"visibility": "private", "by": ALICE}) == "alice made the session private."
     wake = event_item(Event(5, Kind.STATUS, {"status": "loading", "by": ALICE, "reason": "wake"}))
-    assert wake["text"] == "llama-server woken by alice's message."
+    assert wake["text"] == "llama-server woken by a message from alice."
     restart = event_item(Event(6, Kind.STATUS, {"status": "loading", "by": ALICE}))
     assert restart["text"] == "llama-server restarted by alice."
 

@@ -153,7 +153,7 @@ SENTENCES = [
     "bob changed settings: title → Flock", "alice shared the session with the team, to watch and act.",
     '<div class="who">ann</div>', "Interrupted by ann.", '<div class="who">&lt;b&gt;mallory&lt;/b&gt;</div>',
     "llama-server stopped by alice.", "llama-server stopped.</div>", "llama-server restarted by bob.",
-    "llama-server stopped for the restart.", "llama-server woken by alice's message.",
+    "llama-server stopped for the restart.", "llama-server woken by a message from alice.",
 ]
 
 

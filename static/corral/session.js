@@ -138,13 +138,22 @@
     const note = document.getElementById("waiting-note");
     if (note && window.htmx) window.htmx.trigger(note, "refresh");
   }
+  function refreshAgain() {
+    if (waitingAgain) { waitingAgain = false; refreshWaiting(); }
+  }
   document.body.addEventListener("htmx:beforeRequest", function (e) {
-    if (!e.detail.elt || e.detail.elt.id !== "waiting-note" || !e.detail.xhr) return;
+    const note = e.detail.elt;
+    if (!note || note.id !== "waiting-note" || !e.detail.xhr) return;
     waitingBusy = true;
     e.detail.xhr.addEventListener("loadend", function () {
-      waitingBusy = false;  // the answer is swapped in by now (htmx swaps on load)
-      if (waitingAgain) { waitingAgain = false; refreshWaiting(); }
+      waitingBusy = false;
+      // The answer replaced the note (htmx swaps on load): the new one takes a refresh once
+      // htmx has processed it (htmx:load, below). No answer swapped in: ask again now.
+      if (note.isConnected) refreshAgain();
     });
+  });
+  document.body.addEventListener("htmx:load", function (e) {
+    if (e.detail.elt && e.detail.elt.id === "waiting-note" && !waitingBusy) refreshAgain();
   });
 
   function decorate(scope) {
