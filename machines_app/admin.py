@@ -19,7 +19,6 @@ from .models import Machine, ModelFile, ServerRecord
 from .template_files import TemplateFileRefused, check_template_file
 from .transports import ProcessId, TransportError, transport_for
 
-
 # Corral's name on every admin page (title, header, the index), not Django's.
 admin.site.site_header = "Corral administration"
 admin.site.site_title = "Corral administration"

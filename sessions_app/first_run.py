@@ -1,4 +1,4 @@
-"""The front page's first-run checklist for staff (docs/operations.md "First run").
+"""The front page's first-run checklist for staff (README.md, "First steps for an admin").
 
 A new deployment has an admin, a machine and nothing else: the list page says what is left
 to do, in order, each step with the admin page that does it and done once the database
