@@ -292,7 +292,7 @@ def test_the_admin_speaks_corrals_language_and_reads_a_new_machines_models(stack
     page.fill("#id_llama_server_path", llama_server_bin)
     page.fill("#id_workspace_roots", "")
     page.click("input[name=_save]")
-    page.locator(".messagelist", has_text="Reading the model files on gpu-added").wait_for()
+    page.locator(".messagelist", has_text="Reading the model files on gpu-added").wait_for(timeout=120_000)
     added = Machine.objects.get(name="gpu-added")
     wait_for(lambda: ModelFile.objects.filter(machine=added).count() == 2, 120, what="the new machine's models")
     page.goto(stack.base_url + "/sessions/new/")
