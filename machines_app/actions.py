@@ -71,7 +71,14 @@ def do_test_connection(machine: Machine) -> str:
     The machine's link state is updated either way."""
     transport = transport_for(machine)
     if not isinstance(transport, SSHTransport):
-        return f"Machine '{machine.name}' is this backend itself: always reachable."
+        # Reachable by being here; what is left to check is whether its tools are contained.
+        try:
+            bwrap = check_containment(machine, transport)
+        except TransportError as exc:
+            raise MachineError(str(exc)) from None
+        contained = (f"tools contained by bubblewrap ({bwrap})" if bwrap
+                     else f"tools NOT contained: {machine.containment_reason}")
+        return f"Machine '{machine.name}' is this backend itself: always reachable; {contained}."
     try:
         home = transport.check()
         bwrap = check_containment(machine, transport)

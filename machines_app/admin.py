@@ -1,8 +1,10 @@
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.db.models import Count
 from django.http import HttpResponseRedirect
+from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -16,6 +18,14 @@ from .llama_server import BUILTIN_CHAT_TEMPLATES
 from .models import Machine, ModelFile, ServerRecord
 from .template_files import TemplateFileRefused, check_template_file
 from .transports import ProcessId, TransportError, transport_for
+
+# Corral's name on every admin page (title, header, the index), not Django's.
+admin.site.site_header = "Corral administration"
+admin.site.site_title = "Corral administration"
+admin.site.index_title = "Machines, models, members and sessions"
+# The list pages need the width (the model files' table was cut off at 1366 px beside the
+# navigation column); every section is one click away on the index and in the breadcrumbs.
+admin.site.enable_nav_sidebar = False
 
 
 class SecretTextarea(forms.Textarea):
@@ -113,8 +123,36 @@ class MachineAdmin(admin.ModelAdmin):
         "offered_key_fingerprint", "models_refreshed_at", "models_refresh_error",
     )
 
+    #: The fields only an SSH machine has: the local machine's page leaves them out, with
+    #: its link state (this backend is always reachable; nothing checks a link to it).
+    SSH_FIELDS = ("host", "port", "user", "private_key", "private_key_path", "expected_fingerprint", "host_key")
+    SSH_READONLY = ("host_key_fingerprint", "link_state", "link_reason", "link_checked_at", "offered_key_fingerprint")
+
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(running=Count("serverrecord"))
+
+    def _is_local(self, obj) -> bool:
+        return obj is not None and obj.transport == Machine.Transport.LOCAL
+
+    def get_fields(self, request, obj=None):
+        fields = super().get_fields(request, obj)
+        if self._is_local(obj):
+            return [f for f in fields if f not in (*self.SSH_FIELDS, *self.SSH_READONLY)]
+        return fields
+
+    def get_readonly_fields(self, request, obj=None):
+        fields = super().get_readonly_fields(request, obj)
+        if not self._is_local(obj):
+            return fields
+        # "local" stays local (an SSH machine is added as its own row): with no SSH fields
+        # on the page, an SSH transport here could not be filled in.
+        return ["transport", *(f for f in fields if f not in self.SSH_READONLY)]
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        if self._is_local(obj):
+            # The form keeps the machine's SSH fields as they are (empty for a local machine).
+            kwargs["fields"] = [f for f in MachineForm.Meta.fields if f not in (*self.SSH_FIELDS, "transport")]
+        return super().get_form(request, obj, change, **kwargs)
 
     @admin.display(description="address")
     def address(self, obj: Machine) -> str:
@@ -199,6 +237,14 @@ class MachineAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
+        if not change or {"transport", "host", "port", "user", "models_dir"} & set(form.changed_data):
+            # A new machine's models, or a machine moved to other files, are read now (in
+            # the background, once the row is saved), so the picker lists them without a
+            # Refresh models first.
+            from .tasks import refresh_models
+
+            transaction.on_commit(lambda: refresh_models.delay(obj.pk))
+            self.message_user(request, f"Reading the model files on {obj.name}; they are listed in a moment.")
         if form.cleaned_data.get("private_key"):
             fingerprint = machine_actions.do_store_private_key(obj, form.cleaned_data["private_key"])
             self.message_user(request, f"Private key stored for {obj.name} (public key {fingerprint}).")
@@ -293,18 +339,38 @@ def _mib(value: int | None) -> str:
 @admin.register(ModelFile)
 class ModelFileAdmin(admin.ModelAdmin):
     form = ModelFileForm
+    # The columns an admin chooses by, narrow enough for a 1366 px screen (the rest are on
+    # each file's page).
     list_display = (
-        "display_name", "machine", "key", "architecture", "size_label", "quantization", "context_length",
-        "has_chat_template", "template", "has_mtp", "has_vision", "is_complete",
+        "display_name", "machine", "key", "size", "context", "template", "takes_images", "state",
     )
     list_filter = ("machine", "architecture", "has_mtp", "has_vision")
     search_fields = ("display_name", "key", "name")
     # Every field the form does not edit, chat_template_caps included (listing it again
     # showed it twice on the page).
     # special_tokens too: thousands of strings for some vocabularies (Gemma's <unused…>), kept for requests.
+    # file_size is shown by file_size_display, in bytes a person reads.
     readonly_fields = [
-        f.name for f in ModelFile._meta.fields if f.name not in (*ModelFileForm.Meta.fields, "special_tokens")
+        "file_size_display" if f.name == "file_size" else f.name
+        for f in ModelFile._meta.fields if f.name not in (*ModelFileForm.Meta.fields, "special_tokens")
     ]
+
+    class Media:
+        css = {"all": ("corral/admin.css",)}
+
+    @admin.display(description="size", ordering="file_size")
+    def size(self, obj):
+        """What the file holds, as the file says: parameters and quantisation, then its size
+        on disk ("135M · Q4_1 · 93.8 MB")."""
+        return " · ".join(part for part in (obj.size_label, obj.quantization, filesizeformat(obj.file_size)) if part)
+
+    @admin.display(description="file size", ordering="file_size")
+    def file_size_display(self, obj):
+        return f"{filesizeformat(obj.file_size)} ({obj.file_size:,} bytes)"
+
+    @admin.display(description="context", ordering="context_length")
+    def context(self, obj):
+        return f"{obj.context_length:,} tokens" if obj.context_length else "–"
 
     def save_model(self, request, obj, form, change):
         if {"chat_template", "chat_template_file"} & set(form.changed_data):
@@ -321,6 +387,15 @@ class ModelFileAdmin(admin.ModelAdmin):
     @admin.display(boolean=True)
     def is_complete(self, obj):
         return obj.is_complete
+
+    @admin.display(boolean=True, description="takes images", ordering="has_vision")
+    def takes_images(self, obj):
+        return obj.has_vision
+
+    @admin.display(description="can start")
+    def state(self, obj):
+        """"yes", or why not in plain words (a damaged file, missing split parts)."""
+        return obj.problem or "yes"
 
 
 class InternalRowAdmin(admin.ModelAdmin):

@@ -17,10 +17,18 @@ Rules:
   every model in the same directory, and ``projector_key`` to the projector's key (the
   first by key when a directory holds several): the file llama-server is given with
   ``--mmproj``.
-* Names: a model is shown by its ``general.name``; when two or more models share a
-  name (compared ignoring case and surrounding spaces) each is shown as
-  ``"<name> (<file name>)"``. Without a name it is shown by its file name without
-  ``.gguf`` (and without ``-00001-of-0000N`` for split sets).
+* Names (:func:`model_name`): a model is shown by its GGUF identity, the way people say
+  it. ``general.name`` first; where the name leaves out the ``general.size_label`` or
+  the ``general.finetune`` ("Llama 3.1" of an "8B" "Instruct" file) they are added. A
+  ``general.name`` that is only llama.cpp's converter title-casing the checkpoint
+  directory it read (its words are exactly ``general.basename``, ``general.version``,
+  ``general.size_label`` and ``general.finetune``: "Smollm2 135M 8k Lc100K Mix1 Ep2") names
+  a training run, not the model: when the file name starts with that basename and says
+  something else ("SmolLM2-135M-Instruct-Q8_0.gguf"), the file name wins, without its
+  quantisation suffix. Without ``general.name``, the basename, size label and finetune;
+  without those, the file name without ``.gguf`` (and without ``-00001-of-0000N`` for
+  split sets). When two or more models share a name (compared ignoring case and
+  surrounding spaces) each is shown as ``"<name> (<file name>)"``.
 * A file that cannot be parsed, or whose ``general.architecture`` is missing, empty or
   not a string (llama-server cannot load it), is still listed, with ``error`` set and
   its file name as display name, so the admin sees it; such entries cannot be started.
@@ -299,11 +307,58 @@ def architecture_problem(head: GGUFHead) -> str | None:
     return None
 
 
-def _clean_name(head: GGUFHead | None) -> str | None:
-    if head is None or head.name is None:
-        return None
-    name = head.name.strip()
-    return name or None
+#: A quantisation suffix at the end of a file stem, as llama.cpp's tools and the usual
+#: uploaders write it: "-Q8_0", ".Q4_K_M", "-IQ2_XXS", "-f16", "-bf16", "-q4_0_4_4".
+_QUANT_SUFFIX_RE = re.compile(r"[-._](?:i?q\d[\w]*|f16|f32|bf16)$", re.IGNORECASE)
+_WORD_SPLIT_RE = re.compile(r"[\s\-_]+")
+
+
+def _words(text: str) -> list[str]:
+    return [word.casefold() for word in _WORD_SPLIT_RE.split(text) if word]
+
+
+def _clean_name(head: GGUFHead | None, fallback_name: str = "") -> str | None:
+    """The name a model is shown by before ties are told apart (:func:`model_name`)."""
+    return model_name(head, fallback_name) if head is not None else None
+
+
+def model_name(head: GGUFHead, file_stem: str = "") -> str | None:
+    """The name of a model from its GGUF identity (the module docstring's rules), or None
+    when the file says nothing of itself (the caller shows the file name).
+
+    ``file_stem``: the file name without ``.gguf`` (and the split suffix). Examples:
+    ``general.name`` "Gemma 3 270m It" → "Gemma 3 270m It"; "Llama 3.1" with size label
+    "8B" and finetune "Instruct" → "Llama 3.1 8B Instruct"; "Smollm2 135M 8k Lc100K Mix1
+    Ep2" (basename "smollm2", size label "135M", finetune "8k-lc100k-mix1-ep2") in
+    "SmolLM2-135M-Instruct-Q8_0.gguf" → "SmolLM2-135M-Instruct".
+    """
+    meta = head.metadata
+
+    def text(key: str) -> str:
+        value = meta.get(key)
+        return value.strip() if isinstance(value, str) else ""
+
+    name, basename = text("general.name"), text("general.basename")
+    parts = [part for part in (text("general.size_label"), text("general.finetune")) if part]
+    identity = [basename, text("general.version"), *parts]
+    stem = _QUANT_SUFFIX_RE.sub("", file_stem).strip() if file_stem else ""
+    if name and basename and _words(name) == _words(" ".join(p for p in identity if p)):
+        # The converter's own title-casing of the directory it read: the file name,
+        # when it is the same model told by its publisher, says more.
+        if stem and _words(stem)[:len(_words(basename))] == _words(basename) and _words(stem) != _words(name):
+            return stem
+        return name
+    if name:
+        have = _words(name)
+        for part in parts:
+            words = _words(part)
+            if not any(have[i:i + len(words)] == words for i in range(len(have) - len(words) + 1)):
+                name = f"{name} {part}"
+                have += words
+        return name
+    if basename:
+        return " ".join([basename, *parts])
+    return None
 
 
 def _memory_shape(head: GGUFHead | None, candidate: _Candidate, vision_dirs: dict[str, list[str]],
@@ -342,7 +397,7 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
 
     name_counts: dict[str, int] = {}
     for candidate in models:
-        name = _clean_name(candidate.head)
+        name = _clean_name(candidate.head, candidate.fallback_name)
         if name is not None and candidate.error is None:
             name_counts[name.casefold()] = name_counts.get(name.casefold(), 0) + 1
 
@@ -350,7 +405,7 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
     # apart by their whole key, the path under the models directory.
     basename_counts: dict[tuple[str, str], int] = {}
     for candidate in models:
-        name = _clean_name(candidate.head)
+        name = _clean_name(candidate.head, candidate.fallback_name)
         if name is not None and candidate.error is None:
             pair = (name.casefold(), posixpath.basename(candidate.key))
             basename_counts[pair] = basename_counts.get(pair, 0) + 1
@@ -359,10 +414,9 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
     for candidate in models:
         head = candidate.head
         basename = posixpath.basename(candidate.key)
-        label = _clean_name(head)
-        if label is not None and basename_counts.get((label.casefold(), basename), 0) > 1:
+        name = _clean_name(head, candidate.fallback_name)
+        if name is not None and basename_counts.get((name.casefold(), basename), 0) > 1:
             basename = candidate.key
-        name = _clean_name(head)
         if candidate.error is not None:
             display = basename
         elif name is None:

@@ -64,6 +64,8 @@ SAMPLING_KEYS: dict[str, str] = {
 
 _MAGIC = GGUF_MAGIC.to_bytes(4, "little")  # b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
+#: Above this a version number is taken for damage, not for a newer format.
+_LIKELY_VERSIONS = 255
 
 # Sanity limits: a header claiming more than this is corrupt, not just big.
 # They exist so that a damaged count or length raises GGUFError instead of
@@ -288,7 +290,7 @@ class _Cursor:
     def string_bytes(self, what: str) -> memoryview:
         length = self.u64()
         if length > _MAX_STRING_BYTES:
-            raise GGUFError(f"corrupt GGUF header: {what} claims to be {length} bytes long")
+            raise GGUFError(f"not a GGUF file or damaged: {what} claims to be {length} bytes long")
         self.need(length)
         raw = self.data[self.pos : self.pos + length]
         self.pos += length
@@ -302,7 +304,7 @@ def _value_type(raw: int, key: str) -> GGUFValueType:
     try:
         return GGUFValueType(raw)
     except ValueError:
-        raise GGUFError(f"corrupt GGUF header: key {key!r} has unknown value type {raw}") from None
+        raise GGUFError(f"not a GGUF file or damaged: key {key!r} has unknown value type {raw}") from None
 
 
 def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) -> object:
@@ -314,11 +316,11 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) ->
         return cur.string(f"the value of {key!r}")
     # ARRAY
     if depth >= _MAX_ARRAY_DEPTH:
-        raise GGUFError(f"corrupt GGUF header: arrays nested too deeply in {key!r}")
+        raise GGUFError(f"not a GGUF file or damaged: arrays nested too deeply in {key!r}")
     etype = _value_type(cur.u32(), key)
     length = cur.u64()
     if length > _MAX_ARRAY_LENGTH:
-        raise GGUFError(f"corrupt GGUF header: array {key!r} claims {length} elements")
+        raise GGUFError(f"not a GGUF file or damaged: array {key!r} claims {length} elements")
     # Fail early with a useful estimate instead of creeping through a long array.
     cur.need(length * _MIN_ELEMENT_SIZE[etype])
     if length <= ARRAY_SUMMARY_THRESHOLD:
@@ -344,7 +346,7 @@ def _skip_array_elements(cur: _Cursor, etype: GGUFValueType, length: int, key: s
                 raise NeedMoreBytes(needed=pos + int(average * (length - index)) + 8, have=end)
             (size,) = unpack_from(data, pos)
             if size > _MAX_STRING_BYTES:
-                raise GGUFError(f"corrupt GGUF header: a string in array {key!r} claims {size} bytes")
+                raise GGUFError(f"not a GGUF file or damaged: a string in array {key!r} claims {size} bytes")
             pos += 8 + size
         if pos > end:
             raise NeedMoreBytes(needed=pos, have=end)
@@ -382,13 +384,18 @@ def parse_head(data: bytes | bytearray | memoryview) -> GGUFHead:
             raise GGUFError("big-endian GGUF files are not supported")
         if version == 1:
             raise GGUFError("GGUF version 1 is too old; convert the file with a current llama.cpp")
-        raise GGUFError(f"unsupported GGUF version {version} (supported: 2, 3)")
+        if version > _LIKELY_VERSIONS:
+            # Not a version any llama.cpp wrote: bytes that merely start with "GGUF" (a
+            # truncated download, a file overwritten in place).
+            raise GGUFError(f"not a GGUF file or damaged: its header names GGUF version {version}, which does not exist")
+        raise GGUFError(f"unsupported GGUF version {version}: Corral reads versions 2 and 3; "
+                        "this file is newer than Corral")
     tensor_count = cur.u64()
     kv_count = cur.u64()
     if tensor_count > _MAX_TENSOR_COUNT:
-        raise GGUFError(f"corrupt GGUF header: tensor count {tensor_count} is absurd")
+        raise GGUFError(f"not a GGUF file or damaged: tensor count {tensor_count} is absurd")
     if kv_count > _MAX_KV_COUNT:
-        raise GGUFError(f"corrupt GGUF header: metadata key count {kv_count} is absurd")
+        raise GGUFError(f"not a GGUF file or damaged: metadata key count {kv_count} is absurd")
 
     metadata: dict[str, object] = {}
     vocabulary: dict[str, tuple[int, int]] = {}  # tokens / token types → where their array lies
@@ -405,7 +412,7 @@ def parse_head(data: bytes | bytearray | memoryview) -> GGUFHead:
             remaining = kv_count - index - 1
             raise NeedMoreBytes(needed=exc.needed + remaining * _MIN_KV_SIZE, have=exc.have) from None
         if key in metadata:
-            raise GGUFError(f"corrupt GGUF header: duplicate metadata key {key!r}")
+            raise GGUFError(f"not a GGUF file or damaged: duplicate metadata key {key!r}")
         metadata[key] = value
     specials = ()
     if _TOKENS in vocabulary and _TOKEN_TYPES in vocabulary:

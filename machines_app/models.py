@@ -203,7 +203,7 @@ class ModelFile(models.Model):
     sampling_defaults = models.JSONField(
         default=dict, blank=True,
         help_text="The file's general.sampling.* keys, by request name (temperature, top_k, …): llama-server "
-        "applies them to a request that does not set its own (docs/behaviour.md §17).",
+        "applies them to a request that does not set its own.",
     )
     # The strings the server's tokenizer would read as the template's special tokens
     # (machines_app.gguf.special_token_texts), broken up in every message before a request
@@ -214,7 +214,7 @@ class ModelFile(models.Model):
     system_prompt = models.TextField(
         blank=True,
         help_text="Default system prompt for sessions on this model file; wins over the deployment default, "
-        "a session's own prompt wins over it (docs/behaviour.md §17).",
+        "a session's own prompt wins over it.",
     )
     chat_template = models.CharField(
         max_length=50, blank=True,

@@ -167,6 +167,9 @@ AXES_FAILURE_LIMIT = env_int("CORRAL_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("CORRAL_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+# Its rows (attempts, lockouts) are not for an admin to edit: a lockout ends by itself, and
+# `manage.py axes_reset_username` ends it early (docs/deployment.md). No "AXES" section in the admin.
+AXES_ENABLE_ADMIN = False
 AXES_LOCKOUT_CALLABLE = "project.login_throttle.locked_out"
 AXES_USERNAME_CALLABLE = "project.login_throttle.client_username"
 # The client's address is REMOTE_ADDR (django-ipware is deliberately not installed): a

@@ -270,19 +270,36 @@ def check_system_prompt(text: str) -> str:
     return text
 
 
+#: Characters that show nothing and are not white space to str.strip: the Hangul fillers
+#: and the braille blank; Unicode format characters (category Cf: U+200B, U+200D, U+2060,
+#: U+FEFF…) are found by their category.
+_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def _invisible(char: str) -> bool:
+    return char.isspace() or char in _BLANK_LETTERS or unicodedata.category(char) == "Cf"
+
+
 def check_message(text: str, *, with_images: bool = False) -> str:
     """The message as it will be sent: ``text`` without surrounding white space.
 
     Raises SessionError with one sentence per reason: nothing typed (and no image
     attached: ``with_images`` lets the text be empty), longer than
     MAX_MESSAGE_CHARS characters, a control character (NUL and the like; tab and new
-    lines are fine), or a slash command (not supported for llama.cpp sessions).
+    lines are fine), only invisible characters (zero-width spaces and the like), or a slash command (not supported for llama.cpp sessions).
     """
     text = text.strip()
     if not text:
         if with_images:
             return ""
         raise SessionError("Type a message first.")
+    if all(_invisible(char) for char in text):
+        # Zero-width spaces, joiners, a byte-order mark: nothing a person can read, yet
+        # tokens the model would answer, as if something had been asked.
+        if with_images:
+            return ""
+        raise SessionError("This message holds only invisible characters (zero-width spaces or the like): "
+                           "type something to send.")
     if len(text) > MAX_MESSAGE_CHARS:
         raise SessionError(
             f"This message is {len(text):,} characters long; a message can be at most {MAX_MESSAGE_CHARS:,}."
@@ -351,7 +368,7 @@ def _wake(session: AgentSession, user) -> None:
         # Waking starts a server on the machine: only for someone who may still use it.
         if refusal := machine_refusal(user, session.machine):
             raise SessionError(refusal)
-        change_status(session, Status.LOADING, by=by(user))
+        change_status(session, Status.LOADING, by=by(user), reason="wake")
         dispatch.enqueue_on_commit(dispatch.START_SERVER, session.pk)
 
 

@@ -70,15 +70,17 @@ def record_event(session_id: int, kind: str, payload: dict | None = None) -> Tra
         return append(locked(session_id), kind, payload or {})
 
 
-def change_status(session: AgentSession, status: str, *, by: dict | None = None) -> bool:
+def change_status(session: AgentSession, status: str, *, by: dict | None = None, reason: str = "") -> bool:
     """Set the status of a session locked by the caller and record a ``status`` event
-    (naming ``by`` when a person caused it); False (and nothing recorded) when it already
-    had that status."""
+    (naming ``by`` when a person caused it, and ``reason`` when a word says how: ``"wake"``
+    for a message that woke a sleeping server); False (and nothing recorded) when it
+    already had that status."""
     if session.status == status:
         return False
     AgentSession.objects.filter(pk=session.pk).update(status=status)
     session.status = status
-    append(session, Kind.STATUS, {"status": str(status), **({"by": by} if by else {})})
+    append(session, Kind.STATUS, {"status": str(status), **({"by": by} if by else {}),
+                                  **({"reason": reason} if reason else {})})
     return True
 
 

@@ -58,7 +58,7 @@ from machines_app.transports import (
     transport_for,
 )
 
-from . import dispatch, room, tools, turns
+from . import dispatch, presenters, room, tools, turns
 from .events import append, change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
 from .server_state import idle_sessions, start_live  # noqa: F401 — callers still ask lifecycle.start_live
@@ -607,6 +607,8 @@ def server_facts(model: ModelFile | None, props: ServerProps | None) -> dict:
     facts: dict = {
         "chat_template": (model.chat_template_file or model.chat_template) if model else "",
         "jinja": not (model and model.chat_template and not model.chat_template_file),
+        # What the header's model details say of the file (size, quantisation, images).
+        "model_facts": presenters.model_facts(model),
     }
     if props is None:
         return facts

@@ -96,6 +96,13 @@ class AgentSession(models.Model):
             return (cls.EXITED, cls.STOPPED)
 
         @classmethod
+        def reply_possible(cls) -> tuple[str, ...]:
+            """The statuses in which a turn may be under way, so Stop reply has something to
+            stop: running, waiting for an answer, and loading (a message that woke or waits
+            for the server); ``unknown`` too, since it may hide either."""
+            return (cls.RUNNING, cls.AWAITING_INPUT, cls.LOADING, cls.UNKNOWN)
+
+        @classmethod
         def word(cls, value: str) -> str:
             """The word the page shows for a status value (the value itself when unknown here)."""
             return cls(value).label if value in cls.values else value
@@ -120,7 +127,7 @@ class AgentSession(models.Model):
     server_params = models.JSONField(default=dict, blank=True, help_text="contextSize, gpuLayers, threads, speculative")
     sampling = models.JSONField(default=dict, blank=True, help_text="temperature, top_p, top_k, max_tokens, seed")
     system_prompt = models.TextField(
-        blank=True, help_text="Empty: the model file's default, else the deployment's (docs/behaviour.md §17)."
+        blank=True, help_text="Empty: the model file's default prompt, else the deployment's."
     )
     permission_mode = models.CharField(max_length=20, choices=PermissionMode.choices, default=PermissionMode.MANUAL)
     title = models.CharField(max_length=200, blank=True)
@@ -168,6 +175,11 @@ class AgentSession(models.Model):
         """No server to send to: it exited or was stopped (docs/behaviour.md §4)."""
         return self.status in self.Status.server_down()
 
+    @property
+    def reply_possible(self) -> bool:
+        """Stop reply can do something now (:meth:`Status.reply_possible`)."""
+        return self.status in self.Status.reply_possible()
+
     def access_for(self, user) -> Access:
         """What ``user`` may do here: :meth:`shared_access`, held to WATCH when ``user`` may
         not use the session's machine (not in its allowed groups, or it is disabled:
@@ -210,8 +222,8 @@ class DeploymentSettings(models.Model):
 
     system_prompt = models.TextField(
         blank=True,
-        help_text="System prompt of every session whose own prompt and model file's default are empty "
-        "(docs/behaviour.md §17). Applies from each session's next request.",
+        help_text="System prompt of every session whose own prompt and model file's default are empty. "
+        "Applies from each session's next request.",
     )
 
     class Meta:

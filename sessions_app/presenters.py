@@ -237,6 +237,14 @@ SERVER_PARAM_WORDS = {"contextSize": "context size", "gpuLayers": "GPU layers", 
                       "speculative": "speculative decoding"}
 
 
+#: A sharing change as a sentence (after the name of who made it), docs/sharing.md.
+SHARED_WORDS = {
+    AgentSession.Visibility.PRIVATE: "made the session private",
+    AgentSession.Visibility.TEAM_WATCH: "shared the session with the team, to watch",
+    AgentSession.Visibility.TEAM_ACT: "shared the session with the team, to watch and act",
+}
+
+
 def _setting(key: str, value) -> str:
     """A settings value as a person reads it: ``{"top_k": 40}`` → ``top_k 40``,
     ``{"contextSize": 2048}`` → ``context size 2048``, ``{}`` → the defaults."""
@@ -261,7 +269,8 @@ def settings_text(payload: dict, *, first: bool = False) -> str:
     """A ``settings`` event as one plain line. The session's first one (``first``) says
     how it started: ``"Started by alice with SmolLM2 135M — tool calls: ask before each
     tool call; server: defaults; sampling: defaults."``; later ones say what changed:
-    ``"bob changed settings: title → Flock"``. A ``reason`` (the gate turned back on) is
+    ``"bob changed settings: title → Flock"``, and a sharing change alone is a sentence:
+    ``"alice shared the session with the team, to watch."``. A ``reason`` (the gate turned back on) is
     the line's last sentence."""
     who = _username(payload)
     # In SETTING_LABELS' order, never the payload's: PostgreSQL's jsonb keeps keys in an
@@ -272,6 +281,8 @@ def settings_text(payload: dict, *, first: bool = False) -> str:
         model = payload.get("model") or payload["model_key"]
         rest = "; ".join(f"{SETTING_LABELS[k]}: {_setting(k, payload[k])}" for k in keys if k not in ("model", "model_key"))
         text = f"Started{f' by {who}' if who else ''} with {model}" + (f" — {rest}." if rest else ".")
+    elif keys == ["visibility"] and who and payload["visibility"] in SHARED_WORDS:
+        text = f"{who} {SHARED_WORDS[payload['visibility']]}."
     else:
         parts = ", ".join(f"{SETTING_LABELS[k]} → {_setting(k, payload[k])}" for k in keys)
         text = f"{who} changed settings: {parts}" if who else (f"Settings: {parts}" if parts else "")
@@ -348,10 +359,12 @@ def _sampling_value(value):
 
 
 def is_restart(status_payload) -> bool:
-    """Whether a ``status`` payload is a person's Restart: ``loading`` with ``by``, which
-    only ``actions.do_restart`` writes (a first start, a model change and the watch's
-    "loading again" name no one in it). Shown as "llama-server restarted by alice."
-    (docs/sharing.md, "Who did what")."""
+    """Whether a ``status`` payload is a person starting the server again: ``loading`` with
+    ``by``, which ``actions.do_restart`` writes for a Restart and ``actions._wake`` for a
+    message that wakes a sleeping server (``reason`` ``"wake"``); a first start, a model
+    change and the watch's "loading again" name no one in it. Shown as "llama-server
+    restarted by alice." or "llama-server woken by a message from alice." (docs/sharing.md,
+    "Who did what")."""
     return status_payload.get("status") == "loading" and bool(_username(status_payload))
 
 
@@ -391,6 +404,9 @@ def event_item(event, session_id: int = 0) -> dict | None:
     if kind == Kind.IMPORTED:
         return {"type": "note", "dom_id": dom_id, "text": imported_text(payload)}
     if kind == Kind.STATUS and is_restart(payload):
+        if payload.get("reason") == "wake":
+            text = f"llama-server woken by a message from {_username(payload)}."
+            return {"type": "note", "dom_id": dom_id, "text": text}
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server restarted by {_username(payload)}."}
     if kind == Kind.SERVER_READY:
         text = f"llama-server is ready with {payload.get('model', '')}."
@@ -475,7 +491,7 @@ def render_presence(usernames: list[str]) -> str:
     return render_to_string("sessions_app/_presence.html", {"watching": usernames})
 
 
-#: chat_template_caps (GET /props) → what the header calls it (docs/behaviour.md §17).
+#: chat_template_caps (GET /props) → the name :func:`model_details` reads it by (docs/behaviour.md §17).
 TEMPLATE_CAPS = (("supports_tools", "tools"), ("supports_system_role", "system role"),
                  ("supports_preserve_reasoning", "reasoning"))
 
@@ -497,8 +513,62 @@ def template_info(ready: dict, remembered: dict | None = None) -> dict:
     }
 
 
-def render_template_info(template: dict) -> str:
-    return render_to_string("sessions_app/_template_caps.html", {"template": template})
+def model_facts(model) -> dict:
+    """What the header's model details say of a model file (a ``ModelFile``, or None when
+    the file is gone from the machine's list): its GGUF identity as read from its head
+    (docs/behaviour.md §3) and the template its server uses. The same dict rides on
+    ``server_ready`` (``lifecycle.server_facts``), so a live page says it of a new model."""
+    if model is None:
+        return {}
+    return {"size_label": model.size_label, "quantization": model.quantization,
+            "context_length": model.context_length, "takes_images": bool(model.projector_key),
+            "own_template": bool(model.has_chat_template or model.chat_template or model.chat_template_file),
+            "template_label": model.template_label}
+
+
+def model_details(facts: Mapping, template: dict, n_ctx: int | None = None) -> list[str]:
+    """The header's model details as sentences a member would say: size and quantisation,
+    context, images, tools, and the chat template where it matters.
+
+    ``facts``: :func:`model_facts`; ``template``: :func:`template_info` (what llama-server
+    reported of the template at its last start); ``n_ctx``: the running server's context in
+    tokens (:func:`context_size`). Sentences the facts do not support are left out, e.g.
+    ``["135M parameters, quantised as Q8_0.", "Holds 4,096 tokens of conversation (trained
+    on up to 8,192).", "Reads text only: it cannot see images.", "Can call tools."]``.
+    """
+    sentences = []
+    size, quant = facts.get("size_label"), facts.get("quantization")
+    if size and quant:
+        sentences.append(f"{size} parameters, quantised as {quant}.")
+    elif size or quant:
+        sentences.append(f"{size} parameters." if size else f"Quantised as {quant}.")
+    trained = facts.get("context_length")
+    if n_ctx and trained and n_ctx != trained:
+        sentences.append(f"Holds {n_ctx:,} tokens of conversation (trained on up to {trained:,}).")
+    elif n_ctx or trained:
+        sentences.append(f"Holds {(n_ctx or trained):,} tokens of conversation.")
+    if "takes_images" in facts:
+        sentences.append("Takes images as well as text." if facts["takes_images"]
+                         else "Reads text only: it cannot see images.")
+    if template.get("cannot_call_tools"):
+        sentences.append("This model cannot call tools: its chat template takes none.")
+    elif dict(template.get("caps") or ()).get("tools"):
+        sentences.append("Can call tools.")
+    else:
+        sentences.append("Whether it can call tools is known once its server has started.")
+    if facts and not facts.get("own_template", True):
+        # As the model picker says it (ModelFile.template_label): llama-server then falls back
+        # on a generic template, and what it reports is that one's.
+        sentences.append("Its file has no chat template, so llama-server uses a generic one: replies may be poor.")
+    elif dict(template.get("caps") or ()).get("system role") is False:
+        sentences.append("Its chat template has no place for a system prompt.")
+    return sentences
+
+
+def render_model_details(name: str, key: str, facts: Mapping, template: dict, n_ctx: int | None = None) -> str:
+    return render_to_string("sessions_app/_model_details.html",
+                            {"model_name": name, "model_key": key,
+                             "model_details": model_details(facts, template, n_ctx)})
 
 
 def render_status(status: str) -> str:
@@ -784,7 +854,9 @@ class TranscriptView:
         if item is not None:
             self._show(item, ops, render)
         ops.extend(self._version_ops(change, render))
-        if kind == Kind.SERVER_READY and render:  # the header says what the new server's template can do
-            ops.append({"op": "replace", "id": "template-caps",
-                        "html": render_template_info(template_info(self.ready))})
+        if kind == Kind.SERVER_READY and render:  # the header says what the new server's model can do
+            ops.append({"op": "replace", "id": "model-details",
+                        "html": render_model_details(payload.get("model", ""), payload.get("model_key", ""),
+                                                     payload.get("model_facts") or {}, template_info(self.ready),
+                                                     context_size(payload, None))})
         return ops

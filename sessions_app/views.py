@@ -13,7 +13,7 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machine_refusal, machines_for
 
-from . import actions, export, images, importing, markdown, presence, room, tex, text_files, transcript, turns
+from . import actions, export, first_run, images, importing, markdown, presence, room, tex, text_files, transcript, turns
 from .consumers import CloseCode
 from .events import load_events, load_kinds, load_queue_events, load_turns, turns_since
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
@@ -28,6 +28,8 @@ from .presenters import (
     attach_context,
     context_size,
     gauge_of,
+    model_details,
+    model_facts,
     queued_item,
     template_info,
     turn_items,
@@ -106,7 +108,7 @@ def session_list(request: HttpRequest) -> HttpResponse:
         said = find(seen.filter(status__in=statuses) if statuses is not None else seen, query)
     context = {"mine": mine, "shared": shared, "others": others, "any": bool(mine or shared or others),
                "q": query, "show": show if show in LIST_FILTERS else "", "filtering": bool(query or statuses),
-               "said": said}
+               "said": said, "first_run": first_run.checklist_for(request.user)}
     return render(request, "sessions_app/session_list.html", context)
 
 
@@ -237,6 +239,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         load_kinds(session.pk, [transcript.Kind.USAGE, transcript.Kind.CLEARED], upto=last_seq),
         n_ctx=context_size(ready, session.server_params.get("contextSize")),
     )
+    template = template_info(ready, remembered=model_file.chat_template_caps if model_file else None)
     context = {
         **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
@@ -245,7 +248,11 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "allowances": allowance_items(
             transcript.allowances(load_kinds(session.pk, [*ALLOWANCE_KINDS, transcript.Kind.IMPORTED], upto=last_seq)),
             session.pk, viewer),
-        "template": template_info(ready, remembered=model_file.chat_template_caps if model_file else None),
+        "template": template,
+        # The header's model details: the file's facts (as the last server said them when
+        # the file is gone from the machine's list).
+        "model_details": model_details(model_facts(model_file) if model_file else (ready or {}).get("model_facts") or {},
+                                       template, context_size(ready, None)),
         "machine_name": session.machine.name,
         "session": session,
         "session_id": session.pk,
@@ -271,6 +278,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         **_waiting_context(session),
         "close_codes": {code.name: code.value for code in CloseCode},
         "down_statuses": " ".join(AgentSession.Status.server_down()),
+        "reply_statuses": " ".join(AgentSession.Status.reply_possible()),
+        "has_message": _has_message(session),
         "md_tags": " ".join(sorted(markdown.ALLOWED_TAGS)),
         "md_attrs": " ".join(sorted({"href", "class", *tex.MATHML_ATTRIBUTES})),
     }
@@ -353,11 +362,16 @@ def _waiting_context(session: AgentSession) -> dict:
     return {"session_id": session.pk, "ahead": ahead, "may_wait": may_wait}
 
 
+def _has_message(session: AgentSession) -> bool:
+    """Whether the session has a message to edit or send again (else those buttons are inactive)."""
+    return TranscriptEvent.objects.filter(session=session, kind=transcript.Kind.MESSAGE_TAKEN).exists()
+
+
 def _composer(request: HttpRequest, session: AgentSession, form: MessageForm, error: str = "") -> HttpResponse:
     # A refused edit stays an edit (its text and its flag come back with the error).
     editing = bool(error) and request.POST.get("edit") == "last"
     context = {"session": session, "form": form, "error": error, "editing": editing,
-               "can_manage": session.access_for(request.user) >= MANAGE,
+               "can_manage": session.access_for(request.user) >= MANAGE, "has_message": _has_message(session),
                **attach_context(catalog.vision(session.machine, session.model_key)[1])}
     return render(request, "sessions_app/_composer.html", context)
 
@@ -426,7 +440,9 @@ def session_image(request: HttpRequest, session_id: int, sha256: str, ext: str) 
     return response
 
 
-def _act(request: HttpRequest, session_id: int, need: Access, action, *args) -> HttpResponse:
+def _act(request: HttpRequest, session_id: int, need: Access, action, *args, done: str = "") -> HttpResponse:
+    """Run ``action`` for the control that asked; its answer (an htmx one) goes beside that
+    control: the refusal, or ``done`` (what a change did, when the page shows it nowhere else)."""
     session = actions.access_session(request.user, session_id, need)
     try:
         action(session, request.user, *args)
@@ -434,8 +450,9 @@ def _act(request: HttpRequest, session_id: int, need: Access, action, *args) -> 
         if request.htmx:
             return render(request, "sessions_app/_flash.html", {"error": str(exc)})
         flash.error(request, str(exc))
+        return redirect(session)
     if request.htmx:
-        return render(request, "sessions_app/_flash.html", {"error": ""})
+        return render(request, "sessions_app/_flash.html", {"error": "", "done": done})
     return redirect(session)
 
 
@@ -492,9 +509,19 @@ def session_model(request: HttpRequest, session_id: int) -> HttpResponse:
     return _act(request, session_id, MANAGE, actions.do_change_model, request.POST.get("model_key", ""))
 
 
+#: What the sharing control says by itself once a change is saved (docs/sharing.md).
+SHARING_SAVED = {
+    AgentSession.Visibility.PRIVATE: "Saved: only you (and staff) can see this session.",
+    AgentSession.Visibility.TEAM_WATCH: "Saved: the team can watch this session.",
+    AgentSession.Visibility.TEAM_ACT: "Saved: the team can watch and act in this session.",
+}
+
+
 @require_POST
 def session_sharing(request: HttpRequest, session_id: int) -> HttpResponse:
-    return _act(request, session_id, MANAGE, actions.do_set_visibility, request.POST.get("visibility", ""))
+    visibility = request.POST.get("visibility", "")
+    return _act(request, session_id, MANAGE, actions.do_set_visibility, visibility,
+                done=SHARING_SAVED.get(visibility, ""))
 
 
 @require_POST
@@ -518,7 +545,7 @@ def session_settings(request: HttpRequest, session_id: int) -> HttpResponse:
 def session_delete(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id, MANAGE)
     actions.do_delete(session, request.user)
-    flash.success(request, f"Deleted {session.display_title}.")
+    flash.success(request, f"Deleted the session “{session.display_title}”.")
     if request.htmx:
         response = HttpResponse(status=204)
         response["HX-Redirect"] = "/"

@@ -34,6 +34,13 @@ def log_in(page, stack, username: str, password: str) -> None:
     page.wait_for_url(stack.base_url + "/")
 
 
+def open_menu(page) -> None:
+    """Open the session page's Menu (a <details>: Rename, sharing, tool calls, the server
+    buttons, downloads, Settings) unless it is open already."""
+    if page.get_attribute("#session-menu", "open") is None:
+        page.click("#session-menu > summary")
+
+
 def pick_machine(page, machine) -> None:
     """Choose ``machine`` in the new-session form and wait until htmx has drawn its model
     picker (its own Refresh button). Waiting for a model's option is not enough: the
@@ -165,6 +172,7 @@ def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fa
     assert not TranscriptEvent.objects.filter(session=session, kind="message_taken", payload__text="Then count goats.")
 
     old_pid = ServerRecord.objects.get(session=session).pid
+    open_menu(page)
     page.click("details.settings summary")
     page.select_option("#switch-model", machine.model_files.get(architecture="gemma3").key)
     page.once("dialog", lambda dialog: dialog.accept())  # the prompt-cache warning

@@ -304,7 +304,10 @@ def test_case_c13_invalid_utf8_in_a_key_and_a_string_array_decodes() -> None:
         (b"\x00" * 64, "not a GGUF file"),
         (b"GGUX" + b"\x00" * 60, "not a GGUF file"),
         (raw_header(version=1), "version 1"),
-        (raw_header(version=7), "unsupported GGUF version 7"),
+        (raw_header(version=7), "unsupported GGUF version 7: Corral reads versions 2 and 3"),
+        # Bytes that start like a GGUF but name a version no llama.cpp wrote: damage.
+        (raw_header(version=3394441203), "^not a GGUF file or damaged: .*version 3394441203"),
+        (raw_header(kv_count=2**60), "^not a GGUF file or damaged: metadata key count"),
         (b"GGUF" + struct.pack(">IQQ", 3, 0, 1), "big-endian"),
     ],
 )
@@ -589,6 +592,57 @@ def test_it_shows_the_file_name_when_general_name_is_missing(tmp_path: Path, nam
     model(tmp_path, "dir/my-model.Q4_K_M.gguf", name)
     (info,) = discover_dir(tmp_path)
     assert info.display_name == display
+
+
+def identity(**keys: str) -> list[KV]:
+    return [(f"general.{key}", value, GGUFValueType.STRING) for key, value in keys.items()]
+
+
+@pytest.mark.parametrize(
+    ("file", "name", "keys", "display"),
+    [
+        # The converter's title-casing of a checkpoint directory: the file name says more.
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2",
+         {"basename": "smollm2", "size_label": "135M", "finetune": "8k-lc100k-mix1-ep2"}, "SmolLM2-135M-Instruct"),
+        ("smollm2-135m-instruct-q8_0.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2",
+         {"basename": "smollm2", "size_label": "135M", "finetune": "8k-lc100k-mix1-ep2"}, "smollm2-135m-instruct"),
+        # … but a file name that says the same, or names another model, does not win.
+        ("gemma-3-270m-q4_k_m.gguf", "Gemma 3 270m", {"basename": "gemma-3", "size_label": "270M"}, "Gemma 3 270m"),
+        ("model.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2",
+         {"basename": "smollm2", "size_label": "135M", "finetune": "8k-lc100k-mix1-ep2"},
+         "Smollm2 135M 8k Lc100K Mix1 Ep2"),
+        # A name without its size or finetune gets them.
+        ("x.gguf", "Llama 3.1", {"basename": "Llama-3.1", "size_label": "8B", "finetune": "Instruct"},
+         "Llama 3.1 8B Instruct"),
+        ("x.gguf", "Qwen3 8B", {"size_label": "8B"}, "Qwen3 8B"),
+        ("x.gguf", "Mistral Instruct", {"size_label": "7B", "finetune": "instruct"}, "Mistral Instruct 7B"),
+        # No name: the identity keys; none of those either: the file name.
+        ("x.gguf", None, {"basename": "phi", "size_label": "3.8B", "finetune": "mini-instruct"},
+         "phi 3.8B mini-instruct"),
+        ("my-model.Q4_K_M.gguf", None, {}, "my-model.Q4_K_M"),
+    ],
+)
+def test_a_model_is_named_from_its_gguf_identity_as_people_say_it(tmp_path: Path, file: str, name: str | None,
+                                                                 keys: dict, display: str) -> None:
+    model(tmp_path, file, name, kv=identity(**keys))
+    (info,) = discover_dir(tmp_path)
+    assert info.display_name == display
+
+
+def test_two_copies_named_from_their_file_are_told_apart(tmp_path: Path) -> None:
+    smol = identity(basename="smollm2", size_label="135M", finetune="8k-lc100k-mix1-ep2")
+    model(tmp_path, "SmolLM2-135M-Instruct.Q4_1.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2", kv=smol)
+    model(tmp_path, "SmolLM2-135M-Instruct-Q8_0.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2", kv=smol)
+    assert sorted(m.display_name for m in discover_dir(tmp_path)) == [
+        "SmolLM2-135M-Instruct (SmolLM2-135M-Instruct-Q8_0.gguf)",
+        "SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.Q4_1.gguf)",
+    ]
+
+
+def test_the_packaged_models_are_named_as_people_say_them(tmp_path: Path, demo_paths: dict[str, Path]) -> None:
+    for path in demo_paths.values():
+        (tmp_path / path.name).symlink_to(path)
+    assert sorted(m.display_name for m in discover_dir(tmp_path)) == ["Gemma 3 270m", "SmolLM2-135M-Instruct"]
 
 
 def test_it_sorts_by_display_name_ignoring_case_then_key(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from sessions_app.images import as_png
 from sessions_app.models import TranscriptEvent
 
 from .conftest import fake_server, wait_for
+from .test_browser import open_menu
 from .test_sharing_browser import log_in
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
@@ -216,6 +217,7 @@ def test_a_model_switch_offers_or_withdraws_attachments_on_every_open_page(stack
         expect(someone.locator("#composer #id_images")).to_have_count(1)
 
     page.on("dialog", lambda dialog: dialog.accept())
+    open_menu(page)
     page.click("details.settings > summary")
     page.select_option("#switch-model", gemma.key)
     page.click(".model-switch button[type=submit]")

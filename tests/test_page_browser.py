@@ -19,7 +19,7 @@ from sessions_app import actions
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import model_key
-from .test_browser import log_in, pick_machine
+from .test_browser import log_in, open_menu, pick_machine
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -76,7 +76,7 @@ def test_stop_server_disables_the_message_box_and_restart_in_it_brings_it_back(s
     page.locator(".note", has_text="Started by alice with").wait_for()
     assert "model_key" not in page.inner_text("#transcript")
     # The two stops say which is which.
-    assert "Stop reply" in page.inner_text("#stop-button") and "Stop server" in page.inner_text("#stop-server-button")
+    assert "Stop reply" in page.inner_text("#stop-button") and "Stop server" in page.text_content("#stop-server-button")
     # Esc in the message box is Stop reply; with nothing running the answer sits beside the
     # button, not at the page top.
     page.press("#id_text", "Escape")
@@ -84,6 +84,7 @@ def test_stop_server_disables_the_message_box_and_restart_in_it_brings_it_back(s
     assert page.inner_text("#flash").strip() == ""
 
     page.once("dialog", lambda dialog: dialog.accept())  # "Stop llama-server? …"
+    open_menu(page)
     page.click("#stop-server-button")
     page.wait_for_selector("#status-badge[data-status=stopped]")
     assert page.inner_text("#status-badge") == "stopped"
@@ -112,6 +113,7 @@ def test_a_rename_changes_the_heading_and_tab_title_of_every_watching_page(stack
     open_session(other, stack, session)
     assert other.title() == "Lambs — Corral"
 
+    open_menu(page)
     page.click("#rename-button")
     page.fill("#rename-title", "Lambing season")
     page.press("#rename-title", "Enter")
@@ -123,6 +125,7 @@ def test_a_rename_changes_the_heading_and_tab_title_of_every_watching_page(stack
 
     # Settings on the other page follow the rename, so saving them keeps it; the banner that
     # asks for a restart goes when the server restarts.
+    open_menu(other)
     other.click("details.settings summary")
     assert other.input_value("#id_title") == "Lambing season"
     other.fill("#id_contextSize", "2048")
@@ -276,6 +279,7 @@ def test_the_pages_fit_a_phone_and_every_control_has_a_label(stack, page, fake_m
     page.wait_for_selector(".msg.assistant:not(.streaming) .md pre")
     page.wait_for_selector("#status-badge[data-status=idle]")
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    open_menu(page)
     for selector in ("#id_text", "#send-button", "#stop-button", "#regenerate-button", "#stop-server-button",
                      "#restart-button", "#rename-button", "#permission-mode", "#visibility"):
         page.locator(selector).scroll_into_view_if_needed()

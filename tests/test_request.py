@@ -456,14 +456,14 @@ def test_the_browser_says_the_model_cannot_call_tools(stack, page, local_machine
     page.wait_for_url("**/sessions/*/")
     page.wait_for_selector("#status-badge[data-status=idle]", timeout=120_000)
 
-    # Live, as the server became ready: the header and the tool list say so.
-    page.wait_for_selector("#template-caps .no-tools")
-    assert "tools ✗" in page.inner_text("#template-caps")
-    assert "this model cannot call tools" in page.inner_text("#template-caps")
+    # Live, as the server became ready: the header's model details and the tool list say so.
+    page.locator("#model-details li", has_text="This model cannot call tools").wait_for(state="attached")
+    page.click("#model-details summary")
+    assert "✗" not in page.inner_text("#model-details")
     summary = page.inner_text("#tool-list summary")
     assert "cannot call tools" in summary and "may call" not in summary
     page.reload()
-    page.wait_for_selector("#template-caps .no-tools")
+    page.locator("#model-details li", has_text="This model cannot call tools").wait_for(state="attached")
     page.click("#tool-list summary")
     assert "This model cannot call tools" in page.inner_text("#no-tools-note")
 

@@ -326,7 +326,7 @@ def test_an_open_page_follows_a_change_of_sharing(make_session, alice, bob):
         assert await _open(bobs) is None
         await database_sync_to_async(actions.do_set_visibility)(session, alice, WATCH_ONLY)
         note = await _next_message(bobs)
-        assert "alice changed settings: visibility → the team may watch" in note["ops"][-1]["html"]
+        assert "alice shared the session with the team, to watch." in note["ops"][-1]["html"]
         # Then a reload: bob's buttons were drawn for acting.
         assert await _next_message(bobs) == {"ops": [{"op": "reload"}]}
         await database_sync_to_async(actions.do_set_visibility)(session, alice, PRIVATE)

@@ -17,6 +17,7 @@ from playwright.sync_api import expect
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import wait_for
+from .test_browser import open_menu
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -56,7 +57,9 @@ def test_a_teammate_watches_live_then_acts_when_allowed(stack, page, fake_machin
     page.wait_for_selector("#status-badge[data-status=idle]")
     page.wait_for_selector("#conn-state[data-state=live]")
     expect(page.locator("#presence")).to_have_text("Watching now: alice")
+    open_menu(page)
     page.select_option("#visibility", "team_watch")
+    page.locator("#sharing-feedback", has_text="Saved: the team can watch this session.").wait_for()
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).visibility == "team_watch", 10, what="sharing saved")
 
     bobs = page.context.browser.new_context().new_page()
@@ -87,6 +90,7 @@ def test_a_teammate_watches_live_then_acts_when_allowed(stack, page, fake_machin
     assert not TranscriptEvent.objects.filter(session=session, kind="answered").exists()
 
     # Alice lets the team act: Bob's page redraws itself with the buttons.
+    open_menu(page)
     page.select_option("#visibility", "team_act")
     bob_row.locator("button", has_text="Allow once").wait_for()
     bobs.wait_for_selector("#conn-state[data-state=live]")

@@ -148,6 +148,9 @@ def test_staff_put_idle_servers_to_sleep_from_the_machine_page_and_a_message_wak
     wait_for(lambda: payloads(session, "turn_end") and not fresh(session).turn_active, 120, what="the reply")
     page.wait_for_function("() => document.querySelector('.msg.assistant .raw, .msg.assistant')?.textContent.trim()")
     assert payloads(session, "server_stopped")[-1]["by"]["username"] == "staffer"
+    # The message woke the server: the note says so, not that someone restarted it.
+    page.locator(".note", has_text="llama-server woken by a message from staffer.").wait_for()
+    assert page.locator(".note", has_text="restarted by").count() == 0
 
 
 # --- the memory the machine page shows -------------------------------------------------------

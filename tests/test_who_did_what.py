@@ -146,13 +146,14 @@ STORY = [
     Event(17, "status", {"status": "loading", "by": BOB}),  # bob's Restart
     Event(18, "server_stopped", {"reason": "restart"}),
     Event(19, "status", {"status": "loading"}),  # a first start or a model change: no note
+    Event(20, "status", {"status": "loading", "by": ALICE, "reason": "wake"}),  # her message woke it
 ]
 SENTENCES = [
     '<div class="who">bob</div>', "Allowed once by alice", "Interrupted by bob.", "cleared by alice",
-    "bob changed settings: title → Flock", "alice changed settings: visibility → the team may act",
+    "bob changed settings: title → Flock", "alice shared the session with the team, to watch and act.",
     '<div class="who">ann</div>', "Interrupted by ann.", '<div class="who">&lt;b&gt;mallory&lt;/b&gt;</div>',
     "llama-server stopped by alice.", "llama-server stopped.</div>", "llama-server restarted by bob.",
-    "llama-server stopped for the restart.",
+    "llama-server stopped for the restart.", "llama-server woken by a message from alice.",
 ]
 
 

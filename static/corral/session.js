@@ -15,6 +15,15 @@
   const conn = document.getElementById("conn-state");
   // The statuses in which the session has no server (AgentSession.Status.server_down).
   const downStatuses = (root.dataset.down || "").split(" ").filter(Boolean);
+  // The statuses in which a reply can be under way, so Stop reply can do something
+  // (AgentSession.Status.reply_possible); in the others it is inactive (docs/live-page.md).
+  const replyStatuses = (root.dataset.reply || "").split(" ").filter(Boolean);
+
+  // Whether the transcript holds a message to edit or send again (the page's, or one
+  // that arrived live).
+  function hasMessage() {
+    return root.dataset.hasMessage === "1" || !!document.querySelector("#transcript .msg.user");
+  }
 
   // Follow the status: a session without a server gets a disabled composer with its
   // Restart button showing; any feedback line (#…-feedback, the composer's error) spoke
@@ -22,9 +31,14 @@
   function syncStatus(status, changed) {
     root.dataset.status = status;
     const down = downStatuses.indexOf(status) !== -1;
-    ["id_text", "send-button", "regenerate-button", "edit-last-button"].forEach(function (id) {
+    // A control that can do nothing now is inactive: no server to stop, no reply to stop,
+    // no message to edit or send again.
+    const inactive = {"id_text": down, "send-button": down, "regenerate-button": down || !hasMessage(),
+                      "edit-last-button": down || !hasMessage(), "stop-button": replyStatuses.indexOf(status) === -1,
+                      "stop-server-button": down};
+    Object.keys(inactive).forEach(function (id) {
       const el = document.getElementById(id);
-      if (el) el.disabled = down;
+      if (el) el.disabled = inactive[id];
     });
     const panel = document.getElementById("composer-down");
     if (panel) {
@@ -60,6 +74,18 @@
     // Never load an image a model names (a remote image leaks data by its URL): its alt text.
     md.renderer.rules.image = function (tokens, idx) { return md.utils.escapeHtml(tokens[idx].content); };
     mathRules(md);
+    // A table column's alignment as a class, as the server renders it (sessions_app/markdown.py,
+    // ALIGN_CLASSES): a style attribute breaks the page's CSP (style-src-attr) even while
+    // DOMPurify parses it.
+    md.core.ruler.push("alignment_as_class", function (state) {
+      state.tokens.forEach(function (token) {
+        const style = token.attrGet && token.attrGet("style");
+        const align = style && /^text-align:(left|center|right)$/.exec(style);
+        if (!style) return;
+        token.attrs = token.attrs.filter(function (attr) { return attr[0] !== "style"; });
+        if (align) token.attrJoin("class", "align-" + align[1]);
+      });
+    });
     window.DOMPurify.addHook("afterSanitizeAttributes", function (node) {
       if (node.tagName === "A") node.setAttribute("rel", "noopener noreferrer nofollow");
     });
@@ -191,10 +217,33 @@
 
   // The waiting note polls only while a turn is open (the server draws it so): ask for it
   // again when a turn may have opened or ended, so it starts or stops polling.
+  // One request at a time (the note's hx-sync drops a second): a refresh asked for while
+  // one is on its way is sent when that one has ended, never by aborting it (an abort is
+  // logged by htmx as two console errors).
+  let waitingBusy = false;
+  let waitingAgain = false;
   function refreshWaiting() {
+    if (waitingBusy) { waitingAgain = true; return; }
     const note = document.getElementById("waiting-note");
     if (note && window.htmx) window.htmx.trigger(note, "refresh");
   }
+  function refreshAgain() {
+    if (waitingAgain) { waitingAgain = false; refreshWaiting(); }
+  }
+  document.body.addEventListener("htmx:beforeRequest", function (e) {
+    const note = e.detail.elt;
+    if (!note || note.id !== "waiting-note" || !e.detail.xhr) return;
+    waitingBusy = true;
+    e.detail.xhr.addEventListener("loadend", function () {
+      waitingBusy = false;
+      // The answer replaced the note (htmx swaps on load): the new one takes a refresh once
+      // htmx has processed it (htmx:load, below). No answer swapped in: ask again now.
+      if (note.isConnected) refreshAgain();
+    });
+  });
+  document.body.addEventListener("htmx:load", function (e) {
+    if (e.detail.elt && e.detail.elt.id === "waiting-note" && !waitingBusy) refreshAgain();
+  });
 
   function decorate(scope) {
     if (!scope || !scope.querySelectorAll) return;
@@ -315,7 +364,10 @@
       : op.op === "text" || op.op === "tail" ? document.getElementById(op.id) : null;
     const textOnly = op.op === "text" || op.op === "tail";  // plain text: no new markup to process
     if (fresh && !textOnly && window.htmx) window.htmx.process(fresh);
-    if (fresh && fresh.classList && fresh.classList.contains("user")) refreshWaiting();  // a turn opened
+    if (fresh && fresh.classList && fresh.classList.contains("user")) {
+      refreshWaiting();  // a turn opened
+      syncStatus(root.dataset.status, false);  // there is a message to edit or send again now
+    }
     if (fresh) {
       schedulePreview(fresh);  // the preview renders the stored text and the tail together
       if (!textOnly) decorate(fresh);
@@ -399,7 +451,11 @@
       if (form) form.requestSubmit();
     } else if (e.key === "Escape") {
       const stop = document.getElementById("stop-button");
-      if (stop) { e.preventDefault(); stop.click(); }
+      if (stop && stop.disabled) {  // nothing to stop: say so where the button is
+        e.preventDefault();
+        const feedback = document.getElementById("composer-feedback");
+        if (feedback) feedback.textContent = stop.dataset.idleNote || "";
+      } else if (stop) { e.preventDefault(); stop.click(); }
     } else if (e.key === "ArrowUp" && !e.target.value) {
       e.preventDefault();
       editLast(true);
