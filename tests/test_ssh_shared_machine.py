@@ -1,0 +1,278 @@
+"""A machine a team shares, over a real OpenSSH server with its default limits
+(tests/sshd.py): bursts of commands on one connection, discovery in few round trips and
+only of files that changed, and no server left running that Corral meant to stop
+(docs/ssh.md, docs/behaviour.md §5 "no orphans")."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.test import Client
+
+from machines_app import catalog, ssh
+from machines_app.discovery import discover
+from machines_app.models import Machine, PendingStop, ServerRecord
+from machines_app.transports import ProcessId, SSHTransport, parse_proc_stat, ssh_target, transport_for
+from sessions_app import lifecycle, orphans
+from sessions_app.models import AgentSession
+
+from .conftest import make_ssh_machine, model_key, wait_for
+from .sshd import SshServer
+from .test_gguf_discovery import model
+from .test_lifecycle import fresh, payloads
+
+
+def alive_here(proc: ProcessId) -> bool:
+    """The "remote" machine is this one: is that process (pid and start time) still there?"""
+    try:
+        state, start = parse_proc_stat(Path(f"/proc/{proc.pid}/stat").read_text())
+    except (OSError, ValueError, IndexError):
+        return False
+    return start == proc.start_time and state not in ("Z", "X")
+
+
+@pytest.fixture
+def own_sshd(tmp_path):
+    """An sshd of the test's own (it is killed and started again, or its connection counted)."""
+    server = SshServer(tmp_path / "sshd")
+    server.start()
+    yield server
+    server.kill()
+
+
+# --- bursts -----------------------------------------------------------------------------------
+
+
+def test_the_test_sshd_keeps_openssh_default_limits(own_sshd):
+    config = own_sshd.config.read_text()
+    assert "MaxSessions" not in config and "MaxStartups" not in config
+
+
+def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_sshd, tmp_path, real_models_dir):
+    """25 at once on a fresh connection: new-session forms (the working directory resolved
+    and checked there), starts (a detached process spawned, then stopped) and refreshes
+    (list and heads over SFTP). OpenSSH allows 10 sessions per connection: the rest wait
+    for room on the same connection, none fails and the connection is never dropped."""
+    target = ssh.Target("127.0.0.1", own_sshd.port, own_sshd.user, own_sshd.client_key, own_sshd.host_key_line)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    failures: list[str] = []
+    spawned: list[ProcessId] = []
+    go = threading.Barrier(25)
+
+    def form(transport: SSHTransport) -> None:
+        assert transport.real_path(str(workdir)) == str(workdir)
+        assert transport.is_dir(str(workdir))
+
+    def start(transport: SSHTransport) -> None:
+        proc = transport.spawn(["sleep", "60"], str(tmp_path / f"logs/sleep-{threading.get_ident()}.log"))
+        spawned.append(proc)
+        assert transport.process_alive(proc)
+        transport.stop(proc, grace=2)
+
+    def refresh(transport: SSHTransport) -> None:
+        root = str(real_models_dir)
+        files = transport.list_gguf(root)
+        infos = discover(files, read_ranges=lambda ranges: transport.read_ranges(
+            [(f"{root}/{key}", offset, n) for key, offset, n in ranges]))
+        assert infos and all(info.error is None for info in infos)
+
+    def one(index: int) -> None:
+        transport = SSHTransport("gpu1", target)
+        try:
+            go.wait()
+            (form, start, refresh)[index % 3](transport)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported below
+            failures.append(f"{(form, start, refresh)[index % 3].__name__}: {exc!r}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(25)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert failures == []
+    link = ssh.link_for(target)
+    assert link.active
+    # The server refused sessions beyond its limit and the link learnt it (one connection
+    # for the whole burst: a second would have been a second link here).
+    assert link._sessions.limit is not None and link._sessions.limit <= 10
+    assert link._sessions.open == 0
+    assert not any(alive_here(proc) for proc in spawned)
+    ssh.drop_link(target)
+
+
+# --- discovery --------------------------------------------------------------------------------
+
+
+def smol_links(root: Path, count: int) -> Path:
+    from machines_app.demo_models import packaged_model_paths
+
+    source = next(p for p in packaged_model_paths().values() if "smollm2" in p.name.lower())
+    root.mkdir(parents=True)
+    for index in range(count):
+        (root / f"smol-{index:03d}.gguf").symlink_to(source)
+    return root
+
+
+@pytest.mark.django_db
+def test_discovery_costs_round_trips_per_batch_not_per_file(sshd, tmp_path, llama_server_bin, monkeypatch):
+    """20 links to SmolLM2 (its metadata is about 1.6 MB): every SFTP request is counted.
+    The heads are read in one pipelined batch, so the round trips do not grow with the
+    number of files; a second refresh reads no head at all; a file whose size or time
+    changed is the only one read again."""
+    root = smol_links(tmp_path / "models", 20)
+    model(root, "own.gguf", "Own")
+    machine = make_ssh_machine(sshd, root, llama_server_bin)
+    catalog._HEADS.clear()
+    link = ssh.link_for(ssh_target(machine))
+    opened: list[bytes] = []
+    send = ssh._SFTP._async_request
+
+    def counting(sftp, fileobj, t, *args):
+        if t == ssh.CMD_OPEN:
+            opened.append(bytes(args[0]))
+        return send(sftp, fileobj, t, *args)
+
+    monkeypatch.setattr(ssh._SFTP, "_async_request", counting)
+
+    def refresh() -> tuple[int, int]:
+        before = (link.sftp_counts.requests, link.sftp_counts.round_trips)
+        found = catalog.refresh_models(machine)
+        assert len(found) == 21 and all(not m.error for m in found)
+        return link.sftp_counts.requests - before[0], link.sftp_counts.round_trips - before[1]
+
+    requests, trips = refresh()
+    assert len(opened) == 21
+    # stat + directory listing + one stat per link + per file: open, reads of 255 KiB, close
+    assert requests <= 6 + 20 + 21 * (2 + 2 * 1024 // 255 + 2), requests
+    assert trips <= 12, trips  # was one per 32 KiB read: over 1,300 for these files
+
+    opened.clear()
+    requests, trips = refresh()
+    assert opened == [] and trips <= 8 and requests <= 6 + 20
+
+    time.sleep(1.1)  # a new modification time (SFTP gives whole seconds)
+    model(root, "own.gguf", "Own again")
+    refresh()
+    assert [name.rsplit(b"/", 1)[-1] for name in opened] == [b"own.gguf"]
+    assert catalog.models_for(machine).filter(display_name="Own again").exists()
+
+
+# --- no orphans -------------------------------------------------------------------------------
+
+
+def ssh_session(machine: Machine, user, workdir: Path) -> AgentSession:
+    session = AgentSession.objects.create(
+        owner=user, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(workdir),
+        server_params={"contextSize": 1024}, status="loading",
+    )
+    lifecycle.start_server(session.pk)
+    assert fresh(session).status == "idle", payloads(session, "error")
+    return fresh(session)
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_stop_that_cannot_reach_the_machine_stays_pending_until_the_watch_finishes_it(
+    own_sshd, tmp_path, real_models_dir, llama_server_bin, alice
+):
+    machine = make_ssh_machine(own_sshd, real_models_dir, llama_server_bin)
+    catalog.refresh_models(machine)
+    session = ssh_session(machine, alice, tmp_path)
+    record = ServerRecord.objects.get(session=session)
+    proc = ProcessId(record.pid, record.start_time)
+
+    own_sshd.kill()
+    lifecycle.stop_server(session.pk)
+    pending = PendingStop.objects.get()
+    assert (pending.pid, pending.start_time, pending.machine_id) == (record.pid, record.start_time, machine.pk)
+    assert fresh(session).status == "stopped" and not ServerRecord.objects.filter(session=session).exists()
+    errors = [p["message"] for p in payloads(session, "error")]
+    assert any(m.startswith(f"Stop pending: {machine.name} is unreachable") for m in errors), errors
+    assert alive_here(proc)  # the machine is only unreachable: its server still runs
+
+    lifecycle.watch_servers()  # still unreachable: kept, tried again later
+    assert PendingStop.objects.filter(pk=pending.pk).exists() and alive_here(proc)
+
+    own_sshd.start()
+
+    def watched() -> bool:
+        lifecycle.watch_servers()
+        return not PendingStop.objects.exists()
+
+    wait_for(watched, 60, interval=1, what="the watch to finish the pending stop")
+    assert not alive_here(proc)
+    notices = [p["message"] for p in payloads(session, "notice")]
+    assert any("pending stop is done" in m and str(record.pid) in m for m in notices), notices
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
+def test_nothing_new_starts_on_a_machine_before_its_pending_stop(
+    own_sshd, tmp_path, real_models_dir, llama_server_bin, alice, monkeypatch
+):
+    machine = make_ssh_machine(own_sshd, real_models_dir, llama_server_bin)
+    catalog.refresh_models(machine)
+    session = ssh_session(machine, alice, tmp_path)
+    record = ServerRecord.objects.get(session=session)
+    old = ProcessId(record.pid, record.start_time)
+    own_sshd.kill()
+    lifecycle.stop_server(session.pk)
+    assert PendingStop.objects.exists()
+
+    # While the machine is unreachable a restart starts nothing and says why.
+    lifecycle.restart_server(session.pk)
+    assert fresh(session).status == "exited" and alive_here(old)
+    assert not ServerRecord.objects.filter(session=session).exists()
+
+    own_sshd.start()
+    old_alive_at_spawn: list[bool] = []
+    spawn = SSHTransport.spawn
+
+    def watching_spawn(transport, argv, *args, **kwargs):
+        old_alive_at_spawn.append(alive_here(old))
+        return spawn(transport, argv, *args, **kwargs)
+
+    monkeypatch.setattr(SSHTransport, "spawn", watching_spawn)
+    wait_for(lambda: ssh.link_for(ssh_target(machine)).active, 30, interval=1, what="sshd to answer")
+    lifecycle.restart_server(session.pk)  # no watch in between: the start itself settles it first
+    assert old_alive_at_spawn == [False]
+    assert fresh(session).status == "idle" and not PendingStop.objects.exists()
+    assert ServerRecord.objects.get(session=session).pid != old.pid
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_server_corral_has_no_record_of_is_listed_and_stoppable(
+    sshd, tmp_path, real_models_dir, llama_server_bin, alice, django_user_model
+):
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin)
+    catalog.refresh_models(machine)
+    session = ssh_session(machine, alice, tmp_path)
+    record = ServerRecord.objects.get(session=session)
+    proc = ProcessId(record.pid, record.start_time)
+    transport = transport_for(machine)
+    found = [s for s in orphans.corral_servers(transport) if s.proc == proc]
+    assert found and found[0].session_id == session.pk and found[0].port == record.port
+    assert orphans.unrecorded_servers(machine) == []  # recorded: not an orphan
+
+    ServerRecord.objects.filter(pk=record.pk).delete()  # its record lost (a restore, a crash)
+    [orphan] = [s for s in orphans.unrecorded_servers(machine) if s.proc == proc]
+
+    admin = django_user_model.objects.create_superuser("root", password="root-password-1")
+    client = Client()
+    client.force_login(alice)  # not staff: no way in
+    url = f"/admin/machines_app/machine/{machine.pk}/stop-unrecorded/"
+    assert client.post(url, {"process": f"{proc.pid}:{proc.start_time}"}).status_code == 302
+    assert alive_here(proc)
+    client.force_login(admin)
+    page = client.get(f"/admin/machines_app/machine/{machine.pk}/change/").content.decode()
+    assert "unrecorded-servers" in page and f'value="{proc.pid}:{proc.start_time}"' in page
+    response = client.post(url, {"process": f"{proc.pid}:{proc.start_time}"}, follow=True)
+    assert f"Stopped llama-server pid {proc.pid}" in response.content.decode()
+    assert not alive_here(proc)
+    assert orphan.session_id == session.pk
