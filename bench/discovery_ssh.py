@@ -32,6 +32,8 @@ from _setup import ROOT, boot  # bench/ is the script's own directory
 DATA = boot("corral-discovery-")
 
 sys.path.insert(0, str(ROOT))
+from django.core.management import call_command  # noqa: E402
+
 from machines_app import catalog, ssh  # noqa: E402
 from machines_app.demo_models import packaged_model_paths  # noqa: E402
 from machines_app.models import Machine  # noqa: E402
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=50)
     parser.add_argument("--rtt-ms", type=float, default=50.0)
     args = parser.parse_args()
+    call_command("migrate", verbosity=0)
 
     work = Path(tempfile.mkdtemp(prefix="corral-discovery-bench-"))
     source = next(path for path in packaged_model_paths().values() if "smollm2" in path.name.lower())

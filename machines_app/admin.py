@@ -195,6 +195,8 @@ class MachineAdmin(admin.ModelAdmin):
         of, each with a Stop button (docs/behaviour.md §5 "no orphans")."""
         from sessions_app import orphans
 
+        if obj is None or obj.pk is None:
+            return "none"
         pending = list(PendingStop.objects.filter(machine=obj).order_by("created_at"))
         parts = []
         if pending:
@@ -204,8 +206,6 @@ class MachineAdmin(admin.ModelAdmin):
                 format_html_join(", ", "pid {} (session {}, since {})",
                                  ((p.pid, p.session_id or "deleted", p.created_at) for p in pending)),
             ))
-        if obj.pk is None:
-            return "none"
         try:
             found = orphans.unrecorded_servers(obj)
         except TransportError as exc:

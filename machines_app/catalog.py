@@ -93,8 +93,8 @@ class _HeadCache:
                     found[key] = held[2]
         return found
 
-    def keep(self, machine_id: int, root: str, stamped: list[tuple[str, int, int]], key: str, head: GGUFHead) -> None:
-        stamp = next(((size, mtime) for k, size, mtime in stamped if k == key), None)
+    def keep(self, machine_id: int, root: str, stamps: dict[str, tuple[int, int]], key: str, head: GGUFHead) -> None:
+        stamp = stamps.get(key)
         if stamp is None:
             return
         with self.lock:
@@ -123,13 +123,14 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
         root = transport.expand_path(machine.models_dir)
         stamped = transport.list_gguf_stamped(root)
         known = _HEADS.unchanged(machine.pk, root, stamped)
+        stamps = {key: (size, mtime) for key, size, mtime in stamped}
         infos = discover(
             [(key, size) for key, size, _mtime in stamped],
             read_ranges=lambda ranges: transport.read_ranges(
                 [(posixpath.join(root, key), offset, n) for key, offset, n in ranges]
             ),
             known=known,
-            read=lambda key, head: _HEADS.keep(machine.pk, root, stamped, key, head),
+            read=lambda key, head: _HEADS.keep(machine.pk, root, stamps, key, head),
         )
     except TransportError as exc:
         Machine.objects.filter(pk=machine.pk).update(models_refresh_error=str(exc), models_refreshed_at=timezone.now())

@@ -244,6 +244,9 @@ class _Sessions:
     def opened(self) -> None:
         with self.cond:
             self.established += 1
+            if self.limit is not None and self.established > self.limit:
+                # Asked for before the refusal and opened after it: the server allows that many.
+                self.limit = self.established
 
     def release(self, established: bool = True) -> None:
         with self.cond:

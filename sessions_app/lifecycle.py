@@ -83,7 +83,8 @@ def key_path_for(session: AgentSession, transport: Transport, port: int) -> str:
 
 
 def _key_file(session_id: int, transport: Transport, port: int) -> str:
-    return posixpath.join(transport.private_dir(), f"session-{session_id}-{port}.key")
+    # Its name also tells Corral's servers apart on the machine (orphans.key_file).
+    return orphans.key_file(transport, session_id, port)
 
 
 def _proc(record: ServerRecord) -> ProcessId:

@@ -10,12 +10,13 @@ server starts on a machine while a stop is pending there (:func:`settle_machine`
 And a server Corral started but has no record of (its record lost with a database
 restore, a crash between spawn and record) is still recognisable on its machine: its
 command line names its key file in Corral's private directory there
-(``--api-key-file <private dir>/session-<id>-<port>.key``), so the machine's admin page
+(``--api-key-file <private dir>/session-<id>-<port>-<install tag>.key``), so the machine's admin page
 lists it (:func:`unrecorded_servers`) with a Stop button (:func:`stop_unrecorded`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import posixpath
 import re
@@ -42,10 +43,16 @@ from .transcript import Kind
 log = logging.getLogger(__name__)
 
 
+def install_tag() -> str:
+    """Ten hex digits that tell this Corral installation's servers from another's sharing
+    the same user on a machine (a digest of the secret key, which it does not reveal)."""
+    return hashlib.sha256(b"corral-install:" + settings.SECRET_KEY.encode()).hexdigest()[:10]
+
+
 def key_file(transport: Transport, session_id: int, port: int) -> str:
-    """The key file a server of ``session_id`` on ``port`` reads at start (and names on its
-    command line for as long as it runs)."""
-    return posixpath.join(transport.private_dir(), f"session-{session_id}-{port}.key")
+    """The key file a server of ``session_id`` on ``port`` reads at start, and names on its
+    command line for as long as it runs: ``<private dir>/session-<id>-<port>-<install tag>.key``."""
+    return posixpath.join(transport.private_dir(), f"session-{session_id}-{port}-{install_tag()}.key")
 
 
 def pending_sentence(machine_name: str, pid: int, exc: BaseException) -> str:
@@ -122,7 +129,7 @@ def settle_pending_stops() -> int:
 
 # --- servers Corral started and has no record of --------------------------------------------------
 
-_KEY_NAME = re.compile(r"session-(\d+)-(\d+)\.key$")
+_KEY_NAME = re.compile(r"session-(\d+)-(\d+)-([0-9a-f]{10})\.key$")
 
 
 @dataclass(frozen=True)
@@ -165,8 +172,8 @@ def corral_servers(transport: Transport) -> list[FoundServer]:
             continue
         key = argv[argv.index("--api-key-file") + 1] if argv.index("--api-key-file") + 1 < len(argv) else ""
         match = _KEY_NAME.search(key)
-        if not key.startswith(marker) or match is None:
-            continue
+        if not key.startswith(marker) or match is None or match[3] != install_tag():
+            continue  # another installation's server (the same user there), or not a server at all
         found[pid] = (parent, FoundServer(ProcessId(pid, start_time), int(match[1]), int(match[2]), argv))
     parents = {parent for parent, _ in found.values()}
     return sorted((server for pid, (_, server) in found.items() if pid not in parents), key=lambda s: s.proc.pid)
