@@ -206,6 +206,8 @@ def _dropped_before_handshake(exc: BaseException) -> bool:
     the banner or key exchange (sshd's MaxStartups drop, "exceeded MaxStartups" in its log)."""
     if isinstance(exc, EOFError | ConnectionResetError):
         return True
+    if isinstance(exc.__context__, TimeoutError):
+        return False  # nothing answered in time (a machine that hangs): not a drop
     text = str(exc)
     return isinstance(exc, paramiko.SSHException) and (
         "Error reading SSH protocol banner" in text or "No existing session" in text
@@ -217,10 +219,11 @@ class _Sessions:
 
     OpenSSH refuses a session past ``MaxSessions`` (10 unless configured) with a channel
     open failure and logs "no more sessions"; it says nothing of the limit before. So
-    there is no limit until the first refusal; then the limit is the number that was
-    open at that moment (at least 1), and a command waits here, in turn, for one of
-    them to close. A refusal while fewer are open than the learnt limit (a close the
-    server has not finished yet) is waited out the same way."""
+    there is no limit until the first refusal; then the limit is the number the server
+    had opened for us at that moment (at least 1, raised when sessions asked for before
+    the refusal open after it), and a command waits here for one of them to close. A
+    refusal while fewer are open than the learnt limit (a close the server has not
+    finished yet) is waited out the same way."""
 
     def __init__(self, entry: str) -> None:
         self.entry = entry
@@ -767,10 +770,13 @@ def _connect(target: Target) -> Link:
     processes of this backend connecting at the same moment), and not a machine that is
     down (connection refused, a timeout: those fail at once)."""
     for attempt in range(1, CONNECT_TRIES + 1):
+        started = time.monotonic()
         try:
             return Link(target)
         except _Dropped as exc:
-            if attempt == CONNECT_TRIES:
+            # A drop is quick; a connection that went quiet until a timeout is a machine
+            # that hangs, and trying again would only multiply the wait.
+            if attempt == CONNECT_TRIES or time.monotonic() - started > CONNECT_TIMEOUT / 2:
                 raise LinkError(str(exc)) from None
             time.sleep(random.uniform(0.1, 0.5) * attempt)
     raise AssertionError("unreachable")

@@ -122,6 +122,43 @@ def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_ss
     ssh.drop_link(target)
 
 
+def test_connections_sshd_drops_before_the_handshake_are_tried_again(tmp_path):
+    """Several processes of Corral connecting to one machine at the same moment meet its
+    MaxStartups (here 2): sshd closes the connections beyond it before the banner. Those
+    are tried again after a short pause, not reported as an unreachable machine. (Six
+    targets differing only in how their pinned key is written stand for six processes:
+    each has a connection of its own.)"""
+    server = SshServer(tmp_path / "sshd")
+    server.config.write_text(server.config.read_text() + "MaxStartups 2\n")
+    server.start()
+    try:
+        targets = [
+            ssh.Target("127.0.0.1", server.port, server.user, server.client_key, server.host_key_line + "\n" * n)
+            for n in range(6)
+        ]
+        failures: list[str] = []
+        go = threading.Barrier(len(targets))
+
+        def connect(target: ssh.Target) -> None:
+            go.wait()
+            try:
+                assert ssh.link_for(target).run("echo ok")[1].strip() == "ok"
+            except Exception as exc:  # noqa: BLE001 - reported below
+                failures.append(repr(exc))
+
+        threads = [threading.Thread(target=connect, args=(t,)) for t in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert failures == []
+        assert "past MaxStartups" in (server.root / "sshd.log").read_text()  # the drops happened
+    finally:
+        for target in targets:
+            ssh.drop_link(target)
+        server.kill()
+
+
 # --- discovery --------------------------------------------------------------------------------
 
 
