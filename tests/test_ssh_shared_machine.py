@@ -20,6 +20,7 @@ from machines_app.transports import (
     ProcessId,
     SSHTransport,
     TransportError,
+    machine_place,
     parse_proc_stat,
     ssh_target,
     transport_for,
@@ -231,7 +232,7 @@ def ssh_session(machine: Machine, user, workdir: Path) -> AgentSession:
 
 @pytest.mark.django_db
 def test_a_stop_that_cannot_reach_the_machine_stays_pending_until_the_watch_finishes_it(
-    own_sshd, stop_servers_after, tmp_path, real_models_dir, llama_server_bin, alice
+    own_sshd, stop_servers_after, tmp_path, real_models_dir, llama_server_bin, alice, django_user_model
 ):
     machine = make_ssh_machine(own_sshd, real_models_dir, llama_server_bin)
     catalog.refresh_models(machine)
@@ -250,6 +251,11 @@ def test_a_stop_that_cannot_reach_the_machine_stays_pending_until_the_watch_fini
 
     lifecycle.watch_servers()  # still unreachable: kept, tried again later
     assert PendingStop.objects.filter(pk=pending.pk).exists() and alive_here(proc)
+    admin = django_user_model.objects.create_superuser("root", password="root-password-1")
+    client = Client()
+    client.force_login(admin)
+    page = client.get(f"/admin/machines_app/machine/{machine.pk}/change/").content.decode()
+    assert "Stops pending" in page and f"pid {record.pid}" in page
 
     own_sshd.start()
 
@@ -295,6 +301,33 @@ def test_nothing_new_starts_on_a_machine_before_its_pending_stop(
     assert old_alive_at_spawn == [False]
     assert fresh(session).status == "idle" and not PendingStop.objects.exists()
     assert ServerRecord.objects.get(session=session).pid != old.pid
+
+
+@pytest.mark.django_db
+def test_a_deleted_sessions_server_on_a_lost_machine_is_stopped_when_it_answers(own_sshd, tmp_path,
+                                                                               real_models_dir, llama_server_bin):
+    """The delete path (the stop task is handed the process and where it runs), with the
+    machine row deleted too: the pending stop keeps where to reach it and is finished."""
+    machine = make_ssh_machine(own_sshd, real_models_dir, llama_server_bin)
+    transport = transport_for(machine)
+    # Any process stands in for the deleted session's server here: what is tested is
+    # that it is stopped, pid and start time checked.
+    proc = transport.spawn(["sleep", "300"], str(tmp_path / "sleep.log"))
+    place = machine_place(machine)
+    own_sshd.kill()
+    lifecycle.stop_orphan(place, proc.pid, proc.start_time, 40123, 777)
+    pending = PendingStop.objects.get()
+    assert (pending.session_id, pending.machine_id, pending.place["port"]) == (777, machine.pk, own_sshd.port)
+    machine.delete()
+    assert PendingStop.objects.get().machine is None and alive_here(proc)
+    own_sshd.start()
+
+    def watched() -> bool:
+        lifecycle.watch_servers()
+        return not PendingStop.objects.exists()
+
+    wait_for(watched, 60, interval=1, what="the watch to finish the pending stop")
+    assert not alive_here(proc)
 
 
 @pytest.mark.django_db
