@@ -196,7 +196,7 @@ def read_model_heads(keys: list[str], read_ranges: ReadRanges) -> dict[str, GGUF
             batch.append((key, len(data), want))
             total += want
         answers = read_ranges(batch)
-        for (key, offset, want), answer in zip(batch, answers, strict=True):
+        for (key, _offset, _want), answer in zip(batch, answers, strict=True):
             data, asked = state.pop(key)
             if isinstance(answer, OSError):
                 done[key] = answer

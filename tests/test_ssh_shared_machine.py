@@ -5,7 +5,6 @@ only of files that changed, and no server left running that Corral meant to stop
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
