@@ -69,12 +69,19 @@ def test_the_test_sshd_keeps_openssh_default_limits(own_sshd):
     assert "MaxSessions" not in config and "MaxStartups" not in config
 
 
-def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_sshd, tmp_path, real_models_dir):
-    """25 at once on a fresh connection: new-session forms (the working directory resolved
-    and checked there), starts (a detached process spawned, then stopped) and refreshes
-    (list and heads over SFTP). OpenSSH allows 10 sessions per connection: the rest wait
-    for room on the same connection, none fails and the connection is never dropped."""
-    target = ssh.Target("127.0.0.1", own_sshd.port, own_sshd.user, own_sshd.client_key, own_sshd.host_key_line)
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_sshd, tmp_path, real_models_dir,
+                                                                          llama_server_bin, alice):
+    """25 at once on a fresh connection: new-session forms (the real form: the model and
+    the working directory checked on the machine), starts (a detached process spawned
+    there as a server is, checked alive, then stopped) and refreshes (list and heads over
+    SFTP). OpenSSH allows 10 sessions per connection: the rest wait for room on the same
+    connection, none fails and the connection is never dropped."""
+    machine = make_ssh_machine(own_sshd, real_models_dir, llama_server_bin)
+    catalog.refresh_models(machine)  # the models the forms pick from; the machine is "reachable"
+    target = ssh_target(machine)
+    ssh.drop_link(target)  # the burst starts on no connection at all
+    key = model_key(machine, "llama")
     workdir = tmp_path / "work"
     workdir.mkdir()
     failures: list[str] = []
@@ -82,8 +89,17 @@ def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_ss
     go = threading.Barrier(25)
 
     def form(transport: SSHTransport) -> None:
-        assert transport.real_path(str(workdir)) == str(workdir)
-        assert transport.is_dir(str(workdir))
+        from sessions_app.forms import NewSessionForm
+
+        try:
+            form = NewSessionForm(data={"machine": machine.pk, "model_key": key, "working_dir": str(workdir),
+                                        "permission_mode": "manual", "speculative": "auto"}, user=alice)
+            assert form.is_valid(), form.errors
+            assert form.cleaned_data["working_dir"] == str(workdir)
+        finally:
+            from django.db import connection
+
+            connection.close()  # this thread's own
 
     def start(transport: SSHTransport) -> None:
         proc = transport.spawn(["sleep", "60"], str(tmp_path / f"logs/sleep-{threading.get_ident()}.log"))
