@@ -3,11 +3,11 @@ from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count
 from django.http import HttpResponseRedirect
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from sessions_app import dispatch, lifecycle
+from sessions_app import dispatch, lifecycle, orphans
 from sessions_app.actions import SessionError, check_system_prompt
 
 from . import actions as machine_actions
@@ -193,8 +193,6 @@ class MachineAdmin(admin.ModelAdmin):
         """The stops still pending on this machine, and every llama-server running there that
         Corral started (its command line names Corral's private directory) but has no record
         of, each with a Stop button (docs/behaviour.md §5 "no orphans")."""
-        from sessions_app import orphans
-
         if obj is None or obj.pk is None:
             return "none"
         pending = list(PendingStop.objects.filter(machine=obj).order_by("created_at"))
@@ -232,8 +230,6 @@ class MachineAdmin(admin.ModelAdmin):
         return format_html_join("", "{}", ((p,) for p in parts))
 
     def get_urls(self):
-        from django.urls import path
-
         return [
             path("<int:machine_id>/stop-unrecorded/", self.admin_site.admin_view(self.stop_unrecorded_view),
                  name="machines_app_machine_stop_unrecorded"),
@@ -243,8 +239,6 @@ class MachineAdmin(admin.ModelAdmin):
     def stop_unrecorded_view(self, request, machine_id: int):
         """POST ``process=<pid>:<start time>``: stop that unrecorded server (staff who may
         change machines only; it is looked up again on the machine before anything is sent)."""
-        from sessions_app import orphans
-
         machine = self.get_object(request, str(machine_id))
         if request.method != "POST" or machine is None or not self.has_change_permission(request, machine):
             raise PermissionDenied

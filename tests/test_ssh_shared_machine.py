@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.db import connection
 from django.test import Client
 
 from machines_app import catalog, ssh
@@ -25,6 +26,7 @@ from machines_app.transports import (
     transport_for,
 )
 from sessions_app import lifecycle, orphans
+from sessions_app.forms import NewSessionForm
 from sessions_app.models import AgentSession
 
 from .conftest import make_ssh_machine, model_key, wait_for
@@ -89,16 +91,12 @@ def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_ss
     go = threading.Barrier(25)
 
     def form(transport: SSHTransport) -> None:
-        from sessions_app.forms import NewSessionForm
-
         try:
             form = NewSessionForm(data={"machine": machine.pk, "model_key": key, "working_dir": str(workdir),
                                         "permission_mode": "manual", "speculative": "auto"}, user=alice)
             assert form.is_valid(), form.errors
             assert form.cleaned_data["working_dir"] == str(workdir)
         finally:
-            from django.db import connection
-
             connection.close()  # this thread's own
 
     def start(transport: SSHTransport) -> None:
