@@ -197,6 +197,11 @@ def scan_host_key(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> par
         transport.close()
 
 
+class LinkBusy(LinkError):
+    """The connection is up but every session its sshd allows stayed in use for
+    ``SESSION_WAIT`` seconds: the machine is busy, not unreachable."""
+
+
 class _Dropped(LinkError):
     """The server closed the connection before the SSH handshake was done."""
 
@@ -221,56 +226,78 @@ class _Sessions:
     open failure and logs "no more sessions"; it says nothing of the limit before. So
     there is no limit until the first refusal; then the limit is the number the server
     had opened for us at that moment (at least 1, raised when sessions asked for before
-    the refusal open after it), and a command waits here for one of them to close. A
-    refusal while fewer are open than the learnt limit (a close the server has not
-    finished yet) is waited out the same way."""
+    the refusal open after it), and a command waits here for one of them to close — by
+    us, or by the server when its command ended (a closed channel is noticed within
+    ``_POLL`` seconds). A refusal while fewer are open than the learnt limit (a close the
+    server has not finished yet) is waited out the same way."""
+
+    _POLL = 0.2  # seconds between two looks at the open channels while waiting for room
 
     def __init__(self, entry: str) -> None:
         self.entry = entry
-        self.open = 0  # ours, counting those asked for and not answered yet
-        self.established = 0  # ours the server has opened
+        self.asked = 0  # asked for, not answered yet
+        self.channels: set[paramiko.Channel] = set()  # opened by the server, not closed yet
         self.limit: int | None = None
         self.cond = threading.Condition()
 
+    @property
+    def open(self) -> int:
+        """Sessions of ours the server may count now (asked for, or open)."""
+        with self.cond:
+            self._prune()
+            return self.asked + len(self.channels)
+
+    def _prune(self) -> None:
+        self.channels = {channel for channel in self.channels if not channel.closed}
+
     def acquire(self, deadline: float) -> None:
         with self.cond:
-            while self.limit is not None and self.open >= self.limit:
+            while True:
+                self._prune()
+                if self.limit is None or self.asked + len(self.channels) < self.limit:
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise LinkError(
+                    raise LinkBusy(
                         f"{self.entry} is busy: all {self.limit} sessions its sshd allows on one connection "
                         f"(MaxSessions) stayed in use for {SESSION_WAIT:g} s"
                     )
-                self.cond.wait(min(left, 0.5))
-            self.open += 1
+                self.cond.wait(min(left, self._POLL))
+            self.asked += 1
 
-    def opened(self) -> None:
+    def opened(self, channel: paramiko.Channel) -> None:
         with self.cond:
-            self.established += 1
-            if self.limit is not None and self.established > self.limit:
+            self.asked = max(self.asked - 1, 0)
+            self.channels.add(channel)
+            if self.limit is not None and len(self.channels) > self.limit:
                 # Asked for before the refusal and opened after it: the server allows that many.
-                self.limit = self.established
+                self.limit = len(self.channels)
 
-    def release(self, established: bool = True) -> None:
+    def failed(self) -> None:
+        """The session asked for did not open (the link broke)."""
         with self.cond:
-            self.open = max(self.open - 1, 0)
-            if established:
-                self.established = max(self.established - 1, 0)
+            self.asked = max(self.asked - 1, 0)
+            self.cond.notify()
+
+    def release(self, channel: paramiko.Channel) -> None:
+        with self.cond:
+            self.channels.discard(channel)
             self.cond.notify()
 
     def refused(self, exc: paramiko.SSHException) -> None:
-        """The server refused the session just asked for (counted in ``open``)."""
+        """The server refused the session just asked for."""
         with self.cond:
-            self.open = max(self.open - 1, 0)
+            self.asked = max(self.asked - 1, 0)
+            self._prune()
             if self.limit is None:
                 # The ones the server opened (never those still asked for at the same
                 # moment, which it may refuse too); learnt once: a later refusal below it
                 # is a close still under way, which must not shrink the limit step by step.
-                self.limit = max(self.established, 1)
+                self.limit = max(len(self.channels), 1)
                 log.info("ssh %s: the server refused a session with %s open (%s); at most %s at once from now on",
-                         self.entry, self.established, exc, self.limit)
+                         self.entry, len(self.channels), exc, self.limit)
             # Wait for a close (or a moment, for the server to finish one) before trying again.
-            self.cond.wait(0.05 if self.open == 0 else 0.5)
+            self.cond.wait(0.05 if not self.channels else self._POLL)
 
 
 @dataclass
@@ -531,15 +558,15 @@ class Link:
                 if self.active and "Unable to open channel" in str(exc):
                     self._sessions.refused(exc)
                     continue
-                self._sessions.release(established=False)
+                self._sessions.failed()
                 raise self.lost(exc) from None
             except (OSError, EOFError) as exc:
-                self._sessions.release(established=False)
+                self._sessions.failed()
                 raise self.lost(exc) from None
             except BaseException:
-                self._sessions.release(established=False)
+                self._sessions.failed()
                 raise
-            self._sessions.opened()
+            self._sessions.opened(channel)
             return channel
 
     def _closed(self, channel: paramiko.Channel) -> None:
@@ -547,7 +574,7 @@ class Link:
         try:
             channel.close()
         finally:
-            self._sessions.release()
+            self._sessions.release(channel)
 
     def release_channel(self, channel: paramiko.Channel) -> None:
         """Close a channel handed out by :meth:`start` (its reader is done with it)."""
@@ -622,7 +649,7 @@ class Link:
         with self._sftp_lock:
             if self._sftp is None or self._sftp.get_channel().closed:
                 if self._sftp is not None:
-                    self._sessions.release()  # the closed one's room
+                    self._sessions.release(self._sftp.get_channel())  # the closed one's room
                     self._sftp = None
                 # A session like any command's (MaxSessions), with a window wide enough
                 # for pipelined reads across a slow link.

@@ -763,6 +763,8 @@ class SSHTransport(Transport):
         except ssh.HostKeyChanged as exc:
             self._report("host_key_changed", str(exc), ssh.public_key_line(exc.offered))
             raise TransportError(f"Machine '{self.name}': {exc}", permanent=False) from None
+        except ssh.LinkBusy as exc:
+            raise TransportError(f"Machine '{self.name}': {exc}", permanent=False) from None
         except ssh.LinkError as exc:
             self._report("unreachable", str(exc), "")
             raise TransportError(f"Machine '{self.name}' is unreachable: {exc}", permanent=False) from None

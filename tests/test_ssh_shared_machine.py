@@ -136,6 +136,35 @@ def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_ss
     ssh.drop_link(target)
 
 
+def test_a_connection_kept_full_is_busy_not_lost(tmp_path, monkeypatch):
+    """MaxSessions 1, held by a long command: the next command waits for it on the same
+    connection, runs when it ends; one that waits longer than SESSION_WAIT is told the
+    machine is busy, naming the limit — and the connection stays up."""
+    server = SshServer(tmp_path / "sshd")
+    server.config.write_text(server.config.read_text() + "MaxSessions 1\n")
+    server.start()
+    target = ssh.Target("127.0.0.1", server.port, server.user, server.client_key, server.host_key_line)
+    try:
+        transport = SSHTransport("gpu1", target)
+        link = ssh.link_for(target)
+        held = link.start("sleep 2")
+        started = time.monotonic()
+        assert link.run("echo after")[1].strip() == "after"  # waited for the held one
+        assert time.monotonic() - started >= 1.5 and link._sessions.limit == 1
+        link.release_channel(held)
+
+        monkeypatch.setattr(ssh, "SESSION_WAIT", 1.0)
+        held = link.start("sleep 4")
+        with pytest.raises(TransportError, match="busy: all 1 sessions its sshd allows"):
+            transport.run_probe(["true"])
+        assert link.active and ssh.link_for(target) is link
+        link.release_channel(held)
+        assert transport.run_probe(["echo", "again"]) == "again\n"
+    finally:
+        ssh.drop_link(target)
+        server.kill()
+
+
 def test_connections_sshd_drops_before_the_handshake_are_tried_again(tmp_path):
     """Several processes of Corral connecting to one machine at the same moment meet its
     MaxStartups (here 2): sshd closes the connections beyond it before the banner. Those
