@@ -808,7 +808,9 @@ class SSHTransport(Transport):
         # realpath -m on that machine: symlinks resolved there, before any "..", and a part
         # that does not exist kept as written (GNU coreutils; busybox has -m too).
         status, output = self._run(f"realpath -m -- {shlex.quote(path)}", timeout=15)
-        resolved = output.strip()
+        # The last line: whatever the account's shell start-up files print comes first
+        # (seen: pyenv's "cannot rehash" when many commands log in at once).
+        resolved = output.strip().splitlines()[-1] if output.strip() else ""
         if status != 0 or not resolved.startswith("/"):
             raise TransportError(f"{path!r} could not be resolved on {self.name}: {resolved or 'no answer'}")
         return resolved

@@ -94,7 +94,7 @@ def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_ss
         try:
             form = NewSessionForm(data={"machine": machine.pk, "model_key": key, "working_dir": str(workdir),
                                         "permission_mode": "manual", "speculative": "auto"}, user=alice)
-            assert form.is_valid(), form.errors
+            assert form.is_valid(), form.errors.as_text()
             assert form.cleaned_data["working_dir"] == str(workdir)
         finally:
             connection.close()  # this thread's own
@@ -125,7 +125,7 @@ def test_a_burst_of_forms_starts_and_refreshes_on_one_machine_all_succeed(own_ss
         thread.start()
     for thread in threads:
         thread.join(180)
-    assert failures == []
+    assert not failures, "\n".join(failures)
     link = ssh.link_for(target)
     assert link.active
     # The server refused sessions beyond its limit and the link learnt it (one connection
