@@ -48,7 +48,7 @@ class MachineForm(forms.ModelForm):
         fields = [
             "name", "transport", "host", "port", "user", "private_key", "private_key_path", "expected_fingerprint",
             "host_key", "models_dir", "llama_server_path", "bwrap_path", "workspace_roots", "allowed_groups",
-            "idle_stop_seconds", "enabled",
+            "idle_stop_seconds", "memory_budget_mib", "enabled",
         ]
 
     #: Said on the key's field when the form comes back with a key typed in: it is not shown.

@@ -160,6 +160,7 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
                     "error": _text(info.error, "error") if info.error else "",
                     "sampling_defaults": info.sampling_defaults,
                     "special_tokens": list(info.special_tokens),
+                    "memory_shape": info.memory_shape,
                 },
             )
             keep.append(obj.pk)

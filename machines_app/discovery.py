@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .gguf import GGUFError, GGUFHead, NeedMoreBytes, parse_head
+from .memory import model_shape
 
 __all__ = [
     "INITIAL_HEAD_BYTES",
@@ -111,6 +112,9 @@ class ModelInfo:
         split_count: number of parts (1 for a single file).
         missing_parts: 1-based part numbers absent from a split set; () when complete.
         error: why the file cannot be used (e.g. "not a GGUF file ..."); None when fine.
+        memory_shape: what a server of it needs in memory
+            (:func:`machines_app.memory.model_shape`, plus ``projector_size``: the bytes of
+            its projector file, when it has one).
     """
 
     key: str
@@ -130,6 +134,7 @@ class ModelInfo:
     projector_key: str | None = None
     sampling_defaults: dict = field(default_factory=dict)
     special_tokens: tuple[str, ...] = ()
+    memory_shape: dict = field(default_factory=dict)
 
     @property
     def is_complete(self) -> bool:
@@ -368,6 +373,14 @@ def _clean_name(head: GGUFHead | None) -> str | None:
     return name or None
 
 
+def _memory_shape(head: GGUFHead | None, candidate: _Candidate, vision_dirs: dict[str, list[str]],
+                  sizes: dict[str, int]) -> dict:
+    shape = model_shape(head) if head is not None and candidate.error is None else {}
+    if candidate.directory in vision_dirs:
+        shape["projector_size"] = sizes.get(min(vision_dirs[candidate.directory]), 0)
+    return shape
+
+
 def discover(
     files: list[tuple[str, int]],
     read_head: ReadHead | None = None,
@@ -394,6 +407,8 @@ def discover(
         one ModelInfo per single file or split set (projectors excluded), sorted by
         display_name ignoring case, then key. See the module docstring for the rules.
     """
+    files = list(files)
+    sizes = dict(files)
     candidates, vision_dirs = _group(files)
     reader = read_ranges or ranges_from(read_head)
     known = known or {}
@@ -471,6 +486,7 @@ def discover(
                 error=candidate.error,
                 sampling_defaults=head.sampling_defaults if head else {},
                 special_tokens=head.special_tokens if head else (),
+                memory_shape=_memory_shape(head, candidate, vision_dirs, sizes),
             )
         )
     result.sort(key=lambda m: (m.display_name.casefold(), m.key))

@@ -250,6 +250,32 @@ def read_props(server: Endpoint, *, timeout: float = 10.0) -> ServerProps:
     return parse_props(response.json())
 
 
+#: The one conversation rendered to learn how the server's template begins a reply.
+_PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def opens_thinking(prompt: str) -> bool:
+    """Whether a rendered generation prompt ends inside an opened ``<think>`` block: its
+    last ``<think>`` comes after its last ``</think>`` with only white space after it (the
+    templates of R1-style distills, and custom ones, end the prompt so; a template that
+    closes the block itself, ``<think>\n\n</think>``, does not)."""
+    opened, closed = prompt.rfind("<think>"), prompt.rfind("</think>")
+    return opened >= 0 and opened > closed and not prompt[opened + len("<think>"):].strip()
+
+
+def prompt_opens_thinking(server: Endpoint, *, timeout: float = 10.0) -> bool:
+    """Whether the ready server's generation prompt opens a thinking block, so its replies
+    carry only the closing ``</think>`` (:func:`opens_thinking`). Learnt once per start by
+    rendering one user message with llama-server's ``POST /apply-template`` (the template
+    the server really uses, whatever file or flag it came from). Raises ``httpx.HTTPError``
+    when it does not answer 2xx, ``ValueError`` when the answer is not JSON."""
+    response = httpx.post(f"{server.url}/apply-template", json={"messages": _PROBE_MESSAGES},
+                          headers=auth_headers(server.api_key), timeout=timeout, verify=tls_context())
+    response.raise_for_status()
+    prompt = response.json().get("prompt") if isinstance(response.json(), dict) else None
+    return isinstance(prompt, str) and opens_thinking(prompt)
+
+
 def failure_message(headline: str, log_tail: str) -> str:
     """A start failure in the user's terms, with the server's own last words."""
     tail = log_tail.strip()

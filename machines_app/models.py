@@ -100,6 +100,15 @@ class Machine(models.Model):
     )
     containment_reason = models.TextField(blank=True, help_text="Why tools there are not contained, in plain words.")
 
+    # docs/behaviour.md §5 "Room on a machine": starts are measured against the machine's
+    # free memory (its GPUs' where nvidia-smi answers) unless an admin sets what Corral may use.
+    memory_budget_mib = models.PositiveIntegerField(
+        "memory budget (MiB)", null=True, blank=True,
+        help_text="What Corral's llama-servers may use on this machine in all, in MiB (their resident memory plus "
+        "GPU memory). Set: it wins over what the machine reports free. Empty: a start is measured against the "
+        "machine's free GPU memory (where nvidia-smi answers) or its available memory (/proc/meminfo).",
+    )
+
     class Meta:
         ordering = ["name"]
 
@@ -221,6 +230,9 @@ class ModelFile(models.Model):
     # (chat_template_caps: supports_tools, supports_system_role, …); {} until a first start
     # or after the template was changed (docs/behaviour.md §17).
     chat_template_caps = models.JSONField(default=dict, blank=True, editable=False)
+    # What a server of it needs in memory (machines_app.memory.model_shape, plus
+    # "projector_size" in bytes): read from the head at discovery; {} before.
+    memory_shape = models.JSONField(default=dict, blank=True, editable=False)
 
     class Meta:
         ordering = ["display_name", "key"]
@@ -318,6 +330,50 @@ class SlotSave(models.Model):
 
     def __str__(self) -> str:
         return f"slot of session {self.session_id} for {self.model_key} ({self.n_tokens} tokens)"
+
+
+class MemoryClaim(models.Model):
+    """A start's place in its machine's memory (docs/behaviour.md §5 "Room on a machine").
+
+    ``granted``: the start was let through and counts at ``need`` bytes until its server is
+    ready (then its real use counts and the claim goes). Not granted: the start waits in
+    the machine's line, in ``queued_at`` order; a claim whose session is no longer
+    ``loading`` (stopped, failed) is out of the line and is cleared by the next admission.
+    ``told_ahead``: how many were ahead when the session was last told.
+    """
+
+    session = models.OneToOneField("sessions_app.AgentSession", on_delete=models.CASCADE, related_name="memory_claim")
+    machine = models.ForeignKey(Machine, on_delete=models.CASCADE, related_name="memory_claims")
+    need = models.BigIntegerField(help_text="Bytes the start needs (machines_app.memory.estimate).")
+    granted = models.BooleanField(default=False)
+    queued_at = models.DateTimeField(default=timezone.now)
+    tried_at = models.DateTimeField(null=True, blank=True)
+    told_ahead = models.IntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["queued_at", "pk"]
+
+    def __str__(self) -> str:
+        return f"{'granted' if self.granted else 'waiting'}: session {self.session_id} on {self.machine}"
+
+
+class MachineSample(models.Model):
+    """The machine's memory as the health watch read it (the machines page's plot). Bytes;
+    ``gpus``: ``[{"index", "total", "used", "free"}]`` from nvidia-smi, [] without;
+    ``corral_used``: what Corral's servers there use (resident + GPU memory); ``error``:
+    why nothing could be read."""
+
+    machine = models.ForeignKey(Machine, on_delete=models.CASCADE, related_name="samples")
+    taken_at = models.DateTimeField(default=timezone.now, db_index=True)
+    ram_total = models.BigIntegerField(null=True, blank=True)
+    ram_available = models.BigIntegerField(null=True, blank=True)
+    gpus = models.JSONField(default=list, blank=True)
+    corral_used = models.BigIntegerField(default=0)
+    server_use = models.JSONField(default=dict, blank=True, help_text="session id -> [resident, GPU] bytes")
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["taken_at"]
 
 
 class PendingStop(models.Model):

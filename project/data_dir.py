@@ -7,6 +7,8 @@ process finds the folders and the same secret key.
 Layout under ``CORRAL_DATA_DIR`` (default ``<repo>/data``)::
 
     secret_key        Django's SECRET_KEY when the SECRET_KEY variable is not set (0600)
+    vapid_private.pem the P-256 key Web Push messages are signed with (VAPID, RFC 8292; 0600):
+                      browsers' subscriptions are bound to its public half, so it is kept
     logs/             one llama-server log per start, key files while a server starts,
                       slots/session-<id>/ (a session's saved KV caches)
     ssh/              private keys of SSH machines pasted in the admin (0600)
@@ -29,6 +31,7 @@ from pathlib import Path
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 SECRET_KEY_FILE = "secret_key"
+VAPID_KEY_FILE = "vapid_private.pem"
 
 
 def location() -> Path:
@@ -46,7 +49,8 @@ def read_secret_key(data_dir: Path) -> str:
 
 
 def prepare(data_dir: Path) -> None:
-    """Create the data directory, ``logs/`` and ``static/``, and a secret key once.
+    """Create the data directory, ``logs/`` and ``static/``, a secret key and the VAPID
+    key (:func:`ensure_vapid_key`) once.
 
     The key is 50 URL-safe random bytes (as ``check --deploy`` wants: long, varied, not
     Django's ``django-insecure-`` placeholder), written to a temporary file created with
@@ -58,12 +62,35 @@ def prepare(data_dir: Path) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "logs").mkdir(exist_ok=True)
     (data_dir / "static").mkdir(exist_ok=True)
-    if read_secret_key(data_dir):
-        return
-    path = data_dir / SECRET_KEY_FILE
-    partial = data_dir / f".{SECRET_KEY_FILE}.{os.getpid()}"
+    if not read_secret_key(data_dir):
+        _write_private(data_dir, SECRET_KEY_FILE, secrets.token_urlsafe(50).encode())
+    ensure_vapid_key(data_dir)
+
+
+def ensure_vapid_key(data_dir: Path) -> Path:
+    """``data_dir/vapid_private.pem``, created once: a new P-256 private key (PKCS#8 PEM,
+    the VAPID key of RFC 8292 that Web Push messages are signed with: attention_app/push.py).
+    An existing file is kept — every browser's push subscription is bound to its public
+    half, and a new key would make the push services refuse what Corral sends."""
+    path = data_dir / VAPID_KEY_FILE
+    if path.exists() and path.stat().st_size:
+        return path
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    _write_private(data_dir, VAPID_KEY_FILE, pem)
+    return path
+
+
+def _write_private(data_dir: Path, name: str, content: bytes) -> None:
+    """Write ``content`` to a temporary file created with mode 0600 and rename it into
+    place, so a reader never sees half of it and nobody else on the machine can read it."""
+    partial = data_dir / f".{name}.{os.getpid()}"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # in case a leftover file of that name had other bits
-    with os.fdopen(fd, "w") as out:
-        out.write(secrets.token_urlsafe(50))
-    os.replace(partial, path)
+    with os.fdopen(fd, "wb") as out:
+        out.write(content)
+    os.replace(partial, data_dir / name)

@@ -4,15 +4,14 @@ Both first prepare the data directory (folders and the secret key, see
 ``project/data_dir.py``): settings only read it, so this happens here, before any
 process imports them.
 
-``python -m project.launcher run [--port N | --port=N]``: embedded Redis when ``REDIS_URL`` is not
+``python -m project.launcher run [--port N | --port=N] [--debug]``: embedded Redis when ``REDIS_URL`` is not
 set, migrations, the local machine with the demo models, an admin account, then
 supervisord (the ``supervisor`` package) running daphne, one Celery worker per queue
 (``project/queues.py``) and Celery beat. supervisord restarts a process that dies (at
 once, then with a growing back-off while it keeps dying at start) and leaves the others
 alone. SIGTERM or SIGINT (Ctrl-C) on the launcher stops all of them and the embedded
-Redis; sessions' llama-servers are not Corral's children and keep running. DEBUG is on
-for this loopback run unless ``CORRAL_HTTPS=1`` (production behind a proxy) or ``DEBUG``
-says otherwise.
+Redis; sessions' llama-servers are not Corral's children and keep running. DEBUG is off
+unless ``--debug`` or ``DEBUG=1`` asks for it. The URL is printed once it answers.
 
 ``python -m project.launcher setup``: what ``run`` does before it starts any process
 (data directory, migrations, the local machine, an admin account), for a production
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import http.client
 import os
 import secrets
 import shutil
@@ -34,6 +34,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -191,21 +193,40 @@ def _manage(*args: str) -> None:
     subprocess.run([sys.executable, str(BASE_DIR / "manage.py"), *args], check=True, cwd=BASE_DIR)
 
 
-def run_environment() -> list[str]:
+def run_environment(debug: bool = False) -> list[str]:
     """Set DEBUG for ``run`` in ``os.environ``; daphne's extra arguments.
 
-    ``./corral run`` serves on the loopback interface only, so without ``CORRAL_HTTPS``
-    it is a developer's run: DEBUG on unless ``DEBUG`` is set. With ``CORRAL_HTTPS=1``
-    Corral sits behind a reverse proxy: DEBUG stays off, and daphne takes the client's
-    address and scheme from the proxy's X-Forwarded-For / X-Forwarded-Proto headers
-    (``--proxy-headers``; only the proxy can reach a loopback port), which the login
-    throttle needs to tell clients apart. Raises ImproperlyConfigured on a bad value.
+    DEBUG is off unless asked for with ``./corral run --debug`` (``debug``) or ``DEBUG=1``:
+    the run the README gives a team must not show a member Django's debug pages (the 404
+    that lists every URL pattern, tracebacks with settings). With ``CORRAL_HTTPS=1`` Corral
+    sits behind a reverse proxy: daphne takes the client's address and scheme from the
+    proxy's X-Forwarded-For / X-Forwarded-Proto headers (``--proxy-headers``; only the
+    proxy can reach a loopback port), which the login throttle needs to tell clients
+    apart. Raises ImproperlyConfigured on a bad value (docs/deployment.md, "DEBUG").
     """
     https = env_bool("CORRAL_HTTPS", False)
-    debug = env_bool("DEBUG", not https)
+    debug = debug or env_bool("DEBUG", False)
     os.environ["DEBUG"] = "1" if debug else "0"
     print(f"DEBUG {'on' if debug else 'off'}{', behind an HTTPS proxy' if https else ''}", flush=True)
     return ["--proxy-headers"] if https else []
+
+
+def wait_until_answering(url: str, process: subprocess.Popen, *, timeout: float = 600.0) -> bool:
+    """Poll ``url`` (every 0.25 s, each try bounded to 2 s) until it answers with any HTTP
+    status, while ``process`` (supervisord) runs. Returns True once it answered; False when
+    ``process`` exited or ``timeout`` seconds passed. The URL is printed only after this:
+    on a busy host daphne took about 40 s to answer after supervisord started it, and a URL
+    printed at once met "connection refused"."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True  # any status is an answer: the login redirect, a 403 from ALLOWED_HOSTS
+        except (OSError, http.client.HTTPException):
+            time.sleep(0.25)
+    return False
 
 
 def _port_taken(port: int) -> bool:
@@ -272,6 +293,11 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     bin_dir = Path(sys.executable).parent
     celery = f"{bin_dir / 'celery'} -A project"
     run_dir = data / "run"
+    # Each program dies with supervisord (prctl PR_SET_PDEATHSIG through util-linux's
+    # ``setpriv``, which then execs the program itself): supervisord killed with -9 used to
+    # leave daphne and the four Celery processes running, and the next ``./corral run``
+    # refused with "port already in use".
+    with_parent = "setpriv --pdeathsig SIGTERM -- " if shutil.which("setpriv") else ""
     programs = {
         "web": f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application",
         # A streaming turn is cut at a stop (its page says so when the turn is taken over
@@ -305,7 +331,7 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
     )
     body = "".join(
-        _PROGRAM.format(name=name, command=command, directory=BASE_DIR, stopwait=STOP_WAIT_SECONDS)
+        _PROGRAM.format(name=name, command=with_parent + command, directory=BASE_DIR, stopwait=STOP_WAIT_SECONDS)
         for name, command in programs.items()
     )
     # One group: a stop signals every program at once instead of one after another.
@@ -324,10 +350,10 @@ def _append_to_output() -> None:
             pass  # not a file we may change (closed, a special device): nothing to protect
 
 
-def run(port: int) -> int:
-    """``./corral run``: returns supervisord's exit status (0 after a clean stop)."""
+def run(port: int, *, debug: bool = False) -> int:
+    """``./corral run [--debug]``: returns supervisord's exit status (0 after a clean stop)."""
     _append_to_output()
-    daphne_args = run_environment()
+    daphne_args = run_environment(debug)
     turn_workers = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
     data = prepare_data_dir()
     if _port_taken(port):
@@ -349,7 +375,6 @@ def run(port: int) -> int:
         _manage("corral_setup")
         config = data / "run" / "supervisord.conf"
         config.write_text(supervisor_config(data=data, port=port, daphne_args=daphne_args, turn_workers=turn_workers))
-        print(f"\nCorral is starting at http://127.0.0.1:{port}/\n", flush=True)
         bin_dir = Path(sys.executable).parent
         # Its own session: a Ctrl-C in the terminal reaches the launcher only, which then
         # stops supervisord (and through it every program) in order.
@@ -357,6 +382,9 @@ def run(port: int) -> int:
             [str(bin_dir / "supervisord"), "-c", str(config)], cwd=BASE_DIR, start_new_session=True,
             preexec_fn=_die_with_parent,
         )
+        print("starting daphne, the Celery workers and beat…", flush=True)
+        if wait_until_answering(f"http://127.0.0.1:{port}/login/", supervisord):
+            print(f"\nCorral is running at http://127.0.0.1:{port}/\n", flush=True)
         return supervisord.wait()
     except Stop as stop:
         print(f"\ncorral: {stop}: stopping", flush=True)
@@ -398,7 +426,7 @@ class UsageError(Exception):
     usual status of a command-line usage error."""
 
 
-USAGE = "usage: ./corral run [--port N] | ./corral setup | ./corral test [pytest args]"
+USAGE = "usage: ./corral run [--port N] [--debug] | ./corral setup | ./corral test [pytest args]"
 
 
 def run_port(args: list[str]) -> int:
@@ -417,6 +445,8 @@ def run_port(args: list[str]) -> int:
             given = rest.pop(0) if rest else ""
         elif arg.startswith("--port="):
             given = arg.removeprefix("--port=")
+        elif arg == "--debug":
+            continue  # read by ``main``: not a port
         else:
             raise UsageError(f"unknown argument {arg!r} for run ({USAGE})")
         if not given.strip():  # ``--port`` last, or ``--port=``: a mistake, not "use the default"
@@ -430,7 +460,7 @@ def main(argv: list[str]) -> int:
     command, args = (argv[0], argv[1:]) if argv else ("run", [])
     try:
         if command == "run":
-            return run(run_port(args))
+            return run(run_port(args), debug="--debug" in args)
         if command == "test":
             return test(args)
         if command == "setup":

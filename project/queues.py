@@ -5,7 +5,8 @@ queue, docs/operations.md shows the production units)::
 
     turns         sessions_app.tasks.run_turn            (one thread per streaming turn)
     servers       start / stop / restart / sleep a llama-server, stop an orphan
-    housekeeping  watch_servers, recover_turns (beat, every few seconds), refresh_models
+    housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
+                  refresh_models, Web Push of a question (attention_app.tasks.push_question)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
 check, a recovery or a Stop. Pure data: imported by settings, the launcher and the tests.
@@ -30,7 +31,9 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.remove_slot": {"queue": SERVERS},
     "sessions_app.tasks.watch_servers": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
+    "sessions_app.tasks.sample_machines": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},
+    "attention_app.tasks.push_question": {"queue": HOUSEKEEPING},
 }
 
 #: Threads of the servers and housekeeping workers that ``./corral run`` starts (a start

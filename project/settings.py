@@ -50,6 +50,8 @@ INSTALLED_APPS = [
     "axes",
     "machines_app",
     "sessions_app",
+    "attention_app",
+    "search_app",
 ]
 
 MIDDLEWARE = [
@@ -88,6 +90,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "django.template.context_processors.csp",  # csp_nonce, for the admin's templates
+                "attention_app.context_processors.attention",  # the inbox count in the top bar
             ],
         },
     },
@@ -142,6 +145,10 @@ SECURE_CSP = {
     "img-src": [CSP.SELF],
     "font-src": [CSP.SELF],
     "connect-src": [CSP.SELF],
+    # The web app manifest and the service worker (docs/attention.md); a worker falls back
+    # to script-src, said here so it stays true if script-src changes.
+    "manifest-src": [CSP.SELF],
+    "worker-src": [CSP.SELF],
     "form-action": [CSP.SELF],
     "base-uri": [CSP.NONE],
     "object-src": [CSP.NONE],
@@ -225,6 +232,7 @@ CELERY_BEAT_SCHEDULER = "project.beat:Scheduler"
 CELERY_BEAT_SCHEDULE = {
     "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},
+    "sample-machines": {"task": "sessions_app.tasks.sample_machines", "schedule": 10.0, "options": {"expires": 20}},
 }
 
 # A refused token is answered like any refusal, in the page's message line.
@@ -248,6 +256,9 @@ CORRAL_PRESENCE_SECONDS = env_float("CORRAL_PRESENCE_SECONDS", 20.0, minimum=0.1
 # Images a message may carry (docs/behaviour.md §16): the largest one in bytes, and how many.
 CORRAL_IMAGE_MAX_BYTES = env_int("CORRAL_IMAGE_MAX_BYTES", 10_000_000, minimum=1)
 CORRAL_IMAGE_MAX_COUNT = env_int("CORRAL_IMAGE_MAX_COUNT", 8, minimum=1, maximum=100)
+# The largest text file (code, logs, Markdown) a message may carry, in bytes: it goes to
+# the model as text, so it counts against the context (100 KB is about 25,000 tokens).
+CORRAL_TEXT_FILE_MAX_BYTES = env_int("CORRAL_TEXT_FILE_MAX_BYTES", 100_000, minimum=1, maximum=10_000_000)
 # … and the most pixels one may have (width × height): the bytes say little about what
 # decoding costs (a 9000×9000 PNG of one colour is a few hundred KB and 320 MB decoded).
 # At most Pillow's own decompression-bomb limit, which refuses more anyway.
@@ -262,11 +273,27 @@ CORRAL_DEFAULT_MAX_TOKENS = env_int("CORRAL_DEFAULT_MAX_TOKENS", 4096, minimum=1
 # The most characters of one tool result that are stored and sent to the model; the rest is
 # cut with a note saying how much and how to ask for a part (docs/behaviour.md §9): one
 # huge result would otherwise be re-sent with every request and overflow the context.
+# A bearer token that may read /metrics (Prometheus' scrape, project/metrics.py); staff may
+# always. Unset: only staff.
+CORRAL_METRICS_TOKEN = env_str("CORRAL_METRICS_TOKEN", "")
 CORRAL_TOOL_RESULT_MAX_CHARS = env_int("CORRAL_TOOL_RESULT_MAX_CHARS", 20_000, minimum=1_000, maximum=10_000_000)
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # One line per event: a refused request and an SSH link that fails are expected, not
+    # tracebacks (project/log_filters.py).
+    "filters": {
+        "one_line_refusals": {"()": "project.log_filters.OneLineRefusals"},
+        "no_paramiko_tracebacks": {"()": "project.log_filters.NoParamikoTracebacks"},
+    },
+    # On the handler, not on the loggers: a logger's filters do not apply to records of its
+    # children (paramiko logs as ``paramiko.transport``).
+    "handlers": {"console": {"class": "logging.StreamHandler",
+                             "filters": ["one_line_refusals", "no_paramiko_tracebacks"]}},
     "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", set(logging.getLevelNamesMapping()))},
 }
+
+# Web Push (docs/attention.md): who runs this Corral, as the VAPID "sub" claim (RFC 8292 §2.1,
+# a mailto: or https: URL) push services may write to about the messages it sends.
+CORRAL_VAPID_SUBJECT = env_str("CORRAL_VAPID_SUBJECT", "mailto:corral@localhost")

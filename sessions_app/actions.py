@@ -19,8 +19,9 @@ from django.http import Http404
 
 from machines_app import catalog
 from machines_app.access import machine_refusal
+from machines_app.models import ServerRecord
 
-from . import dispatch, images, transcript, turns
+from . import dispatch, images, room, transcript, turns
 from .events import append, change_status, load_events, load_kinds, load_queue_events, locked, record_event
 from .lifecycle import start_live
 from .models import Access, AgentSession, TranscriptEvent
@@ -136,8 +137,17 @@ def do_restart(session: AgentSession, user) -> None:
             raise SessionError("Stop the turn first, then restart.")
         if current.status == Status.LOADING and start_live(current):
             raise SessionError("The server is already starting.")
+        if current.status not in (Status.LOADING, Status.SLEEPING) and stop_under_way(current):
+            # Its status and note change when the stop has finished: a restart now would be
+            # said before the stop it follows.
+            raise SessionError("The server is still stopping; restart it once it shows stopped.")
         change_status(current, Status.LOADING, by=by(user))
         dispatch.enqueue_on_commit(dispatch.RESTART_SERVER, session.pk)
+
+
+def stop_under_way(session: AgentSession) -> bool:
+    """Whether a stop of the session's server is under way (its record claimed ``stopping``)."""
+    return ServerRecord.objects.filter(session_id=session.pk, stopping=True).exists()
 
 
 def do_change_model(session: AgentSession, user, model_key: str) -> None:
@@ -154,6 +164,8 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
         raise SessionError(str(exc)) from None
     if refusal := catalog.context_refusal(model, session.server_params.get("contextSize")):
         raise SessionError(f"{refusal[:-1]} in Settings before switching to it.")
+    if refusal := room.never_fits(session.machine, model_key, session.server_params):
+        raise SessionError(refusal)  # docs/behaviour.md §5 "Room on a machine"
     with transaction.atomic():
         current = locked(session.pk)
         if current.turn_active:
@@ -399,6 +411,32 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
                          edited=text is not None)
 
 
+def do_choose_version(session: AgentSession, user, seq: str) -> None:
+    """Make an earlier (or later) version of a message sent again the one in force: a
+    ``version_chosen`` event (docs/transcript.md, "Versions"); the page shows that version
+    and its reply, and the model's next request continues from them.
+
+    Raises SessionError while a turn runs, or when ``seq`` is not a version of a message
+    since the conversation was last cleared. Choosing the version in force changes nothing.
+    """
+    if not str(seq).isdigit() or int(seq) >= 2**63:
+        raise SessionError("That version is not in this conversation.")
+    seq = int(seq)
+    with transaction.atomic():
+        session = locked(session.pk)
+        if session.turn_active:
+            raise SessionError("Wait for the reply to finish (or stop it), then choose a version.")
+        versions = transcript.Versions()
+        for event in load_kinds(session.pk, [Kind.MESSAGE_TAKEN, Kind.VERSION_CHOSEN, Kind.CLEARED],
+                                upto=session.last_seq):
+            versions.feed(event)
+        if seq not in versions.live or len(versions.group(seq)) < 2:
+            raise SessionError("That version is not in this conversation any more (it was cleared).")
+        if versions.chosen[versions.root_of[seq]] == seq:
+            return
+        append(session, Kind.VERSION_CHOSEN, {"seq": seq, "by": by(user)})
+
+
 def do_drop_queued(session: AgentSession, user, queued_id: str) -> None:
     """Withdraw a queued message before a turn takes it (docs/behaviour.md §10). A member the team
     may act for withdraws only their own messages; the owner and staff any."""
@@ -477,7 +515,7 @@ def do_revoke_allowance(session: AgentSession, user, seq: str) -> None:
     with transaction.atomic():
         current = locked(session.pk)
         in_force = transcript.allowances(
-            load_kinds(current.pk, [Kind.ANSWERED, Kind.ALLOWANCE_REVOKED], upto=current.last_seq))
+            load_kinds(current.pk, [Kind.ANSWERED, Kind.ALLOWANCE_REVOKED, Kind.IMPORTED], upto=current.last_seq))
         allowance = next((allowance for allowance in in_force if allowance["seq"] == number), None)
         if allowance is None:
             raise SessionError("That allowance is no longer in force.")

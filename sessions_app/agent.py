@@ -50,6 +50,7 @@ from .completions import (
     CompletionClient,
     CompletionError,
     Finish,
+    Progress,
     ReasoningDelta,
     TextDelta,
     ToolCallAssembler,
@@ -57,7 +58,7 @@ from .completions import (
     Usage,
 )
 from .events import load_events, storable
-from .models import AgentSession, McpServer
+from .models import AgentSession, McpServer, TranscriptEvent
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -80,6 +81,10 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
+#: The notice after a reply that a person's *Stop server* broke off (docs/transcript.md).
+STOPPED_REPLY = "The reply above is cut off: llama-server was stopped while it was replying."
+#: The error after a reply whose way to its machine broke (``link``: what failed, in words).
+LINK_BROKEN_REPLY = "{link} The reply above is cut off; send another message once the machine answers."
 #: The result of a call whose arguments were not one JSON object (docs/behaviour.md §9, C04):
 #: the model is told why, so it can call again; the call is neither run nor asked about.
 MALFORMED_RESULT = (
@@ -107,6 +112,7 @@ FRAGMENT_STORE_EVERY = 0.5  # seconds: the longest streamed text waits to be sto
 #: Seconds between the starts of two reads of a reply's stream: tokens gather in the socket
 #: and are read, handed on and shown as one burst (completions.AbortableHTTP).
 READ_EVERY = FRAGMENT_FLUSH_EVERY
+PROGRESS_EVERY = 0.5  # seconds: the longest a watcher's "n / N tokens" lags behind
 INTERRUPT_POLL_EVERY = 0.5  # seconds: an interrupt stops the stream within about a second
 #: Seconds between two looks for an interrupt while a tool runs: Stop reply ends it within
 #: about half a second (the tool's own poll adds a few hundredths).
@@ -350,6 +356,10 @@ class Step:
         """Show the watchers a reply's text not stored yet (see :class:`Fragments`)."""
         broadcast.push_tail(self.session_id, after, kind, storable(text))
 
+    def progress(self, **state) -> None:
+        """Tell the watchers how far the completion is (broadcast.push_progress): never stored."""
+        broadcast.push_progress(self.session_id, state)
+
     def error(self, message: str, *, context_exceeded: bool = False) -> None:
         self.record(Kind.ERROR, {"message": message, **({"context_exceeded": True} if context_exceeded else {})})
 
@@ -363,13 +373,37 @@ class Step:
             pk=self.session_id, interrupt_requested=False, lease_owner=self.owner
         ).exists()
 
+    def server_stop_asked(self) -> bool:
+        """Whether a stop of the server on purpose broke this turn off: a stop is under way
+        or done (``lifecycle.stop_under_way``), or the session asks its turn to stop and no
+        ``interrupted`` event was recorded since the turn's message (``actions.do_stop``
+        asks before its stop task runs, without one; *Stop reply* always records one)."""
+        if lifecycle.stop_under_way(self.session_id):
+            return True
+        if not AgentSession.objects.filter(pk=self.session_id, interrupt_requested=True).exists():
+            return False
+        events = TranscriptEvent.objects.filter(session_id=self.session_id)
+        taken = events.filter(kind=Kind.MESSAGE_TAKEN).order_by("-seq").values_list("seq", flat=True).first() or 0
+        return not events.filter(kind=Kind.INTERRUPTED, seq__gt=taken).exists()
+
+    def stop_reason(self) -> TurnEnd:
+        """Why a turn asked to stop ends: ``stopped`` by a stop of its server, else ``interrupted``."""
+        return TurnEnd.STOPPED if self.server_stop_asked() else TurnEnd.INTERRUPTED
+
+    def cut_by_stop(self, produced: bool) -> TurnEnd:
+        """A reply broken off by *Stop server*: its text stays, a notice says it is cut, and
+        the turn ends ``stopped`` (the ``server_stopped`` event names who stopped it)."""
+        if produced:
+            self.record(Kind.NOTICE, {"message": STOPPED_REPLY})
+        return TurnEnd.STOPPED
+
     def run(self, resumed_after_loss: bool) -> None:
         session = AgentSession.objects.select_related("machine").get(pk=self.session_id)
         if session.status == Status.LOADING:
             return  # docs/behaviour.md §4: the message waits; start_server enqueues the step once ready
         events = load_events(self.session_id)
         if not transcript.open_turn(events) or session.interrupt_requested:
-            self.finish(TurnEnd.INTERRUPTED if session.interrupt_requested else TurnEnd.DONE)
+            self.finish(self.stop_reason() if session.interrupt_requested else TurnEnd.DONE)
             return
         if (resumed_after_loss or transcript.reply_cut_off(events)) and not transcript.pending_calls(events):
             # A step died mid-reply (its worker killed, or Redis or the database failing
@@ -470,16 +504,28 @@ class Step:
         watcher = threading.Thread(target=watch_interrupt, name=f"interrupt-{self.session_id}", daemon=True)
         watcher.start()
         stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
-            messages, tools=definitions, sampling=sampling
+            messages, tools=definitions, sampling=sampling, opens_thinking=bool(ready.get("opens_thinking"))
         )
         # Anything a person can see — text or reasoning that is not only white space — or a
         # call that can run: a reply with none of it is said to be empty (an empty
         # "<think></think>", a call the server never named).
         produced = False
+        # What the page's progress line says (docs/live-page.md, "Progress"): the prompt read
+        # so far (llama-server's prompt_progress), then the reply's tokens so far — one
+        # streamed chunk is one token — at most every PROGRESS_EVERY seconds.
+        tokens, shown_at = 0, 0.0
         try:
             for delta in stream:
                 if interrupted.is_set():
                     break
+                if isinstance(delta, Progress):
+                    self.progress(phase="prompt", processed=delta.processed, total=delta.total)
+                    continue
+                if isinstance(delta, TextDelta | ReasoningDelta | ToolCallFragment):
+                    tokens += 1
+                    if time.monotonic() - shown_at >= PROGRESS_EVERY:
+                        shown_at = time.monotonic()
+                        self.progress(phase="reply", tokens=tokens)
                 if isinstance(delta, TextDelta):
                     produced = produced or not delta.text.isspace()
                     pending.add(Kind.ASSISTANT_TEXT, delta.text)
@@ -498,6 +544,15 @@ class Step:
         except CompletionError as exc:
             pending.flush()  # what was seen stays (docs/behaviour.md §6: an interrupted reply is kept)
             if not interrupted.is_set():
+                if exc.status is None and self.server_stop_asked():
+                    # Stop server killed the server under the stream before the watcher saw
+                    # the flag: a person's stop, not a server failure.
+                    return self.cut_by_stop(produced)
+                link = lifecycle.link_broken(self.session_id) if exc.status is None else None
+                if link is not None:
+                    # It was the way to the machine that broke, not llama-server: say so.
+                    self.error(LINK_BROKEN_REPLY.format(link=link) if produced else link)
+                    return TurnEnd.ERROR
                 self.error(str(exc), context_exceeded=exc.context_exceeded)
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
                     lifecycle.check_session_server(self.session_id)
@@ -517,7 +572,7 @@ class Step:
                             "sampling_from": sources})
             self.record(Kind.USAGE, payload)
         if interrupted.is_set():
-            return TurnEnd.INTERRUPTED
+            return self.cut_by_stop(produced) if self.server_stop_asked() else TurnEnd.INTERRUPTED
         calls = assembler.calls()
         if not produced and not calls:
             self.record(Kind.NOTICE, {"message": EMPTY_REPLY})
@@ -590,7 +645,7 @@ class Step:
         for call in transcript.pending_calls(events):
             call_id, name = call["id"], call["tool"]
             if self.interrupted():
-                self.finish(TurnEnd.INTERRUPTED)
+                self.finish(self.stop_reason())
                 return False
             if call_id in running:
                 # Started by a worker that died: a command may have run; never re-run it silently.
@@ -627,7 +682,7 @@ class Step:
             if not self.execute(session, entry, call, server):
                 return False  # the server died under the call: its turn was ended with the session
             if self.interrupted():
-                self.finish(TurnEnd.INTERRUPTED)
+                self.finish(self.stop_reason())
                 return False
         return True
 

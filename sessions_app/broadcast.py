@@ -130,9 +130,24 @@ def _send(group: str, message: dict) -> None:
         log.warning("push of %s to %s lost (%s)", message.get("type"), group, exc)
 
 
+#: The Channels group of every page's attention socket (attention_app.consumers): each reads
+#: again, for its own reader, which questions wait for them (docs/attention.md).
+ATTENTION_GROUP = "attention"
+#: The events after which the questions waiting for someone may have changed.
+_ATTENTION_KINDS = frozenset({"question", "answered", "turn_end"})
+
+
+def push_attention(session_id: int) -> None:
+    """Tell every attention socket that the questions of a session changed (asked,
+    answered, its sharing changed, the session deleted). No list: each socket reads what
+    waits for its own reader, so a page never learns of a question it may not answer."""
+    _send(ATTENTION_GROUP, {"type": "attention.changed", "session_id": session_id})
+
+
 def push_session_gone(session_id: int) -> None:
     """Close every watcher's socket of a deleted session (the page says so: docs/live-page.md)."""
     _send(group_name(session_id), {"type": "session.gone"})
+    push_attention(session_id)
 
 
 def push_login_ended(session_key: str) -> None:
@@ -158,6 +173,8 @@ def push_event(session_id: int, seq: int, kind: str, payload: dict) -> None:
     been delivered.
     """
     _send(group_name(session_id), {"type": "transcript.event", "seq": seq, "kind": kind, "payload": payload})
+    if kind in _ATTENTION_KINDS or (kind == "settings" and "visibility" in payload):
+        push_attention(session_id)
 
 
 def push_tail(session_id: int, after: int, kind: str, text: str) -> None:
@@ -167,6 +184,15 @@ def push_tail(session_id: int, after: int, kind: str, text: str) -> None:
     transcript event: no seq, nothing stored; lost ones cost nothing (the stored event
     brings the same text)."""
     _send(group_name(session_id), {"type": "transcript.tail", "after": after, "kind": kind, "text": text})
+
+
+def push_progress(session_id: int, state: dict) -> None:
+    """Tell every watcher how far a completion has come: ``{"phase": "prompt",
+    "processed": n, "total": N}`` (prompt tokens read, llama-server's ``prompt_progress``)
+    or ``{"phase": "reply", "tokens": n}`` (tokens streamed so far). Not a transcript
+    event: nothing stored; a lost one is replaced by the next, and the page drops the line
+    when the turn ends."""
+    _send(group_name(session_id), {"type": "transcript.progress", "state": state})
 
 
 async def push_presence(session_id: int) -> None:

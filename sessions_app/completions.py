@@ -40,6 +40,7 @@ __all__ = [
     "Delta",
     "Finish",
     "InlineReasoning",
+    "Progress",
     "ReasoningDelta",
     "TextDelta",
     "ToolCall",
@@ -133,8 +134,9 @@ class Usage:
     ``completion_tokens``, ``cached_tokens`` (``usage.prompt_tokens_details.cached_tokens``).
     From llama-server's own ``timings`` object: ``prompt_n`` (prompt tokens processed this
     time), ``cache_n`` (prompt tokens reused from the prompt cache), ``predicted_n`` (tokens
-    generated), ``predicted_per_second`` and ``prompt_per_second`` (tokens per second).
-    Any field the server did not send is ``None``.
+    generated), ``predicted_per_second`` and ``prompt_per_second`` (tokens per second),
+    and with speculative decoding on (a draft model or MTP) ``draft_n`` (tokens drafted)
+    and ``draft_n_accepted`` (drafted tokens the model kept). Any field the server did not send is ``None``.
     """
 
     prompt_tokens: int | None = None
@@ -145,13 +147,26 @@ class Usage:
     predicted_n: int | None = None
     predicted_per_second: float | None = None
     prompt_per_second: float | None = None
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
 
     def as_payload(self) -> dict[str, Any]:
         """The fields that were sent, as a JSON-able dict (e.g. for a ``usage`` event)."""
         return {key: value for key, value in asdict(self).items() if value is not None}
 
 
-Delta = TextDelta | ReasoningDelta | ToolCallFragment | Finish | Usage
+@dataclass(frozen=True)
+class Progress:
+    """How far llama-server has read the prompt (``prompt_progress``, sent while it reads
+    when the request asks ``return_progress``): ``processed`` of ``total`` prompt tokens,
+    ``cache`` of them reused from the prompt cache (``processed`` counts those too)."""
+
+    total: int
+    processed: int
+    cache: int = 0
+
+
+Delta = TextDelta | ReasoningDelta | ToolCallFragment | Finish | Usage | Progress
 
 
 # --------------------------------------------------------------------------- errors
@@ -371,7 +386,7 @@ def _iter_lines(chunks: Iterable[bytes]) -> Iterator[str]:
 
 def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
     """One decoded ``chat.completion.chunk`` → its deltas, in this order:
-    reasoning, text, tool-call fragments, finish, usage.
+    prompt progress, reasoning, text, tool-call fragments, finish, usage.
 
     Only ``choices[0]`` is read (one completion per request). Empty or null ``content``
     / ``reasoning_content`` yield nothing. A :class:`Usage` is produced when the chunk has
@@ -386,6 +401,11 @@ def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
     if data.get("error") is not None:
         raise CompletionError._from_json(data, status=None, body_text=_dump(data))
     deltas: list[Delta] = []
+    progress = data.get("prompt_progress")
+    if isinstance(progress, Mapping):
+        total, processed = _as_int(progress.get("total")), _as_int(progress.get("processed"))
+        if total is not None and processed is not None:
+            deltas.append(Progress(total=total, processed=processed, cache=_as_int(progress.get("cache")) or 0))
     choices = data.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices else None
     finished = False
@@ -438,6 +458,8 @@ def _usage(usage: Any, timings: Any) -> Usage:
         predicted_n=_as_int(timings.get("predicted_n")),
         predicted_per_second=_as_float(timings.get("predicted_per_second")),
         prompt_per_second=_as_float(timings.get("prompt_per_second")),
+        draft_n=_as_int(timings.get("draft_n")),
+        draft_n_accepted=_as_int(timings.get("draft_n_accepted")),
     )
 
 
@@ -457,14 +479,30 @@ class InlineReasoning:
     Tags split across chunks (``"<thi"`` + ``"nk>"``) are held back until they can be told
     apart from text, so nothing is shown twice or lost; whitespace right after
     ``</think>`` is dropped. A reply that ends inside ``<think>`` is all reasoning.
+
+    ``opened``: the generation prompt already opened the thinking block (the chat
+    templates of R1-style distills end it with ``<think>``), so the reply starts inside
+    it and carries only the closing ``</think>``: everything before that is reasoning.
+    A server that splits the reasoning out itself (``reasoning_content``) says so with
+    its first reasoning delta: :meth:`server_splits` then reads the rest as answer.
     """
 
-    def __init__(self) -> None:
-        self.state = "start"  # "start" → "thinking" → "answer", or "start" → "answer"
+    def __init__(self, *, opened: bool = False) -> None:
+        # "start" → "thinking" → "after" → "answer", or "start" → "answer"
+        self.state = "thinking" if opened else "start"
+        self.opened = opened
+        self.fed = False
         self.held = ""
+
+    def server_splits(self) -> None:
+        """The server sent reasoning in a field of its own: it closed the opened block
+        itself, so no ``</think>`` will come in ``content``."""
+        if self.opened and self.state == "thinking" and not self.fed:
+            self.state = "start"
 
     def feed(self, text: str) -> list[Delta]:
         self.held += text
+        self.fed = self.fed or bool(text)
         out: list[Delta] = []
         while True:
             if self.state == "start":
@@ -506,6 +544,19 @@ class InlineReasoning:
         if not held or (self.state in ("start", "after") and not held.strip()):
             return []
         return [ReasoningDelta(held) if self.state == "thinking" else TextDelta(held)]
+
+
+def _split_inline(deltas: list[Delta], inline: InlineReasoning) -> Iterator[Delta]:
+    """One chunk's deltas with its text passed through ``inline`` (reasoning in
+    ``<think>`` split out); text ``inline`` holds back comes before whatever else follows."""
+    for delta in deltas:
+        if isinstance(delta, TextDelta):
+            yield from inline.feed(delta.text)
+            continue
+        if isinstance(delta, ReasoningDelta):
+            inline.server_splits()
+        yield from inline.flush()
+        yield delta
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -554,15 +605,18 @@ class CompletionClient:
         """The JSON body :meth:`stream` sends.
 
         ``{**sampling, "messages", "stream": true, "stream_options": {"include_usage":
-        true}}`` plus ``"tools"`` only when ``tools`` is non-empty. Sampling keys
+        true}, "return_progress": true}`` plus ``"tools"`` only when ``tools`` is non-empty. Sampling keys
         (``temperature``, ``top_k``, ``seed``, …) pass through as given but cannot
-        override ``messages``, ``stream``, ``stream_options`` or ``tools``.
+        override ``messages``, ``stream``, ``stream_options``, ``return_progress`` or ``tools``.
         """
         body: dict[str, Any] = dict(sampling or {})
         body.pop("tools", None)
         body["messages"] = messages
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
+        # llama-server says how far it has read a long prompt (Progress): the page shows it,
+        # and the bytes keep an SSH forward from looking idle before the first token.
+        body["return_progress"] = True
         if tools:
             body["tools"] = tools
         return body
@@ -573,8 +627,13 @@ class CompletionClient:
         *,
         tools: list[dict[str, Any]] | None = None,
         sampling: Mapping[str, Any] | None = None,
+        opens_thinking: bool = False,
     ) -> Generator[Delta, None, None]:
         """POST ``/v1/chat/completions`` and yield the deltas as they arrive.
+
+        ``opens_thinking``: the server's generation prompt ends inside an opened
+        ``<think>`` block (:func:`machines_app.llama_server.prompt_opens_thinking`), so the
+        reply's text up to ``</think>`` is reasoning (:class:`InlineReasoning`).
 
         ``messages`` are OpenAI chat messages; ``tools`` OpenAI function definitions;
         ``sampling`` extra body keys (see :meth:`request_body`). Nothing is sent until
@@ -593,12 +652,13 @@ class CompletionClient:
         """
         body = self.request_body(messages, tools=tools, sampling=sampling)
         if self._http is not None:
-            yield from self._stream(self._http, body)
+            yield from self._stream(self._http, body, opens_thinking)
             return
         with httpx.Client(verify=tls_context()) as http:
-            yield from self._stream(http, body)
+            yield from self._stream(http, body, opens_thinking)
 
-    def _stream(self, http: httpx.Client, body: dict[str, Any]) -> Generator[Delta, None, None]:
+    def _stream(self, http: httpx.Client, body: dict[str, Any], opens_thinking: bool = False
+                ) -> Generator[Delta, None, None]:
         url = self.base_url + CHAT_COMPLETIONS_PATH
         deadline = time.monotonic() + self.timeout
         timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout))
@@ -610,23 +670,18 @@ class CompletionClient:
                     raise CompletionError.from_body(response.status_code, _read_text(response))
                 content_type = response.headers.get("content-type", "")
                 if "text/event-stream" not in content_type:
-                    yield from self._whole_body(response, content_type)
+                    yield from self._whole_body(response, content_type, opens_thinking)
                     return
                 chunks = self._until(deadline, response.iter_bytes())
-                inline = InlineReasoning()
+                inline = InlineReasoning(opened=opens_thinking)
                 finished = False
                 for data in iter_sse_data(_iter_lines(chunks)):
                     if data.strip() == _DONE:
                         finished = True
                         break
-                    for delta in parse_chunk(_decode_chunk(data)):
-                        if isinstance(delta, TextDelta):
-                            yield from inline.feed(delta.text)
-                            continue
-                        if isinstance(delta, Finish):
-                            finished = True
-                        yield from inline.flush()  # held text comes before what follows it
-                        yield delta
+                    deltas = parse_chunk(_decode_chunk(data))
+                    yield from _split_inline(deltas, inline)
+                    finished = finished or any(isinstance(delta, Finish) for delta in deltas)
                 yield from inline.flush()
                 if not finished:
                     # A clean end of stream is not a finished reply: only a finish_reason or
@@ -645,14 +700,20 @@ class CompletionClient:
                 f"llama-server at {self.base_url} closed the connection before replying ({exc})"
             ) from exc
 
-    def _whole_body(self, response: httpx.Response, content_type: str) -> Iterator[Delta]:
-        """A 2xx that is not an event stream: a whole JSON completion or error, else an error."""
+    def _whole_body(self, response: httpx.Response, content_type: str, opens_thinking: bool) -> Iterator[Delta]:
+        """A 2xx that is not an event stream: a whole JSON completion or error, else an error.
+        Read as a stream of one chunk: its ``<think>`` split out the same way, and a body
+        whose ``finish_reason`` is null (or missing) a cut-off reply, as a stream that
+        ended without one is (docs/transcript.md, "How a reply ends")."""
         text = _read_text(response)
-        if "json" in content_type:
-            decoded = _decode_chunk(text)
-            yield from parse_chunk(decoded)
-            return
-        raise CompletionError.from_body(response.status_code, text)
+        if "json" not in content_type:
+            raise CompletionError.from_body(response.status_code, text)
+        deltas = parse_chunk(_decode_chunk(text))
+        inline = InlineReasoning(opened=opens_thinking)
+        yield from _split_inline(deltas, inline)
+        yield from inline.flush()
+        if not any(isinstance(delta, Finish) for delta in deltas):
+            raise CompletionError(INCOMPLETE_REPLY)
 
     def _until(self, deadline: float, chunks: Iterable[bytes]) -> Iterator[bytes]:
         for chunk in chunks:

@@ -41,12 +41,15 @@ from .presenters import (
     ALLOWANCE_KINDS,
     BLOCK_KINDS,
     TOOL_KINDS,
+    VERSION_KINDS,
     TranscriptView,
     Viewer,
     context_size,
     prime_window,
+    progress_text,
     render_presence,
 )
+from .transcript import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +206,8 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             await self.transcript_event(message)
         elif message.get("type") == "transcript.tail":
             await self.transcript_tail(message)
+        elif message.get("type") == "transcript.progress":
+            await self.transcript_progress(message)
         else:
             await super().dispatch(message)
 
@@ -219,6 +224,16 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         if BLOCK_KINDS.get(message["kind"]) != block.type:
             return
         await self.send_json({"ops": [{"op": "tail", "id": block.dom_id, "text": message["text"]}]})
+
+    async def transcript_progress(self, message: dict) -> None:
+        """How far a completion has come (broadcast.push_progress), as
+        ``{"ops": [{"op": "progress", "text": …}]}`` without a seq: the page shows the
+        sentence in #progress until the turn ends (docs/live-page.md, "Progress")."""
+        if self.cut_off:
+            return
+        text = progress_text(message.get("state") or {})
+        if text:
+            await self.send_json({"ops": [{"op": "progress", "text": text}]})
 
     async def transcript_event(self, message: dict) -> None:
         seq = message["seq"]
@@ -335,7 +350,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     def _allowance_events(self, upto: int) -> list[TranscriptEvent]:
         """What the list of allowances folds from, up to seq ``upto`` (sync thread of feed())."""
-        return load_kinds(self.session_id, ALLOWANCE_KINDS, upto=upto)
+        return load_kinds(self.session_id, [*ALLOWANCE_KINDS, Kind.IMPORTED], upto=upto)
 
     @database_sync_to_async
     def _may_grant(self) -> bool:
@@ -373,4 +388,5 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             tail.append(event)
             if len(prime_window([event])) == 0:
                 break
+        self.renderer.know_messages(load_kinds(self.session_id, VERSION_KINDS, upto=self.last_sent))
         self.renderer.prime(prime_window(tail[::-1]))

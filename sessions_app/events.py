@@ -15,7 +15,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
-from . import broadcast
+from . import broadcast, dispatch
 from .models import AgentSession, TranscriptEvent
 from .transcript import Kind, check_payload
 
@@ -58,6 +58,9 @@ def append(session: AgentSession, kind: str, payload: dict) -> TranscriptEvent:
     event = TranscriptEvent.objects.create(session_id=session.pk, seq=session.last_seq, kind=kind, payload=payload)
     AgentSession.objects.filter(pk=session.pk).update(last_seq=session.last_seq, last_activity_at=timezone.now())
     transaction.on_commit(lambda: broadcast.push_event(session.pk, event.seq, kind, payload))
+    if kind == Kind.QUESTION:
+        # Whoever may answer is told on their devices when no page of theirs shows it (docs/attention.md).
+        dispatch.enqueue_on_commit(dispatch.PUSH_QUESTION, session.pk, payload.get("id", ""))
     return event
 
 
@@ -115,7 +118,7 @@ def load_queue_events(session_id: int, *, upto: int) -> list[TranscriptEvent]:
              .order_by("seq").values_list("seq", flat=True).first())
     if first is None:
         return []
-    kinds = [Kind.MESSAGE_QUEUED, Kind.MESSAGE_TAKEN, Kind.MESSAGE_DROPPED]
+    kinds = [Kind.MESSAGE_QUEUED, Kind.MESSAGE_TAKEN, Kind.MESSAGE_DROPPED, Kind.IMPORTED]
     return load_kinds(session_id, kinds, upto=upto, after=first - 1)
 
 
@@ -133,3 +136,11 @@ def load_turns(session_id: int, turns: int, *, before: int | None = None) -> tup
     if before is not None:
         events = events.filter(seq__lt=before)
     return list(events.order_by("seq")), start
+
+
+def turns_since(session_id: int, seq: int) -> int:
+    """How many turns a page must show to reach back to the event ``seq``: the turns that
+    start after it, and the one it is in (a search result links to an earlier message)."""
+    if seq >= 2**63:
+        return 1
+    return TranscriptEvent.objects.filter(session_id=session_id, kind=Kind.MESSAGE_TAKEN, seq__gt=seq).count() + 1

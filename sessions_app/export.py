@@ -16,6 +16,8 @@ Two shapes, both pure functions of the stored events (no ORM here):
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -26,9 +28,9 @@ from markdown_it import MarkdownIt
 
 from . import callcard
 from .allowances import label as allowance_label
-from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload
+from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload, image_refs
 
-__all__ = ["read_jsonl", "to_jsonl", "to_markdown"]
+__all__ = ["read_export", "read_jsonl", "to_jsonl", "to_markdown"]
 
 
 def _created_at(event: EventLike) -> str | None:
@@ -41,26 +43,63 @@ def _created_at(event: EventLike) -> str | None:
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def to_jsonl(events: Iterable[EventLike]) -> Iterator[str]:
+#: ``image_data(ref)`` → the stored bytes of an image reference, or None when they are gone.
+ImageData = Callable[[dict], "bytes | None"]
+
+
+def to_jsonl(events: Iterable[EventLike], *, image_data: ImageData | None = None) -> Iterator[str]:
     """One line per event (with its ``\\n``), in the order given (callers pass seq order).
     Non-ASCII text is written as is (UTF-8) but for the Unicode line breaks U+0085, U+2028
-    and U+2029, which are escaped; keys keep the stored payload's order."""
+    and U+2029, which are escaped; keys keep the stored payload's order.
+
+    With ``image_data``, the bytes of every image the messages carry follow the events,
+    one line each: ``{"image": {"sha256", "media_type", "size", "data": base64}}`` (an
+    image whose file is gone is left out), so an import can attach them again
+    (:func:`read_export`)."""
+    refs: dict[str, dict] = {}
     for event in events:
         line = {"seq": event.seq, "kind": event.kind, "payload": event.payload, "created_at": _created_at(event)}
         yield json.dumps(line, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+        if image_data is not None and event.kind in (Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED):
+            for ref in image_refs(event.payload):
+                refs.setdefault(ref["sha256"], ref)
+    for ref in refs.values():
+        data = image_data(ref) if image_data is not None else None
+        if data is not None:
+            image = {"sha256": ref["sha256"], "media_type": ref["media_type"], "size": len(data),
+                     "data": base64.b64encode(data).decode("ascii")}
+            yield json.dumps({"image": image}) + "\n"
 
 
 def read_jsonl(text: str) -> list[Event]:
-    """The events of a :func:`to_jsonl` file. Raises :class:`InvalidEvent` naming the line
-    for a line that is not JSON, lacks ``seq``/``kind``/``payload``, or whose payload does
-    not fit its kind."""
+    """The events of a :func:`to_jsonl` file (its image lines are skipped: see
+    :func:`read_export`). Raises :class:`InvalidEvent` naming the line for a line that is
+    not JSON, lacks ``seq``/``kind``/``payload``, or whose payload does not fit its kind."""
+    return read_export(text)[0]
+
+
+#: The sha256 of an image, as its file is named: 64 lowercase hex digits.
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def read_export(text: str) -> tuple[list[Event], dict[str, tuple[str, bytes]], list[int]]:
+    """The events and the image bytes of a :func:`to_jsonl` file: ``(events, {sha256:
+    (media_type, bytes)}, lines)``, ``lines`` the line number of each event. Raises :class:`InvalidEvent` naming the line for a line that
+    is neither an exported event (see :func:`read_jsonl`) nor an image line whose data is
+    base64 whose SHA-256 is the one it names."""
     events = []
+    lines = []
+    images: dict[str, tuple[str, bytes]] = {}
     # JSON Lines ends a line with "\n" (or "\r\n") only: a U+2028 inside a string is text.
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
             entry = json.loads(line)
+            if isinstance(entry, dict) and "image" in entry and "kind" not in entry:
+                sha256, media_type, data = _image_line(entry["image"])
+                images[sha256] = (media_type, data)
+                continue
             seq, kind, payload = entry["seq"], entry["kind"], entry["payload"]
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidEvent(f"line {number}: not an exported event ({exc})") from None
@@ -71,7 +110,22 @@ def read_jsonl(text: str) -> list[Event]:
         except InvalidEvent as exc:
             raise InvalidEvent(f"line {number}: {exc}") from None
         events.append(Event(seq=seq, kind=kind, payload=payload))
-    return events
+        lines.append(number)
+    return events, images, lines
+
+
+def _image_line(image: Any) -> tuple[str, str, bytes]:
+    """``(sha256, media_type, bytes)`` of an image line's object; ValueError when it is
+    not one, or its bytes do not hash to the name it gives them."""
+    if not isinstance(image, dict) or not isinstance(image.get("data"), str):
+        raise ValueError("an image line needs sha256, media_type and data")
+    sha256, media_type = image.get("sha256"), image.get("media_type")
+    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256) or not isinstance(media_type, str):
+        raise ValueError("an image line needs sha256 (64 hex digits) and media_type")
+    data = base64.b64decode(image["data"], validate=True)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"the image data does not hash to {sha256}")
+    return sha256, media_type, data
 
 
 def _fence(text: str, info: str = "") -> str:
@@ -200,11 +254,55 @@ def _usage_line(payload: dict) -> str:
     return " · ".join(parts)
 
 
-#: The kinds :func:`to_markdown` writes a block for (besides replies, reasoning and interrupts).
+#: The kinds :func:`to_markdown` writes a block for (besides replies, reasoning, interrupts
+#: and the server's stops, which are written as notes after a reply still open).
 _WRITTEN = frozenset({
     Kind.MESSAGE_TAKEN, Kind.TOOL_START, Kind.TOOL_END, Kind.ANSWERED, Kind.ERROR, Kind.NOTICE, Kind.USAGE,
-    Kind.CLEARED, Kind.SERVER_READY, Kind.ALLOWANCE_REVOKED,
+    Kind.CLEARED, Kind.SERVER_READY, Kind.ALLOWANCE_REVOKED, Kind.IMPORTED,
 })
+
+#: What a turn that ended with a reply still open says, by its ``turn_end`` reason, for a
+#: transcript that carries no notice of the cut (one written before such notices).
+_CUT_ENDINGS = {"stopped": "*The reply above is cut off: llama-server was stopped while it was replying.*"}
+
+
+def imported_text(payload: Any) -> str:
+    """The note after the events an ``imported`` event brought in (docs/transcript.md,
+    "Import"), as the page and the Markdown export say it."""
+    who = actor(payload)
+    count = payload.get("events") if isinstance(payload, dict) else None
+    return (f"Imported by {who['username'] if who else 'someone'} from an export: the {count} events above came "
+            "from it. Who did what there is kept as names only, and nothing allowed there is allowed here.")
+
+
+def _server_stopped(payload: dict) -> str:
+    """The note of a ``server_stopped`` event, as the page words it."""
+    who = actor(payload)
+    name = _plain(who["username"]) if who else ""
+    reason = payload.get("reason")
+    if reason == "idle":
+        done = f"put to sleep by {name}" if name else "put to sleep after its idle time"
+        return f"*llama-server {done}. The next message starts it again.*"
+    if reason == "restart":
+        return "*llama-server stopped for the restart.*"
+    return f"*llama-server stopped by {name}.*" if name else "*llama-server stopped.*"
+
+
+def _excerpt(text: str, limit: int = 80) -> str:
+    text = re.sub(r"\s+", " ", text).strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _again(payload: dict, taken: dict[int, dict]) -> str:
+    """The line above a message sent again (Regenerate, Edit): which message it replaced,
+    so a reader can tell which reply the model no longer saw."""
+    how = "Edited and sent again" if payload.get("edited") else "Sent again (Regenerate)"
+    replaced = taken.get(payload.get("replaces")) if isinstance(payload.get("replaces"), int) else None
+    if replaced is None:
+        return f"*{how}: the model no longer saw the message it replaces, its reply or anything after it.*"
+    said = _plain(_excerpt(str(replaced.get("text") or ""))) or "a message with no text"
+    return (f"*{how} in place of {_who(replaced, 'User')}'s message “{said}”: the model no longer saw that "
+            "message, its reply or anything after it.*")
 
 
 def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: ImageLink | None = None) -> str:
@@ -215,15 +313,19 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
     run_kind: str | None = None  # the reply text or reasoning being joined
     run: list[str] = []
     calls: dict[str, dict] = {}
+    taken: dict[int, dict] = {}  # message_taken payloads by seq: what a message sent again replaced
+    reply_last = False  # the last block written is a reply (a turn ending "stopped" then cut it)
+    slept = False  # the last stop put the server to sleep: its next restart wakes it
     # Notes that arrive while a reply still streams (an interrupt is recorded at the click,
     # the reply's last fragments after it): written after the reply, never splitting it.
     notes: list[str] = []
 
     def close_run() -> None:
-        nonlocal run_kind, run
+        nonlocal run_kind, run, reply_last
         text = "".join(run)
         if run_kind == Kind.ASSISTANT_TEXT and text.strip():
             out.append(f"**Model:**\n\n{_contained(text.strip())}")
+            reply_last = True
         elif run_kind == Kind.REASONING and text.strip():
             out.append(f"<details><summary>Reasoning</summary>\n\n{_fence(text.strip())}\n\n</details>")
         run_kind, run = None, []
@@ -238,21 +340,39 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
                 run_kind = kind
             run.append(str(payload.get("text") or ""))
             continue
+        note = None
         if kind == Kind.INTERRUPTED:
-            notes.append(f"*Interrupted by {_who(payload, 'someone')}.*")
+            note = f"*Interrupted by {_who(payload, 'someone')}.*"
+        elif kind == Kind.SERVER_STOPPED:
+            note, slept = _server_stopped(payload), payload.get("reason") == "idle"
+        elif kind == Kind.STATUS and payload.get("status") == "loading" and actor(payload):
+            # A person's Restart, or a message waking a sleeping server (docs/transcript.md).
+            note = f"*llama-server {'woken' if slept else 'restarted'} by {_who(payload, 'someone')}.*"
+            slept = False
+        if note is not None:
+            notes.append(note)
             if run_kind is None:
                 close_run()
+            continue
+        if kind == Kind.TURN_END and payload.get("reason") in _CUT_ENDINGS:
+            close_run()
+            if reply_last:
+                out.append(_CUT_ENDINGS[payload["reason"]])
+            reply_last = False
             continue
         if kind not in _WRITTEN and kind != Kind.TURN_END:
             # Writes nothing here (a status, the tool catalogue, …): a reply open across
             # it goes on, e.g. past the ``stopped`` status of a Stop server mid-reply.
             continue
         close_run()
+        reply_last = False
         if kind == Kind.MESSAGE_TAKEN:
+            taken[event.seq] = payload
             text = str(payload.get("text") or "")
             refs = _image_refs(payload.get("images"), image_url)
             body = "\n\n".join([_contained(text), *refs]) if refs else _contained(text)
-            out.append(f"**{_who(payload, 'User')}:**\n\n{body}")
+            again = f"{_again(payload, taken)}\n\n" if payload.get("replaces") is not None else ""
+            out.append(f"{again}**{_who(payload, 'User')}:**\n\n{body}")
         elif kind == Kind.TOOL_START:
             calls[str(payload.get("id"))] = payload
             name = payload.get("display_name") or payload.get("tool") or "?"
@@ -281,5 +401,7 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
             out.append(f"---\n\n*Conversation cleared by {_who(payload, 'someone')}; the model saw nothing above.*")
         elif kind == Kind.SERVER_READY:
             out.append(f"*llama-server ready with {_plain(payload.get('model', ''))}.*")
+        elif kind == Kind.IMPORTED:
+            out.append(f"---\n\n*{_plain(imported_text(payload))}*")
     close_run()
     return "\n\n".join(out) + "\n"

@@ -12,6 +12,7 @@ from machines_app.models import Machine, ModelFile
 from machines_app.transports import TransportError
 from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
+from . import room
 from .actions import SessionError, check_message, check_permission_mode, check_system_prompt, check_title, may_bypass
 from .models import AgentSession, DeploymentSettings
 
@@ -61,6 +62,14 @@ class NewSessionForm(forms.Form):
     max_tokens = forms.IntegerField(required=False, min_value=1, max_value=4_194_304)
     seed = forms.IntegerField(required=False, min_value=0, max_value=2**32 - 1)
 
+    # Import (docs/transcript.md, "Import"): a JSON Lines export the new session starts from.
+    transcript = forms.FileField(
+        label="Start from an export", required=False,
+        help_text="A session's JSON Lines export (.jsonl): the new session holds its conversation and goes on "
+        "from it. Who did what there is kept as names; nothing granted there is allowed here.",
+        widget=forms.FileInput(attrs={"accept": ".jsonl,application/x-ndjson,application/json"}),
+    )
+
     SERVER_FIELDS = ("contextSize", "gpuLayers", "threads", "speculative")
     SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed")
 
@@ -76,6 +85,8 @@ class NewSessionForm(forms.Form):
             ]
         self.chosen_machine = machine = self._chosen_machine()
         self.model_choices = list(catalog.models_for(machine)) if machine else []
+        if machine is not None:
+            room.mark_fits(machine, self.model_choices)
         self.fields["model_key"].choices = [
             (m.key, m.display_name if m.is_complete else f"{m.display_name} — {m.problem}") for m in self.model_choices
         ]
@@ -139,6 +150,8 @@ class NewSessionForm(forms.Form):
             else:
                 if refusal := catalog.context_refusal(model, data.get("contextSize")):
                     self.add_error("contextSize", refusal)
+                elif refusal := room.never_fits(machine, key, chosen_server_params(data)):
+                    self.add_error("model_key", refusal)
         if machine and data.get("working_dir"):
             try:
                 data["working_dir"] = check_working_dir(self.user, machine, data["working_dir"])
@@ -150,14 +163,19 @@ class NewSessionForm(forms.Form):
 
     def server_params(self) -> dict:
         """The server flags chosen; ``speculative`` only when turned off ("auto" is the default)."""
-        return {
-            k: self.cleaned_data[k]
-            for k in self.SERVER_FIELDS
-            if self.cleaned_data.get(k) not in (None, "") and not (k == "speculative" and self.cleaned_data[k] == "auto")
-        }
+        return chosen_server_params(self.cleaned_data)
 
     def sampling(self) -> dict:
         return {k: self.cleaned_data[k] for k in self.SAMPLING_FIELDS if self.cleaned_data.get(k) is not None}
+
+
+def chosen_server_params(data: dict) -> dict:
+    """The server flags in a form's cleaned ``data``; ``speculative`` only when turned off."""
+    return {
+        k: data[k]
+        for k in NewSessionForm.SERVER_FIELDS
+        if data.get(k) not in (None, "") and not (k == "speculative" and data[k] == "auto")
+    }
 
 
 def show_model_defaults(form: forms.Form, model: ModelFile | None) -> None:

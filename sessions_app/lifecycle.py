@@ -31,6 +31,7 @@ from machines_app.llama_server import (
     build_argv,
     explain_start_failure,
     new_api_key,
+    prompt_opens_thinking,
     read_props,
     restore_slot,
     save_slot,
@@ -57,9 +58,10 @@ from machines_app.transports import (
     transport_for,
 )
 
-from . import dispatch, orphans, tools, turns
-from .events import change_status, locked, record_error, record_event, set_status
+from . import dispatch, orphans, room, tools, turns
+from .events import append, change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
+from .server_state import idle_sessions, start_live  # noqa: F401 — callers still ask lifecycle.start_live
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -135,11 +137,6 @@ def start_ttl() -> timedelta:
     return timedelta(seconds=settings.CORRAL_START_CLAIM_SECONDS)
 
 
-def start_live(session: AgentSession) -> bool:
-    """Whether a start (or restart) of the session's server is under way, as read from
-    ``session``: its claim is held and was renewed lately. A start lost with its worker
-    or with the broker holds none, and the session may be restarted."""
-    return bool(session.start_owner) and session.start_expires is not None and session.start_expires > timezone.now()
 
 
 def _claim_start(session_id: int, owner: str) -> bool:
@@ -234,7 +231,14 @@ def _start(session_id: int) -> None:
                 _go_on(session.pk)
             return
         record.delete()
-    _spawn(session, transport)
+    # Room on the machine first (docs/behaviour.md §5): a start that does not fit waits in
+    # line or is refused before anything is spawned; one let through counts until ready.
+    if not room.admit(session, transport, sleep=sleep_server, fail=_fail):
+        return
+    try:
+        _spawn(session, transport)
+    finally:
+        room.release(session.pk)
 
 
 def _wait_for_stop(record: ServerRecord, transport: Transport) -> ServerRecord | None:
@@ -451,6 +455,8 @@ def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bo
     model = ModelFile.objects.filter(machine=session.machine, key=record.model_key).first()
     ready = {"model_key": record.model_key, "model": model.display_name if model else record.model_key,
              **server_facts(model, props)}
+    if _opens_thinking(endpoint):
+        ready["opens_thinking"] = True
     if warm:
         ready["warm_tokens"] = warm
     record_event(session.pk, Kind.SERVER_READY, ready)
@@ -587,6 +593,17 @@ def _read_props(session_id: int, server: Endpoint) -> ServerProps | None:
         return None
 
 
+def _opens_thinking(server: Endpoint) -> bool:
+    """Whether the ready server's prompt opens a thinking block (rendered once per start:
+    :func:`machines_app.llama_server.prompt_opens_thinking`); False when it cannot say
+    (an older build without ``/apply-template``): replies are then read as they come."""
+    try:
+        return prompt_opens_thinking(server)
+    except (httpx.HTTPError, ValueError) as exc:
+        log.info("could not render the chat template of %s: %s", server.url, exc)
+        return False
+
+
 def server_facts(model: ModelFile | None, props: ServerProps | None) -> dict:
     """What a ready server says about its chat template and sampling defaults
     (``props``: its ``GET /props``, docs/behaviour.md §17; None when it did not answer),
@@ -618,11 +635,13 @@ def record_catalogue(session_id: int, server: Endpoint) -> None:
     record_event(session_id, Kind.CATALOGUE, {"tools": catalogue.as_payload()})
 
 
-def _stop_process(session_id: int, *, stopped: dict | None = None, claimed: bool = False) -> bool:
+def _stop_process(session_id: int, *, stopped: dict | None = None, claimed: bool = False,
+                  status: str | None = None) -> bool:
     """Save the slot (a ready server's prompt cache, docs/behaviour.md §5), then SIGTERM, a
     grace period, then SIGKILL, and only then clear the record (docs/behaviour.md C21).
     ``stopped``: a ``server_stopped`` payload to record before the record goes (so a start
-    waiting for this stop follows it in the transcript).
+    waiting for this stop follows it in the transcript), with ``status`` the session's
+    status from then on (in the same transaction).
 
     One stop at a time: the record's ``stopping`` flag is claimed with a conditional
     UPDATE (``claimed``: the caller already did, as an idle stop does); a stop that finds
@@ -644,9 +663,13 @@ def _stop_process(session_id: int, *, stopped: dict | None = None, claimed: bool
         # finishes it when the machine answers (docs/behaviour.md §5 "no orphans").
         orphans.defer_stop(machine_place(record.machine), record.pid, record.start_time, record.port, session_id, exc)
     transport.release_port(record.port)
-    if stopped is not None:
-        record_event(session_id, Kind.SERVER_STOPPED, stopped)
-    record.delete()
+    with transaction.atomic():
+        session = locked(session_id)
+        if stopped is not None:
+            append(session, Kind.SERVER_STOPPED, stopped)
+        if status is not None:
+            change_status(session, status)
+        record.delete()
     return True
 
 
@@ -701,12 +724,20 @@ def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = N
     questions closed as refusals); queued messages wait for a restart (docs/behaviour.md §8, §10).
     ``by`` is who asked (``actions.by``), None when Corral itself stops it.
 
-    The status changes first, so the turn that the stop breaks off does not hand the
-    queue to a server that is going away.
+    The status changes, with the ``server_stopped`` event, only once the process is gone:
+    a Restart asked meanwhile follows the stop in the transcript, never precedes it
+    (``actions.do_restart`` refuses while a stop is under way). The turn the stop breaks
+    off hands nothing on meanwhile (``turns.finish_turn`` with ``stopped``).
     """
-    set_status(session_id, Status.STOPPED)
-    _stop_process(session_id)
-    record_event(session_id, Kind.SERVER_STOPPED, {"reason": reason, **({"by": by} if by else {})})
+    stopped = {"reason": reason, **({"by": by} if by else {})}
+    if not _stop_process(session_id, stopped=stopped, status=Status.STOPPED):
+        # No server here (it exited) or another stop stopped it: still stopped on purpose,
+        # unless a restart took over meanwhile (loading).
+        with transaction.atomic():
+            session = locked(session_id)
+            if session.status != Status.LOADING and session.status != Status.STOPPED:
+                append(session, Kind.SERVER_STOPPED, stopped)
+                change_status(session, Status.STOPPED)
     turns.finish_if_unheld(session_id, TurnEnd.STOPPED)
 
 
@@ -753,22 +784,6 @@ def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict
     return True
 
 
-def idle_sessions(machine: Machine | None = None) -> list[int]:
-    """Sessions whose server has been idle longer than their machine's idle time (or, with
-    ``machine``, every idle one of that machine, for its "stop all idle"), oldest first."""
-    rows = ServerRecord.objects.filter(
-        ready_at__isnull=False, stopping=False, session__status=Status.IDLE, session__turn_active=False
-    )
-    if machine is not None:
-        rows = rows.filter(machine=machine)
-    else:
-        now = timezone.now()
-        rows = rows.filter(machine__idle_stop_seconds__isnull=False).select_related("session", "machine")
-        return [
-            r.session_id for r in rows.order_by("session__last_activity_at")
-            if r.session.last_activity_at <= now - timedelta(seconds=r.machine.idle_stop_seconds)
-        ]
-    return list(rows.order_by("session__last_activity_at").values_list("session_id", flat=True))
 
 
 def sleep_idle_servers() -> list[int]:
@@ -801,7 +816,7 @@ def recover_starts() -> list[int]:
     lost = AgentSession.objects.filter(
         Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now),
         status=Status.LOADING, last_activity_at__lt=stale,
-    ).values_list("pk", flat=True)
+    ).exclude(memory_claim__granted=False).values_list("pk", flat=True)  # waiting for memory: room.admit_waiting
     found = list(lost)
     for session_id in found:
         record_event(session_id, Kind.NOTICE, {"message": LOST_START})
@@ -835,6 +850,29 @@ def check_session_server(session_id: int) -> None:
               .select_related("machine", "session").first())
     if record is not None:
         check_server(record)
+
+
+def stop_under_way(session_id: int) -> bool:
+    """Whether the session's server is being stopped on purpose (its record claimed
+    ``stopping``) or was (status ``stopped``): a reply it breaks off was stopped, not failed."""
+    return (ServerRecord.objects.filter(session_id=session_id, stopping=True).exists()
+            or AgentSession.objects.filter(pk=session_id, status=Status.STOPPED).exists())
+
+
+def link_broken(session_id: int) -> str | None:
+    """Why the way to the session's machine is broken, in words, when a reply's connection
+    just broke off because of it (an SSH link gone: docs/ssh.md), else None. Asks the
+    machine whether the server's process runs; a machine that cannot be asked makes the
+    session ``unknown`` (the watch brings it back once the machine answers)."""
+    record = ServerRecord.objects.filter(session_id=session_id).select_related("machine").first()
+    if record is None:
+        return None
+    try:
+        transport_for(record.machine).process_alive(_proc(record))
+    except TransportError as exc:
+        set_status(session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
+        return f"The link to machine '{record.machine.name}' broke while llama-server was replying. {_unknown_sentence(exc)}"
+    return None
 
 
 def server_gone(session_id: int) -> bool:

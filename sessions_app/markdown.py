@@ -17,6 +17,10 @@ Three layers, each sufficient on its own for the script-injection case:
    ``https`` and ``mailto`` URLs (relative ones are removed) and get
    ``rel="noopener noreferrer nofollow"``.
 
+TeX between dollars becomes MathML (:mod:`sessions_app.tex`): the allow-list keeps the
+MathML elements and presentation attributes latex2mathml writes, nothing that links or
+styles.
+
 Images are never loaded from model output (a remote image is a way to leak data by URL
 the moment the page renders): ``![alt](url)`` renders as its alt text.
 
@@ -39,6 +43,8 @@ from pygments import highlight as pygments_highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
+
+from .tex import MATHML_ATTRIBUTES, MATHML_TAGS, formulas, math_plugin, to_mathml
 
 __all__ = [
     "ALIGN_CLASSES",
@@ -94,7 +100,7 @@ ALLOWED_TAGS = frozenset(
         "th",
         "td",
     }
-)
+) | MATHML_TAGS
 
 #: Attributes allowed per tag (``rel`` on links is added by the sanitiser, not kept).
 #: Table cells carry their column alignment as a class (:data:`ALIGN_CLASSES`): the
@@ -107,6 +113,7 @@ ALLOWED_ATTRIBUTES: dict[str, frozenset[str]] = {
     "ol": frozenset({"start"}),
     "th": frozenset({"class"}),
     "td": frozenset({"class"}),
+    **{tag: MATHML_ATTRIBUTES for tag in MATHML_TAGS},
 }
 
 #: GFM column alignment (``|:--|:-:|--:|``) → the class a table cell gets.
@@ -198,6 +205,7 @@ def _make_parser() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "highlight": _highlight})
     md.enable(["table", "strikethrough"])
     md.core.ruler.push("alignment_as_class", _alignment_as_class)
+    math_plugin(md)  # $…$ and $$…$$ as MathML (sessions_app/tex.py)
     md.add_render_rule("image", _image_as_text)
     # Strikethrough as <del> (markdown-it-py writes <s>, which the sanitiser drops).
     md.add_render_rule("s_open", _fixed_tag("<del>"))
@@ -208,12 +216,25 @@ def _make_parser() -> MarkdownIt:
 _MD = _make_parser()
 
 
+def reply_formulas(text: str) -> list[tuple[str, bool]]:
+    """The formulas of a reply as :func:`render_markdown` reads them (``[(tex, display)]``,
+    in order, each once): what the page's preview of a streaming reply takes from the
+    server (sessions_app/tex.py)."""
+    return formulas(_MD, text)
+
+
+def formula_html(tex: str, display: bool) -> str:
+    """One formula as sanitised MathML (or its source in a ``<code>``)."""
+    return _CLEANER.clean(to_mathml(tex, display))
+
+
 def render_markdown(text: str | None) -> str:
     """Markdown written by a model → sanitised HTML fragment (docs/behaviour.md §12).
 
     Contract:
 
     - CommonMark plus GFM tables and strikethrough (rendered as ``<del>``).
+    - ``$…$`` and ``$$…$$`` as MathML (sessions_app/tex.py; ``$5 and $10`` stays text).
     - Raw HTML in ``text`` never becomes markup: it is shown as escaped text.
     - Fenced code with a language Pygments knows is highlighted with CSS classes inside
       ``<pre class="highlight"><code class="language-…">``; see :func:`pygments_css`.

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from django.template.loader import render_to_string
 from django.urls import reverse
 
-from . import allowances, callcard, images
-from .markdown import render_markdown
+from . import allowances, callcard, images, text_files
+from .export import imported_text
+from .markdown import formula_html, render_markdown, reply_formulas
 from .models import Access, AgentSession
-from .transcript import Kind, actor, image_refs
+from .transcript import Kind, Versions, actor, image_refs
 from .transcript import allowances as transcript_allowances
 
 #: Kinds that neither show nor close a block (but a Restart's ``status``: :func:`is_restart`).
@@ -31,10 +32,13 @@ CLOSING_KINDS = frozenset({Kind.TURN_END})
 #: The queue's kinds: shown apart from the transcript (pending bubbles), closing nothing.
 QUEUE_KINDS = frozenset({Kind.MESSAGE_QUEUED, Kind.MESSAGE_DROPPED})
 #: Notes that may arrive while a reply still streams (an interrupt is seen a moment after
-#: the click): shown after the block, never splitting it.
-NOTE_KINDS = frozenset({Kind.INTERRUPTED})
+#: the click; a server stopped under a reply is said stopped before its last fragment is
+#: stored): shown after the block, never splitting it.
+NOTE_KINDS = frozenset({Kind.INTERRUPTED, Kind.SERVER_STOPPED})
 #: Kinds that belong to one tool call's row (keyed by the call id in the payload).
 TOOL_KINDS = frozenset({Kind.TOOL_START, Kind.TOOL_RUNNING, Kind.TOOL_END, Kind.QUESTION, Kind.ANSWERED})
+#: The kinds :class:`transcript.Versions` folds: which messages are versions of one another.
+VERSION_KINDS = (Kind.MESSAGE_TAKEN, Kind.VERSION_CHOSEN, Kind.CLEARED)
 #: The kinds :func:`transcript.allowances` folds: the list of allowances follows them.
 ALLOWANCE_KINDS = (Kind.ANSWERED, Kind.ALLOWANCE_REVOKED)
 
@@ -86,10 +90,11 @@ def image_items(session_id: int, payload) -> list[dict]:
 
 
 def attach_context(takes_images: bool) -> dict:
-    """What the composer's attach control (``_attach.html``) shows: offered only when the
-    session's model takes images (docs/behaviour.md §16), with the limits."""
+    """What the composer's attach control (``_attach.html``) shows: images offered only when
+    the session's model takes them (docs/behaviour.md §16), text files always; with the limits."""
     return {"takes_images": takes_images, "image_accept": images.ACCEPT, "image_limits": images.limits_sentence(),
-            "image_max_bytes": images.max_bytes(), "image_max_count": images.max_count()}
+            "image_max_bytes": images.max_bytes(), "image_max_count": images.max_count(),
+            "text_limits": text_files.limits_sentence(), "text_max_bytes": text_files.max_bytes()}
 
 
 def queued_item(payload: dict, viewer: Viewer = OWNER, session_id: int = 0) -> dict:
@@ -187,6 +192,17 @@ class Block:
     start_seq: int
     parts: list[str] = field(default_factory=list)
     open: bool = True
+    # The formulas of an open reply, in the order they appeared: the preview of a reply
+    # still streaming draws each with the server's MathML (sessions_app/tex.py).
+    formulas: list[tuple[str, bool]] = field(default_factory=list)
+
+    def new_formulas(self) -> list[tuple[str, bool]]:
+        """The formulas of an assistant block's text not noted before (noted now)."""
+        if self.type != "assistant":
+            return []
+        found = [f for f in reply_formulas(self.text) if f not in self.formulas]
+        self.formulas.extend(found)
+        return found
 
     @property
     def dom_id(self) -> str:
@@ -201,7 +217,14 @@ class Block:
         item = {"type": self.type, "dom_id": self.dom_id, "text": text, "open": self.open}
         if not self.open and self.type == "assistant":
             item["html"] = render_markdown(text)
+        elif self.type == "assistant":
+            item["math"] = formula_items(self.formulas)
         return item
+
+
+def formula_items(found: Iterable[tuple[str, bool]]) -> list[dict]:
+    """Formulas as the open reply's math list draws them (``_formula.html``)."""
+    return [{"tex": tex, "display": display, "html": formula_html(tex, display)} for tex, display in found]
 
 
 #: How a ``settings`` payload key reads on the page (the session's own field names are
@@ -269,7 +292,7 @@ def _sampling_order(item: tuple[str, object]) -> tuple[int, str]:
 
 def usage_line(usage: dict) -> str:
     """A ``usage`` payload as one line: ``"context 812 tokens · 790 warm · reply 41 tokens ·
-    38.2 tok/s · seed 7 · temperature 0.25 (model), top_k 40 (server) · finish: length"``
+    38.2 tok/s · draft 71% accepted (45 of 63) · seed 7 · temperature 0.25 (model), top_k 40 (server) · finish: length"``
     (the sampling values in force and where each came from, docs/behaviour.md §17); parts
     the server did not report are left out, and so are their separators. *Warm* is how
     many prompt tokens came from the prompt cache — kept by the server, or restored from a
@@ -285,6 +308,10 @@ def usage_line(usage: dict) -> str:
     speed = usage.get("predicted_per_second")
     if isinstance(speed, int | float) and speed:
         parts.append(f"{speed:.1f} tok/s")
+    drafted, accepted = usage.get("draft_n"), usage.get("draft_n_accepted")
+    if isinstance(drafted, int) and isinstance(accepted, int) and drafted > 0:
+        # Speculative decoding (a draft model or MTP): how many drafted tokens the model kept.
+        parts.append(f"draft {round(100 * accepted / drafted)}% accepted ({accepted} of {drafted})")
     if usage.get("seed") is not None:
         parts.append(f"seed {usage['seed']}")
     in_force = usage.get("sampling")
@@ -297,6 +324,21 @@ def usage_line(usage: dict) -> str:
     if usage.get("finish_reason") and usage["finish_reason"] != "stop":
         parts.append(f"finish: {usage['finish_reason']}")
     return " · ".join(parts)
+
+
+def progress_text(state: Mapping) -> str:
+    """A completion's progress as the page says it: ``"reading the conversation: 1,536 /
+    4,210 tokens"`` while llama-server reads the prompt, ``"writing the reply: 87 tokens"``
+    while it streams; ``""`` for a state it does not know."""
+    def number(key):
+        value = state.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    if state.get("phase") == "prompt" and number("processed") is not None and number("total"):
+        return f"reading the conversation: {number('processed'):,} / {number('total'):,} tokens"
+    if state.get("phase") == "reply" and number("tokens") is not None:
+        return f"writing the reply: {number('tokens'):,} token{'s' if number('tokens') != 1 else ''}"
+    return ""
 
 
 def _sampling_value(value):
@@ -346,6 +388,8 @@ def event_item(event, session_id: int = 0) -> dict | None:
         if payload.get("reason") == "restart":  # the restart's own note names who asked (below)
             return {"type": "note", "dom_id": dom_id, "text": "llama-server stopped for the restart."}
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server stopped by {who}." if who else "llama-server stopped."}
+    if kind == Kind.IMPORTED:
+        return {"type": "note", "dom_id": dom_id, "text": imported_text(payload)}
     if kind == Kind.STATUS and is_restart(payload):
         return {"type": "note", "dom_id": dom_id, "text": f"llama-server restarted by {_username(payload)}."}
     if kind == Kind.SERVER_READY:
@@ -372,13 +416,13 @@ TURNS_PER_PAGE = 10
 
 
 def turn_items(events: Iterable, session_id: int = 0, viewer: Viewer = OWNER, *, followed: bool = False,
-               call_events=None) -> list[dict]:
+               call_events=None, versions: Versions | None = None) -> list[dict]:
     """The display items of a run of whole turns (``events`` from a ``message_taken``, or
     from the start, up to the next ``message_taken`` or the end), as the whole fold
     (:func:`build_items`) draws them. ``followed``: more turns come after (an earlier
     page), so a reply block still open at its end is closed, as the next turn's message
-    closes it in the whole fold. ``call_events`` as for :class:`TranscriptView`."""
-    view = TranscriptView(session_id, call_events=call_events, viewer=viewer)
+    closes it in the whole fold. ``call_events`` and ``versions`` as for :class:`TranscriptView`."""
+    view = TranscriptView(session_id, call_events=call_events, viewer=viewer, versions=versions)
     view.prime(events)
     if followed:
         view._close([], render=False)
@@ -497,11 +541,23 @@ class TranscriptView:
 
     ``call_events(call_id, before_seq)`` returns the earlier events of a tool call the
     view did not see (a page primed after that call started).
+
+    Versions of a message sent again (:class:`sessions_app.transcript.Versions`): every
+    item carries the exchange it belongs to (``data-exchange``: the seq of the message
+    before it) and is hidden while another version of that message is in force; a user
+    message with versions shows "‹ 2/3 ›" (``#versions-<seq>``). A change of version is
+    ``{"op": "exchange", "seq": …, "hidden": bool}`` (every item of that exchange, drawn
+    here or not) and a ``replace`` of each pager. ``versions``: a fold already fed with the
+    whole transcript's messages (a page that shows only its last turns); without it the
+    view folds what it sees.
     """
 
     def __init__(self, session_id: int, call_events=None, machine_name: str = "", viewer: Viewer = OWNER,
-                 n_ctx: int | None = None, allowance_events=None) -> None:
+                 n_ctx: int | None = None, allowance_events=None, versions: Versions | None = None) -> None:
         self.session_id = session_id
+        self.versions = versions if versions is not None else Versions()
+        self.exchange: int | None = None  # the seq of the last message_taken seen
+        self.item_exchange: dict[str, int | None] = {}  # dom id → the exchange it belongs to
         # The list of allowances (``#allowances``) is redrawn whole when a grant or a revoke
         # arrives: ``allowance_events(upto_seq)`` gives every event it folds from (the view
         # may have been primed after the grants); without it, the ones this view saw.
@@ -521,12 +577,46 @@ class TranscriptView:
         self.calls: dict[str, list] = {}  # call id → the call's events seen so far
         self.ready: dict = {}  # the latest server_ready payload: the template the tool list speaks of
 
+    def know_messages(self, events: Iterable) -> None:
+        """Learn the versions of every message before the events the view will be primed
+        with (``events``: the :data:`VERSION_KINDS` events up to the page's last seq), and
+        which exchange the page's last items belong to."""
+        for event in events:
+            self.versions.feed(event)
+            if event.kind == Kind.MESSAGE_TAKEN:
+                self.exchange = event.seq
+
     def prime(self, events: Iterable) -> None:
         for event in events:
             self.feed(event, render=False)
 
     def page_items(self) -> list[dict]:
-        return [item.as_item() if isinstance(item, Block) else item for item in self.items.values()]
+        return [self._decorated(dom_id, item) for dom_id, item in self.items.items()]
+
+    def _decorated(self, dom_id: str, item: dict | Block) -> dict:
+        """The item as drawn now: with its exchange, hidden or not, and a user message's pager."""
+        drawn = item.as_item() if isinstance(item, Block) else dict(item)
+        exchange = self.item_exchange.get(dom_id)
+        drawn["exchange"] = exchange
+        drawn["hidden"] = self.versions.hidden(exchange)
+        if drawn.get("type") == "user" and exchange is not None:
+            drawn["pager"] = self.pager(exchange)
+        return drawn
+
+    def pager(self, seq: int) -> dict:
+        """What ``_versions.html`` draws for the user message ``seq``."""
+        return {"seq": seq, "session_id": self.session_id, "can_act": self.viewer.can_act,
+                **(self.versions.pager(seq) or {})}
+
+    def _version_ops(self, change: tuple[int, int] | None, render: bool) -> list[dict]:
+        if change is None or not render:
+            return []
+        hidden, shown = change
+        ops = [{"op": "exchange", "seq": hidden, "hidden": True}, {"op": "exchange", "seq": shown, "hidden": False}]
+        for seq in self.versions.group(shown):
+            ops.append({"op": "replace", "id": f"versions-{seq}",
+                        "html": render_to_string("sessions_app/_versions.html", {"pager": self.pager(seq)})})
+        return ops
 
     def gauge(self) -> dict:
         return context_gauge(self.context_used, self.n_ctx)
@@ -552,8 +642,9 @@ class TranscriptView:
         if known is None:
             known = dom_id in self.items
         self.items[dom_id] = item
+        self.item_exchange.setdefault(dom_id, self.exchange)
         if render:
-            html = render_item(item.as_item() if isinstance(item, Block) else item)
+            html = render_item(self._decorated(dom_id, item))
             if known:
                 ops.append({"op": "replace", "id": dom_id, "html": html})
             else:
@@ -661,14 +752,29 @@ class TranscriptView:
         text = payload.get("text", "")
         if block_type and self.block is not None and self.block.type == block_type:
             self.block.parts.append(text)
+            found = self.block.new_formulas()
             if render:
                 ops.append({"op": "text", "id": self.block.dom_id, "text": text})
+                if found:
+                    ops.append({"op": "append", "target": f"{self.block.dom_id}-math",
+                                "html": render_to_string("sessions_app/_formulas.html",
+                                                         {"formulas": formula_items(found)})})
             return ops
         self._close(ops, render)
         if block_type:
             self.block = Block(block_type, event.seq, [text])
+            self.block.new_formulas()
             self._show(self.block, ops, render)
             return ops
+        if kind == Kind.VERSION_CHOSEN:
+            ops.extend(self._version_ops(self.versions.feed(event), render))
+            return ops
+        change = None
+        if kind == Kind.MESSAGE_TAKEN:
+            self.exchange = event.seq
+            change = self.versions.feed(event)
+        elif kind == Kind.CLEARED:
+            self.versions.feed(event)
         if kind == Kind.MESSAGE_TAKEN and payload.get("queued_id") and render:
             ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
         item = event_item(event, self.session_id)
@@ -677,6 +783,7 @@ class TranscriptView:
             item.update(session_id=self.session_id, can_manage=self.viewer.access >= Access.MANAGE)
         if item is not None:
             self._show(item, ops, render)
+        ops.extend(self._version_ops(change, render))
         if kind == Kind.SERVER_READY and render:  # the header says what the new server's template can do
             ops.append({"op": "replace", "id": "template-caps",
                         "html": render_template_info(template_info(self.ready))})

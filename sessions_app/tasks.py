@@ -16,7 +16,7 @@ from channels.layers import get_channel_layer
 from machines_app.llama_server import tls_context
 from project import heap
 
-from . import agent, lifecycle, liveness, turns
+from . import agent, lifecycle, liveness, room, turns
 
 log = logging.getLogger(__name__)
 #: Seconds between recovery's two reads of the liveness keys: more than a beat, so a live
@@ -61,10 +61,18 @@ def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: 
 
 @shared_task
 def watch_servers() -> None:
-    """The housekeeping beat: dead servers, lost starts, servers idle past their time."""
+    """The housekeeping beat: dead servers, lost starts, servers idle past their time,
+    starts waiting for memory."""
     lifecycle.watch_servers()
     lifecycle.recover_starts()
     lifecycle.sleep_idle_servers()
+    room.admit_waiting()
+
+
+@shared_task
+def sample_machines() -> None:
+    """Each machine's memory, every half minute (the machines page; docs/behaviour.md §5)."""
+    room.sample_machines()
 
 
 @shared_task(bind=True)

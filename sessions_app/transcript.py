@@ -45,6 +45,7 @@ __all__ = [
     "InvalidEvent",
     "Kind",
     "TurnEnd",
+    "Versions",
     "check_payload",
     "actor",
     "image_refs",
@@ -130,6 +131,8 @@ class Kind(StrEnum):
     CLEARED = "cleared"
     TURN_END = "turn_end"
     ALLOWANCE_REVOKED = "allowance_revoked"
+    VERSION_CHOSEN = "version_chosen"
+    IMPORTED = "imported"
 
 
 class TurnEnd(StrEnum):
@@ -182,6 +185,7 @@ class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
     sampling_defaults: dict  # default_generation_settings.params: temperature, top_k, top_p, min_p, …
     n_ctx: int  # the slot's context size in tokens, from GET /props (when the server says)
     warm_tokens: int  # prompt tokens restored from a saved slot (docs/behaviour.md §5 warm prompts)
+    opens_thinking: bool  # the generation prompt ends inside "<think>": replies start as reasoning
 
 
 class CataloguePayload(TypedDict):
@@ -308,6 +312,8 @@ class UsagePayload(TypedDict, total=False):
     predicted_n: int
     predicted_per_second: float
     prompt_per_second: float
+    draft_n: int  # speculative decoding: tokens drafted (llama-server's timings)
+    draft_n_accepted: int  # … and kept
     seed: int
     finish_reason: str | None
     sampling: dict  # the values in force (docs/behaviour.md §17)
@@ -327,12 +333,23 @@ class ErrorPayload(_ErrorPayloadRequired, total=False):
     context_exceeded: bool  # the request did not fit the context (docs/behaviour.md C07): offer Clear
 
 
+class VersionChosenPayload(TypedDict):
+    seq: int  # the message_taken whose version (that message and its reply) is in force again
+    by: Actor
+
+
 class ByPayload(TypedDict):
     by: Actor
 
 
 class TurnEndPayload(TypedDict):
     reason: str
+
+
+class ImportedPayload(TypedDict):
+    by: Actor  # who imported the file (the new session's owner)
+    events: int  # how many events came from the file: the ones just before this one
+    first_seq: int  # the seq the first of them had in the file's session
 
 
 PAYLOADS: dict[Kind, type] = {
@@ -358,6 +375,8 @@ PAYLOADS: dict[Kind, type] = {
     Kind.CLEARED: ByPayload,
     Kind.TURN_END: TurnEndPayload,
     Kind.ALLOWANCE_REVOKED: AllowanceRevokedPayload,
+    Kind.VERSION_CHOSEN: VersionChosenPayload,
+    Kind.IMPORTED: ImportedPayload,
 }
 
 
@@ -392,6 +411,7 @@ _QUESTION = Kind.QUESTION
 _ANSWERED = Kind.ANSWERED
 _CLEARED = Kind.CLEARED
 _TURN_END = Kind.TURN_END
+_VERSION_CHOSEN = Kind.VERSION_CHOSEN
 
 
 @runtime_checkable
@@ -588,6 +608,11 @@ class _Fold:
         # seq of each message_taken → how the messages stood just before it: their number
         # and, when it joined an unanswered user message, that message's content then.
         self.marks: dict[int, tuple[int, str | None]] = {}
+        # The exchange in force (the seq of its message_taken), and what each exchange the
+        # fold has left produced: where its messages start, the messages, its last user
+        # message — so a version chosen again (``version_chosen``) is put back as it was.
+        self.current: int | None = None
+        self.produced: dict[int, tuple[int, list[dict[str, Any]], tuple[str, list[ImageRef]]]] = {}
 
     def close_text(self) -> None:
         """Emit the accumulated assistant text as one message (omitted when empty)."""
@@ -642,6 +667,28 @@ class _Fold:
         self.close_batch()
         self.close_text()
 
+    def leave_exchange(self) -> None:
+        """Keep what the exchange in force produced (see ``produced``), closing it first."""
+        self.close_all()
+        if self.current is not None and self.current in self.marks:
+            length, joined_onto = self.marks[self.current]
+            start = length - 1 if joined_onto is not None else length
+            self.produced[self.current] = (start, list(self.messages[start:]), self.last_user)
+
+    def choose(self, seq: Any) -> None:
+        """A ``version_chosen``: the conversation goes back to where the chosen exchange
+        began and takes its messages again, as they were; later ones leave the request
+        (the transcript keeps them). An exchange the fold has not seen (before the last
+        ``cleared``, or unknown) changes nothing."""
+        self.leave_exchange()
+        if not isinstance(seq, int) or seq not in self.produced:
+            return
+        start, messages, last_user = self.produced[seq]
+        del self.messages[start:]
+        self.messages.extend(messages)
+        self.last_user = last_user
+        self.current = seq
+
     def user(self, payload: Mapping[str, Any], seq: int | None = None) -> None:
         """A ``message_taken``: close the assistant side, then add the user message.
 
@@ -651,7 +698,7 @@ class _Fold:
         user messages in a row ("Conversation roles must alternate"), and a session would
         otherwise fail on every turn until cleared.
         """
-        self.close_all()
+        self.leave_exchange()
         replaces = payload.get("replaces")
         if isinstance(replaces, int) and replaces in self.marks:
             # Sent again: the conversation goes back to just before the message it replaces
@@ -674,6 +721,7 @@ class _Fold:
             self.messages.pop()
         self.last_user = (text, images)
         self.messages.append(_user_message(text, images, self.image_url))
+        self.current = seq
 
     def assistant_text(self, payload: Mapping[str, Any]) -> None:
         """A text delta: after a tool batch it opens a new assistant message."""
@@ -732,6 +780,11 @@ def build_messages(
       whose seq it names (that message and everything after it leave the request; the
       earlier messages stay byte-identical), then adds its own text. One that names a
       message before the last ``cleared``, or none at all, is an ordinary message.
+    - A ``version_chosen`` naming the seq of an earlier ``message_taken`` (a version of a
+      message sent again, chosen on the page) takes the conversation back to where that
+      message began and puts back that message and what followed it up to the next
+      message or choice, exactly as they were; what came after leaves the request. One
+      that names a message before the last ``cleared`` (or no message) changes nothing.
     - Consecutive ``assistant_text`` deltas form one
       ``{"role": "assistant", "content"}`` message, closed by the next user message or
       by a tool call. Text that arrives after a tool batch (i.e. after its results)
@@ -776,6 +829,8 @@ def build_messages(
         elif kind == _TURN_END:
             # A turn that ended seals its tool batch: a late result cannot change it.
             fold.close_batch()
+        elif kind == _VERSION_CHOSEN:
+            fold.choose(_payload(event).get("seq"))
     fold.close_all()
     if system_prompt is not None:
         return [{"role": "system", "content": system_prompt}, *fold.messages]
@@ -784,9 +839,14 @@ def build_messages(
 
 def last_message(events: Iterable[EventLike]) -> dict[str, Any] | None:
     """The user message a person may send again (regenerate, or edit and send):
-    ``{"seq", "text"}`` (and ``"images"`` when it carried any) of the last ``message_taken`` after the last ``cleared``; None when
-    there is none."""
-    for event in reversed(_after_last_clear(_ordered(events))):
+    ``{"seq", "text"}`` (and ``"images"`` when it carried any) of the last ``message_taken``
+    after the last ``cleared`` — or of the version chosen after it (``version_chosen``);
+    None when there is none."""
+    current = _after_last_clear(_ordered(events))
+    taken = {event.seq: event for event in current if event.kind == _MESSAGE_TAKEN}
+    for event in reversed(current):
+        if event.kind == _VERSION_CHOSEN and _payload(event).get("seq") in taken:
+            event = taken[_payload(event)["seq"]]  # the version in force is the last message
         if event.kind == _MESSAGE_TAKEN:
             payload = _payload(event)
             refs = image_refs(payload)
@@ -815,11 +875,16 @@ def allowances(events: Iterable[EventLike]) -> list[Allowance]:
     tool") grants nothing: such a tool is asked about again. A grant equal to one in
     force (same tool and scope) is not listed twice; a grant for an MCP tool replaces an
     earlier one for the same server and remote name (its definition changed since).
-    Allowances are the session's: ``cleared``, a model change and a restart keep them.
+    Allowances are the session's: ``cleared``, a model change and a restart keep them;
+    ``imported`` ends those granted before it (granted in another session, by people who
+    granted nothing here).
     """
     in_force: list[Allowance] = []
     for event in _ordered(events):
         payload = _payload(event)
+        if event.kind == Kind.IMPORTED:
+            in_force = []
+            continue
         if event.kind == Kind.ALLOWANCE_REVOKED:
             in_force = [a for a in in_force if a["seq"] != payload.get("seq")]
             continue
@@ -859,9 +924,19 @@ def pending_queue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
     A ``message_queued`` payload is pending until a ``message_taken`` names its id as
     ``queued_id`` or a ``message_dropped`` names its id. Returns copies of the queued
-    payloads in queue order. ``cleared`` does not empty the queue.
+    payloads in queue order. ``cleared`` does not empty the queue; ``imported`` does (what
+    was queued in another session is not sent from this one).
     """
-    return _still_open(events, _MESSAGE_QUEUED, {_MESSAGE_TAKEN: "queued_id", _MESSAGE_DROPPED: "id"})
+    return _still_open(_since_import(events), _MESSAGE_QUEUED, {_MESSAGE_TAKEN: "queued_id", _MESSAGE_DROPPED: "id"})
+
+
+def _since_import(events: Iterable[EventLike]) -> list[EventLike]:
+    """The events after the last ``imported`` (all of them when there is none)."""
+    ordered = list(_ordered(events))
+    for index in range(len(ordered) - 1, -1, -1):
+        if ordered[index].kind == Kind.IMPORTED:
+            return ordered[index + 1:]
+    return ordered
 
 
 def open_turn(events: Iterable[EventLike]) -> bool:
@@ -922,19 +997,97 @@ def open_questions(events: Iterable[EventLike]) -> list[dict[str, Any]]:
 
 def last_catalogue(events: Iterable[EventLike]) -> list[dict[str, Any]]:
     """The tool entries of the latest ``catalogue`` event (recorded when a server became
-    ready, docs/behaviour.md §9); ``[]`` when none was recorded."""
+    ready, docs/behaviour.md §9); ``[]`` when none was recorded since the last ``imported``."""
     latest: list[dict[str, Any]] = []
     for event in _ordered(events):
         if event.kind == Kind.CATALOGUE:
             latest = list(_payload(event).get("tools", []))
+        elif event.kind == Kind.IMPORTED:
+            latest = []  # another deployment's tools: this session's server has not said its own yet
     return latest
 
 
 def last_server_ready(events: Iterable[EventLike]) -> dict[str, Any]:
     """A copy of the latest ``server_ready`` payload (what the running server reported about
-    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none."""
+    its chat template and sampling defaults, docs/behaviour.md §17); ``{}`` when none since
+    the last ``imported``."""
     latest: dict[str, Any] = {}
     for event in _ordered(events):
         if event.kind == Kind.SERVER_READY:
             latest = dict(_payload(event))
+        elif event.kind == Kind.IMPORTED:
+            latest = {}  # another deployment's server: this session's has not said anything yet
     return latest
+
+
+class Versions:
+    """Which user messages are versions of one another, and which version is shown
+    (docs/transcript.md, "Versions"): a fold over ``message_taken``, ``version_chosen`` and
+    ``cleared`` events (others are ignored), fed in seq order, each event once (one at or
+    below the last seq fed is skipped, so a fold fed ahead can be fed a window again).
+
+    A message sent again (``replaces``) joins the group of the message it replaces — the
+    group's first message is its root — and becomes the version in force; a
+    ``version_chosen`` makes an earlier one the version in force. As in
+    :func:`build_messages`, a message before the last ``cleared`` starts no group.
+    Everything a group's messages started (the exchange: the message and what followed it
+    up to the next message) shows only for the version in force.
+    """
+
+    def __init__(self) -> None:
+        self.root_of: dict[int, int] = {}
+        self.members: dict[int, list[int]] = {}
+        self.chosen: dict[int, int] = {}
+        self.live: set[int] = set()  # messages after the last cleared
+        self.upto = 0
+
+    def feed(self, event: EventLike) -> tuple[int, int] | None:
+        """Fold one event; ``(hidden, shown)`` — the exchanges whose showing changed —
+        when it changed which version of a group is in force, else None."""
+        if event.seq <= self.upto:
+            return None
+        self.upto = event.seq
+        payload = _payload(event)
+        if event.kind == _CLEARED:
+            self.live = set()
+        elif event.kind == _MESSAGE_TAKEN:
+            replaces = payload.get("replaces")
+            root = self.root_of[replaces] if isinstance(replaces, int) and replaces in self.live else event.seq
+            self.root_of[event.seq] = root
+            self.members.setdefault(root, []).append(event.seq)
+            self.live.add(event.seq)
+            before = self.chosen.get(root)
+            self.chosen[root] = event.seq
+            if before is not None and before != event.seq:
+                return before, event.seq
+        elif event.kind == _VERSION_CHOSEN:
+            seq = payload.get("seq")
+            if isinstance(seq, int) and seq in self.live:
+                root = self.root_of[seq]
+                before = self.chosen[root]
+                self.chosen[root] = seq
+                if before != seq:
+                    return before, seq
+        return None
+
+    def hidden(self, exchange: int | None) -> bool:
+        """Whether what the exchange started by message ``exchange`` shows: not when
+        another version of its group is in force."""
+        root = self.root_of.get(exchange) if exchange is not None else None
+        return root is not None and self.chosen[root] != exchange
+
+    def group(self, seq: int) -> list[int]:
+        """The versions of the message ``seq`` (itself included), oldest first."""
+        root = self.root_of.get(seq)
+        return list(self.members[root]) if root is not None else []
+
+    def pager(self, seq: int) -> dict[str, Any] | None:
+        """``{"index", "total", "previous", "next"}`` (1-based index; neighbours' seqs or
+        None) for a message with more than one version, else None."""
+        members = self.group(seq)
+        if len(members) < 2:
+            return None
+        index = members.index(seq)
+        return {"index": index + 1, "total": len(members),
+                "previous": members[index - 1] if index else None,
+                "next": members[index + 1] if index + 1 < len(members) else None}

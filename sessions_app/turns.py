@@ -45,6 +45,8 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from machines_app.models import ServerRecord
+
 from . import dispatch, transcript
 from .events import append, change_status, load_events, locked
 from .models import AgentSession
@@ -178,7 +180,9 @@ def finish_turn(session_id: int, reason: TurnEnd, *, owner: str | None = None) -
     """End the open turn (``turn_end`` with ``reason``: done, error, interrupted, stopped,
     limit) and, in the same transaction, take the next queued message — a message is never
     stranded with nothing running. Open questions are closed as refusals. A step passes its
-    lease ``owner``: a step that lost the lease ends nothing (:class:`LeaseLost`)."""
+    lease ``owner``: a step that lost the lease ends nothing (:class:`LeaseLost`). A turn
+    ended ``stopped`` (its server stopped on purpose) hands nothing on: the queue waits for
+    a restart, even while the stop is still under way."""
     with transaction.atomic():
         session = locked(session_id)
         _check_holder(session, owner)
@@ -186,10 +190,17 @@ def finish_turn(session_id: int, reason: TurnEnd, *, owner: str | None = None) -
         _close_questions(session, events, reason)
         if transcript.open_turn(events):
             append(session, Kind.TURN_END, {"reason": reason})
-        if session.status in Status.server_down() or not _take_next(session, events):
+        if (session.status in Status.server_down() or reason == TurnEnd.STOPPED or _stopping(session_id)
+                or not _take_next(session, events)):
             AgentSession.objects.filter(pk=session_id).update(turn_active=False, interrupt_requested=False)
             if session.status in (Status.RUNNING, Status.AWAITING_INPUT):
                 change_status(session, Status.IDLE)
+
+
+def _stopping(session_id: int) -> bool:
+    """Whether the session's server is being stopped (its record claimed ``stopping``): the
+    status changes only once it is gone, and a turn ending meanwhile hands nothing on."""
+    return ServerRecord.objects.filter(session_id=session_id, stopping=True).exists()
 
 
 def finish_if_unheld(session_id: int, reason: TurnEnd) -> bool:

@@ -17,6 +17,7 @@ urlpatterns = [
     path("sessions/<int:session_id>/images/<str:sha256>.<str:ext>", views.session_image, name="session_image"),
     path("sessions/<int:session_id>/interrupt/", views.session_interrupt, name="session_interrupt"),
     path("sessions/<int:session_id>/regenerate/", views.session_regenerate, name="session_regenerate"),
+    path("sessions/<int:session_id>/version/", views.session_choose_version, name="session_choose_version"),
     path("sessions/<int:session_id>/clear/", views.session_clear, name="session_clear"),
     path("sessions/<int:session_id>/stop/", views.session_stop, name="session_stop"),
     path("sessions/<int:session_id>/rename/", views.session_rename, name="session_rename"),

@@ -13,15 +13,16 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machine_refusal, machines_for
 
-from . import actions, export, images, markdown, presence, transcript, turns
+from . import actions, export, images, importing, markdown, presence, room, tex, text_files, transcript, turns
 from .consumers import CloseCode
-from .events import load_events, load_kinds, load_queue_events, load_turns
+from .events import load_events, load_kinds, load_queue_events, load_turns, turns_since
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
 from .models import Access, AgentSession, TranscriptEvent
 from .presenters import (
     ALLOWANCE_KINDS,
     TOOL_KINDS,
     TURNS_PER_PAGE,
+    VERSION_KINDS,
     Viewer,
     allowance_items,
     attach_context,
@@ -31,6 +32,7 @@ from .presenters import (
     template_info,
     turn_items,
 )
+from .transcript import Versions
 
 ACT, MANAGE = Access.ACT, Access.MANAGE
 
@@ -94,32 +96,55 @@ def session_list(request: HttpRequest) -> HttpResponse:
             shared.append(session)
         else:
             others.append(session)
+    # What was said in those sessions (search_app.search): the same sessions, before the
+    # title filter, so a word said in a chat is found whatever the session is called.
+    said = []
+    if query:
+        from search_app.search import find
+
+        seen = AgentSession.objects.visible_to(request.user)
+        said = find(seen.filter(status__in=statuses) if statuses is not None else seen, query)
     context = {"mine": mine, "shared": shared, "others": others, "any": bool(mine or shared or others),
-               "q": query, "show": show if show in LIST_FILTERS else "", "filtering": bool(query or statuses)}
+               "q": query, "show": show if show in LIST_FILTERS else "", "filtering": bool(query or statuses),
+               "said": said}
     return render(request, "sessions_app/session_list.html", context)
 
 
 def session_new(request: HttpRequest) -> HttpResponse:
-    form = NewSessionForm(request.POST or None, user=request.user, initial={"machine": request.GET.get("machine")})
+    """The new-session form; with a file in ``transcript``, the session starts from that
+    JSON Lines export (docs/transcript.md, "Import"), as the person asking: the file is
+    refused, naming the line and why, when it is not a sound export."""
+    form = NewSessionForm(request.POST or None, request.FILES or None, user=request.user,
+                          initial={"machine": request.GET.get("machine")})
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
+        create = dict(
+            machine=data["machine"],
+            model_key=data["model_key"],
+            working_dir=data["working_dir"],
+            server_params=form.server_params(),
+            sampling=form.sampling(),
+            permission_mode=data["permission_mode"],
+            title=data["title"],
+            system_prompt=data["system_prompt"],
+        )
+        upload = data.get("transcript")
         try:
-            session = actions.do_create_session(
-                request.user,
-                machine=data["machine"],
-                model_key=data["model_key"],
-                working_dir=data["working_dir"],
-                server_params=form.server_params(),
-                sampling=form.sampling(),
-                permission_mode=data["permission_mode"],
-                title=data["title"],
-                system_prompt=data["system_prompt"],
-            )
+            if upload:
+                if upload.size > importing.MAX_IMPORT_BYTES:
+                    raise importing.ImportRefused(f"The file is {upload.size:,} bytes; an export to import can be at "
+                                                  f"most {importing.MAX_IMPORT_BYTES:,}.")
+                session = importing.do_import(request.user, upload.read(), **create)
+            else:
+                session = actions.do_create_session(request.user, **create)
+        except importing.ImportRefused as exc:
+            form.add_error("transcript", str(exc))
         except actions.SessionError as exc:  # the access changed between the form's check and now
             form.add_error(None, str(exc))
         else:
             return redirect(session)
-    return render(request, "sessions_app/session_new.html", {"form": form})
+    importing_file = bool(request.GET.get("import") or (form.is_bound and request.FILES.get("transcript")))
+    return render(request, "sessions_app/session_new.html", {"form": form, "importing": importing_file})
 
 
 @require_GET
@@ -132,8 +157,9 @@ def model_options(request: HttpRequest) -> HttpResponse:
         context = {"models": [], "machine": None, "error": form.errors["machine"][0]}
         return render(request, "sessions_app/_model_options.html", context, status=400)
     machine = form.cleaned_data["machine"]
-    return render(request, "sessions_app/_model_options.html",
-                  {"models": list(catalog.models_for(machine)), "machine": machine})
+    models = list(catalog.models_for(machine))
+    room.mark_fits(machine, models)  # fits now / after sleeping idle servers / waits / too big
+    return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine})
 
 
 @require_GET
@@ -171,6 +197,7 @@ def refresh_status(request: HttpRequest, machine_id: int) -> HttpResponse:
     if not done:
         return render(request, "sessions_app/_refreshing.html", {"machine": machine, "since": since, "selected": selected})
     models = list(catalog.models_for(machine))
+    room.mark_fits(machine, models)
     return render(request, "sessions_app/_model_options.html", {"models": models, "machine": machine, "selected": selected})
 
 
@@ -195,14 +222,17 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id)
     viewer = Viewer(request.user.pk, session.access_for(request.user), actions.may_grant_always(session, request.user))
     # The last turns only (docs/live-page.md): the earlier ones come with "Show earlier turns".
-    events, start = load_turns(session.pk, TURNS_PER_PAGE)
+    # A search result (?at=<seq>) asks for an earlier message: the page reaches back to its turn.
+    at = request.GET.get("at", "")
+    events, start = load_turns(session.pk, max(TURNS_PER_PAGE, turns_since(session.pk, int(at)) if at.isdigit() else 0))
     last_seq = events[-1].seq if events else 0
     # The queue and the catalogue span the whole transcript: read their own kinds only,
     # up to the page's last event (the socket brings what comes after it).
     session_context = _session_context(session)
     model_file = session_context["model_file"]
     # So do the template the server runs and the context gauge.
-    ready = transcript.last_server_ready(load_kinds(session.pk, [transcript.Kind.SERVER_READY], upto=last_seq))
+    ready = transcript.last_server_ready(
+        load_kinds(session.pk, [transcript.Kind.SERVER_READY, transcript.Kind.IMPORTED], upto=last_seq))
     gauge = gauge_of(
         load_kinds(session.pk, [transcript.Kind.USAGE, transcript.Kind.CLEARED], upto=last_seq),
         n_ctx=context_size(ready, session.server_params.get("contextSize")),
@@ -210,9 +240,11 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     context = {
         **session_context,
         "settings_form": SessionSettingsForm.for_session(session),
-        "tools": transcript.last_catalogue(load_kinds(session.pk, [transcript.Kind.CATALOGUE], upto=last_seq)),
+        "tools": transcript.last_catalogue(
+            load_kinds(session.pk, [transcript.Kind.CATALOGUE, transcript.Kind.IMPORTED], upto=last_seq)),
         "allowances": allowance_items(
-            transcript.allowances(load_kinds(session.pk, ALLOWANCE_KINDS, upto=last_seq)), session.pk, viewer),
+            transcript.allowances(load_kinds(session.pk, [*ALLOWANCE_KINDS, transcript.Kind.IMPORTED], upto=last_seq)),
+            session.pk, viewer),
         "template": template_info(ready, remembered=model_file.chat_template_caps if model_file else None),
         "machine_name": session.machine.name,
         "session": session,
@@ -225,7 +257,8 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         # Why a reader the sharing lets act may only watch: the machine (docs/access.md).
         "held_back": (machine_refusal(request.user, session.machine)
                       if session.shared_access(request.user) > viewer.access else ""),
-        "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk)),
+        "items": turn_items(events, session.pk, viewer, call_events=_call_events(session.pk),
+                            versions=_versions(session.pk, last_seq)),
         "earlier": start if start > 1 else None,
         "gauge": gauge,
         "queued": [queued_item(payload, viewer, session.pk)
@@ -239,6 +272,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
         "close_codes": {code.name: code.value for code in CloseCode},
         "down_statuses": " ".join(AgentSession.Status.server_down()),
         "md_tags": " ".join(sorted(markdown.ALLOWED_TAGS)),
+        "md_attrs": " ".join(sorted({"href", "class", *tex.MATHML_ATTRIBUTES})),
     }
     return TemplateResponse(request, "sessions_app/session_detail.html", context)
 
@@ -252,7 +286,9 @@ def session_export(request: HttpRequest, session_id: int, fmt: str) -> HttpRespo
     session = actions.access_session(request.user, session_id)
     events = load_events(session.pk)
     if fmt == "jsonl":
-        response = HttpResponse("".join(export.to_jsonl(events)), content_type="application/x-ndjson; charset=utf-8")
+        # The images the messages carry go with it, so an import attaches them again.
+        response = HttpResponse("".join(export.to_jsonl(events, image_data=images.read)),
+                                content_type="application/x-ndjson; charset=utf-8")
     else:
         def image_url(ref: dict) -> str:
             path = reverse("session_image", args=[session.pk, ref["sha256"], images.EXTENSIONS.get(ref["media_type"], "bin")])
@@ -272,9 +308,19 @@ def session_earlier(request: HttpRequest, session_id: int) -> HttpResponse:
                             status=400, content_type="text/plain; charset=utf-8")
     viewer = Viewer(request.user.pk, session.access_for(request.user), actions.may_grant_always(session, request.user))
     events, start = load_turns(session.pk, TURNS_PER_PAGE, before=int(raw))
-    items = turn_items(events, session.pk, viewer, followed=True, call_events=_call_events(session.pk))
+    items = turn_items(events, session.pk, viewer, followed=True, call_events=_call_events(session.pk),
+                       versions=_versions(session.pk, session.last_seq))
     context = {"items": items, "earlier": start if start > 1 else None, "session_id": session.pk}
     return render(request, "sessions_app/_earlier.html", context)
+
+
+def _versions(session_id: int, upto: int) -> Versions:
+    """Which messages up to seq ``upto`` are versions of one another (a page that draws only
+    some turns still shows "‹ 2/3 ›" for a message whose first version lies before them)."""
+    versions = Versions()
+    for event in load_kinds(session_id, VERSION_KINDS, upto=upto):
+        versions.feed(event)
+    return versions
 
 
 def _call_events(session_id: int):
@@ -325,19 +371,32 @@ def _uploads(request: HttpRequest) -> list[images.Upload]:
     ]
 
 
+def _text_files(request: HttpRequest) -> list[images.Upload]:
+    """The files attached as ``files`` (text: sessions_app/text_files.py); one over the
+    size limit is not read."""
+    return [
+        images.Upload(upload.name or "", upload.read() if upload.size <= text_files.max_bytes() else b"", upload.size)
+        for upload in request.FILES.getlist("files")
+    ]
+
+
 @require_POST
 def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     session = actions.access_session(request.user, session_id, ACT)
     uploads = _uploads(request)
-    form = MessageForm(request.POST, with_images=bool(uploads))
+    files = _text_files(request)
+    form = MessageForm(request.POST, with_images=bool(uploads or files))
     if not form.is_valid():
         return _composer(request, session, form, form.errors["text"][0])
     try:
+        text = form.cleaned_data["text"]
+        if files:  # each file after the text, as a fenced block; then the message's own checks
+            text = actions.check_message(text_files.attach(text, files), with_images=bool(uploads))
         if request.POST.get("edit") == "last":  # the composer's "Edit last message"
-            actions.do_send_again(session, request.user, form.cleaned_data["text"])
+            actions.do_send_again(session, request.user, text)
         else:
-            actions.do_send_message(session, request.user, form.cleaned_data["text"], uploads)
-    except actions.SessionError as exc:
+            actions.do_send_message(session, request.user, text, uploads)
+    except (actions.SessionError, text_files.TextFileRefused) as exc:
         return _composer(request, session, form, str(exc))
     return _composer(request, session, MessageForm())
 
@@ -378,6 +437,12 @@ def _act(request: HttpRequest, session_id: int, need: Access, action, *args) -> 
     if request.htmx:
         return render(request, "sessions_app/_flash.html", {"error": ""})
     return redirect(session)
+
+
+@require_POST
+def session_choose_version(request: HttpRequest, session_id: int) -> HttpResponse:
+    """Show another version of a message sent again (the "‹ 2/3 ›" of its bubble)."""
+    return _act(request, session_id, ACT, actions.do_choose_version, request.POST.get("seq", ""))
 
 
 @require_POST

@@ -24,7 +24,8 @@ every request line but those two reads (``"GET /props"``, ``"POST /slots/0?actio
 Behaviour from the environment of the wrapper script the tests write:
 FAKE_LOADING_SECONDS (503 until then), FAKE_IGNORE_TERM=1, FAKE_SCRIPT, FAKE_BUILD_INFO
 (the ``build_info`` its /props reports, as llama-server does; unsaid without it, so its
-servers get no slot key and save nothing).
+servers get no slot key and save nothing), FAKE_OPENS_THINKING=1 (its ``/apply-template``
+prompt ends with ``<think>``, as an R1-style template's does).
 """
 
 from __future__ import annotations
@@ -128,6 +129,14 @@ class Handler(StandInHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
         if self.path == "/tools":
             self._json(200, run_tool(body["tool"], body.get("params", {}), self.headers.get("x-tool-cwd", ".")))
+            return
+        if self.path == "/apply-template":
+            # Like llama-server: the prompt its template renders (ChatML here); with
+            # FAKE_OPENS_THINKING=1 it ends inside an opened <think>, as R1-style templates do.
+            prompt = "".join(f"<|im_start|>{m.get('role')}\n{m.get('content')}<|im_end|>\n"
+                             for m in body.get("messages", []))
+            opened = "<think>\n" if os.environ.get("FAKE_OPENS_THINKING") == "1" else ""
+            self._json(200, {"prompt": f"{prompt}<|im_start|>assistant\n{opened}"})
             return
         if self.path.startswith("/slots/"):
             # Like llama-server: a save of a slot it never filled writes nothing; there is

@@ -210,8 +210,10 @@ def test_a_page_reconnecting_mid_reply_shows_the_stored_text_once_and_the_tail_a
 
     page.wait_for_function("() => { const t = document.querySelector('.msg.assistant.streaming .raw .tail');"
                            " return t && t.textContent.length > 0; }", timeout=30_000)
-    page.evaluate("() => window.__sockets[window.__sockets.length - 1].close()")
-    page.wait_for_function("() => window.__sockets.length === 2 && window.__sockets[1].readyState === 1")
+    # The session's socket (every page also keeps an attention socket: docs/attention.md).
+    page.evaluate("() => window.__sockets.filter(s => s.url.includes('/ws/sessions/')).pop().close()")
+    page.wait_for_function("() => { const s = window.__sockets.filter(s => s.url.includes('/ws/sessions/'));"
+                           " return s.length === 2 && s[1].readyState === 1; }")
     page.wait_for_selector("#conn-state[data-state=live]")
 
     def stored_up_to(seq: int) -> str:

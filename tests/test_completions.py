@@ -117,6 +117,7 @@ def test_it_sends_stream_options_and_passes_sampling_through(server: ScriptedSer
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "return_progress": True,
         }
     ]
 

@@ -17,7 +17,15 @@ from machines_app.models import Machine, ServerRecord
 from sessions_app import actions, agent, transcript
 from sessions_app.events import load_events
 from sessions_app.models import AgentSession
-from sessions_app.presenters import TOOL_KINDS, TranscriptView, build_items, prime_window, render_item, render_queued
+from sessions_app.presenters import (
+    TOOL_KINDS,
+    VERSION_KINDS,
+    TranscriptView,
+    build_items,
+    prime_window,
+    render_item,
+    render_queued,
+)
 from sessions_app.transcript import Event
 
 from .scripted_server import ScriptedServer, chunk, sse
@@ -104,6 +112,34 @@ TRANSCRIPTS = {
         ("settings", {"model_key": "smol.gguf", "model": "SmolLM2", "takes_images": False}),
         ("turn_end", {"reason": "done"}),
     ),
+    "versions: regenerate, edit, choose an earlier one, go on": script(
+        ("message_taken", {"text": "a poem", "queued_id": None, "by": {"id": 1, "username": "alice"}}),
+        ("assistant_text", {"text": "Roses"}),
+        ("usage", {"seed": 1}),
+        ("turn_end", {"reason": "done"}),
+        ("message_taken", {"text": "a poem", "queued_id": None, "by": {"id": 1, "username": "alice"},
+                           "replaces": 1}),
+        ("assistant_text", {"text": "Violets"}),
+        ("usage", {"seed": 2}),
+        ("turn_end", {"reason": "done"}),
+        ("message_taken", {"text": "a haiku", "queued_id": None, "by": {"id": 1, "username": "alice"},
+                           "replaces": 5, "edited": True}),
+        ("assistant_text", {"text": "Old pond"}),
+        ("turn_end", {"reason": "done"}),
+        ("version_chosen", {"seq": 1, "by": {"id": 2, "username": "bob"}}),
+        ("message_taken", {"text": "shorter", "queued_id": None, "by": {"id": 1, "username": "alice"}}),
+        ("assistant_text", {"text": "Ro"}),
+        ("turn_end", {"reason": "done"}),
+    ),
+    "math while it streams": script(
+        ("message_taken", {"text": "energy?", "queued_id": None, "by": {"id": 1, "username": "alice"}}),
+        ("assistant_text", {"text": "It is $E=m"}),
+        ("assistant_text", {"text": "c^2$, not $5 and $10."}),
+        ("assistant_text", {"text": "\n\n$$\n\\int_0^1 x\\,dx\n"}),
+        ("assistant_text", {"text": "$$\n\nand `$x$` again $E=mc^2$."}),
+        ("usage", {"seed": 1}),
+        ("turn_end", {"reason": "done"}),
+    ),
 }
 
 
@@ -138,6 +174,12 @@ def apply(soup: BeautifulSoup, op: dict) -> None:
             tail.clear()
         elif raw is not None:
             raw.append(op["text"])
+    elif op["op"] == "exchange":
+        for element in soup.select(f'#transcript [data-exchange="{int(op["seq"])}"]'):
+            if op["hidden"]:
+                element["hidden"] = ""
+            elif element.has_attr("hidden"):
+                del element["hidden"]
     elif op["op"] == "tail":
         element = soup.find(id=op["id"])
         tail = element.select_one(".raw .tail") if element is not None else None
@@ -158,7 +200,9 @@ def live_from(events, k: int) -> BeautifulSoup:
         return [e for e in events if e.kind in TOOL_KINDS and e.payload.get("id") == call_id and e.seq < before_seq]
 
     view = TranscriptView(SESSION, call_events=call_events)
-    view.prime(prime_window(events[:k]))  # as the consumer does for a page that has events[:k]
+    # As the consumer does for a page that has events[:k]: every message's versions, then the window.
+    view.know_messages([e for e in events[:k] if e.kind in VERSION_KINDS])
+    view.prime(prime_window(events[:k]))
     for event in events[k:]:
         for op in view.feed(event):
             apply(soup, op)
@@ -175,6 +219,7 @@ def live_with_tails_from(events, k: int) -> BeautifulSoup:
         return [e for e in events if e.kind in TOOL_KINDS and e.payload.get("id") == call_id and e.seq < before_seq]
 
     view = TranscriptView(SESSION, call_events=call_events)
+    view.know_messages([e for e in events[:k] if e.kind in VERSION_KINDS])
     view.prime(prime_window(events[:k]))
     for index, event in enumerate(events[k:], start=k):
         for op in view.feed(event):
@@ -346,7 +391,9 @@ def test_a_paged_page_plus_live_plus_earlier_turns_equals_the_whole_page_at_ever
             return [e for e in LONG if e.kind in TOOL_KINDS and e.payload.get("id") == call_id and e.seq < before_seq]
 
         view = TranscriptView(session.pk, call_events=call_events)
-        view.prime(prime_window(LONG[:k]))  # as the consumer does for a page that has events[:k]
+        # As the consumer does for a page that has events[:k].
+        view.know_messages([e for e in LONG[:k] if e.kind in VERSION_KINDS])
+        view.prime(prime_window(LONG[:k]))
         for event in LONG[k:]:
             for op in view.feed(event):
                 apply(soup, op)

@@ -125,7 +125,9 @@ def test_it_prepares_a_fresh_data_dir_once_with_an_owner_only_key(tmp_path):
     key_file.write_text("")  # e.g. a disk that filled up mid-write
     data_dir.prepare(target)
     assert data_dir.read_secret_key(target) and data_dir.read_secret_key(target) != key
-    assert sorted(p.name for p in target.iterdir()) == ["logs", "secret_key", "static"]  # no partial file left
+    # The VAPID key of Web Push, owner-only too (docs/attention.md); no partial file left.
+    assert stat.S_IMODE((target / data_dir.VAPID_KEY_FILE).stat().st_mode) == 0o600
+    assert sorted(p.name for p in target.iterdir()) == ["logs", "secret_key", "static", "vapid_private.pem"]
 
 
 def test_importing_settings_writes_nothing_and_a_missing_key_is_a_clear_error(tmp_path):
@@ -198,17 +200,19 @@ def test_check_deploy_names_what_is_missing_without_the_switch(tmp_path):
 # --- the launcher --------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
-    ("https", "debug", "expected_debug", "daphne_args"),
-    [(None, None, "1", []), ("1", None, "0", ["--proxy-headers"]), (None, "0", "0", []), ("1", "true", "1",
-                                                                                      ["--proxy-headers"])],
+    ("https", "debug", "flag", "expected_debug", "daphne_args"),
+    [(None, None, False, "0", []), (None, None, True, "1", []), ("1", None, False, "0", ["--proxy-headers"]),
+     (None, "0", False, "0", []), (None, "1", False, "1", []), ("1", "true", False, "1", ["--proxy-headers"])],
 )
-def test_corral_run_has_debug_only_on_a_plain_loopback_run(monkeypatch, https, debug, expected_debug, daphne_args):
+def test_corral_run_has_debug_only_when_asked_for(monkeypatch, https, debug, flag, expected_debug, daphne_args):
+    """The run the README gives a team has DEBUG off: a member must never meet Django's
+    debug 404 that lists every URL pattern. ``--debug`` or ``DEBUG=1`` turns it on."""
     for name, value in (("CORRAL_HTTPS", https), ("DEBUG", debug)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    assert launcher.run_environment() == daphne_args
+    assert launcher.run_environment(flag) == daphne_args
     assert os.environ["DEBUG"] == expected_debug
 
 
@@ -233,7 +237,8 @@ def test_the_launcher_refuses_bad_input_with_a_message_not_a_traceback(tmp_path,
 
 @pytest.mark.parametrize(
     ("args", "port"),
-    [(["--port", "8765"], 8765), (["--port=8765"], 8765), ([], 8000), (["--port", "1", "--port=2"], 2)],
+    [(["--port", "8765"], 8765), (["--port=8765"], 8765), ([], 8000), (["--port", "1", "--port=2"], 2),
+     (["--debug", "--port", "8765"], 8765)],
 )
 def test_corral_run_takes_its_port_in_either_spelling(monkeypatch, args, port):
     monkeypatch.delenv("PORT", raising=False)

@@ -158,6 +158,10 @@ def test_a_dead_peer_makes_the_session_unknown_then_it_recovers(stack, tmp_path,
         errors = [p["message"] for p in payloads(session, "error")]
         assert any(f"Machine '{machine.name}' is unreachable" in m and "unknown until the machine answers" in m
                    for m in errors), errors
+        # It was the link that broke, not llama-server: the reply's end says so (issue 26).
+        assert any(f"The link to machine '{machine.name}' broke while llama-server was replying" in m
+                   for m in errors), errors
+        assert not any("llama-server closed the connection" in m for m in errors), errors
         # The turn ended and its step let go of the lease: no worker thread waits on the dead link.
         turns_ended(session, 1, timeout=30)
         wait_for(lambda: not fresh(session).lease_owner, 30, what="the step's lease to be released")

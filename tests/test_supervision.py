@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from machines_app.models import ServerRecord
+from project import launcher as launcher_module
 from sessions_app import actions, agent, dispatch, turns
 from sessions_app.models import AgentSession, TranscriptEvent
 
@@ -212,6 +213,47 @@ def test_a_launcher_killed_outright_takes_every_corral_process_with_it(launcher)
     launcher.proc.kill()  # SIGKILL: no handler runs; the kernel tells supervisord and Redis
     launcher.proc.wait()
     wait_for(lambda: _gone(everything) == [], 60, interval=0.5, what="every Corral process to stop")
+
+
+def test_supervisord_killed_outright_takes_its_programs_with_it(launcher):
+    """supervisord killed with -9 used to leave daphne and the four Celery processes
+    running: the next ``./corral run`` refused with "port already in use". Each program
+    now has supervisord's death signalled to it (PR_SET_PDEATHSIG through setpriv)."""
+    launcher.start()
+    supervisord = next(p for p in launcher.tree() if "supervisord" in " ".join(p.cmdline()))
+    programs = [psutil.Process(pid) for pid in launcher.running().values()]
+    supervisord.kill()
+    wait_for(lambda: _gone(programs) == [], 60, interval=0.5, what="every program to die with supervisord")
+    launcher.proc.wait(60)
+    launcher.start()  # the same port and data directory: nothing stands in the way
+    assert set(launcher.running()) == PROGRAMS
+
+
+def test_the_run_a_team_gets_has_debug_off_and_prints_its_url_once_it_answers(launcher):
+    """A member opening a page that is not there met Django's debug 404 listing every URL
+    pattern; the launcher printed its URL about 40 s before that URL answered."""
+    launcher.start()
+    response = httpx.get(f"http://127.0.0.1:{launcher.port}/sessions/no-such-page/", timeout=10)
+    assert response.status_code == 404
+    assert "Nothing here" in response.text and "URLconf" not in response.text
+    log = (launcher.data.parent / "launcher.log").read_text()
+    assert "DEBUG off" in log
+    assert log.count(f"Corral is running at http://127.0.0.1:{launcher.port}/") == 1
+
+
+def test_the_url_is_said_only_once_it_answers(tmp_path):
+    """``wait_until_answering``: False while nothing listens and the process exits; True
+    once an HTTP server answers, whatever its status."""
+    quits = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    assert launcher_module.wait_until_answering(f"http://127.0.0.1:{_free_port()}/", quits, timeout=30) is False
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert launcher_module.wait_until_answering(f"http://127.0.0.1:{port}/missing", server, timeout=30) is True
+    finally:
+        server.kill()
+        server.wait()
 
 
 def payloads(session, kind):

@@ -33,6 +33,8 @@
       const badge = document.getElementById("status-badge");
       if (word && badge) word.textContent = badge.textContent;
     }
+    const progress = document.getElementById("progress");
+    if (progress && status !== "running") { progress.hidden = true; progress.textContent = ""; }
     if (!changed) return;
     // A note that holds until a given status (the restart banner: until the server restarts).
     document.querySelectorAll("[data-gone-when]").forEach(function (el) {
@@ -53,13 +55,100 @@
   const mdTags = (root.dataset.mdTags || "").split(" ").filter(Boolean);
   const md = window.markdownit && window.DOMPurify
     ? window.markdownit("commonmark", { html: false }).enable(["table", "strikethrough"]) : null;
+  const mdAttrs = (root.dataset.mdAttrs || "href class").split(" ").filter(Boolean);
   if (md) {
     // Never load an image a model names (a remote image leaks data by its URL): its alt text.
     md.renderer.rules.image = function (tokens, idx) { return md.utils.escapeHtml(tokens[idx].content); };
+    mathRules(md);
     window.DOMPurify.addHook("afterSanitizeAttributes", function (node) {
       if (node.tagName === "A") node.setAttribute("rel", "noopener noreferrer nofollow");
     });
   }
+  // TeX while it streams: the same $…$ / $$…$$ rules as the server (sessions_app/tex.py);
+  // each formula is drawn with the MathML the server sent for it (the reply's .math-list),
+  // or shown as its source until that comes. No TeX is ever rendered here.
+  function formulasOf(el) {
+    const found = {};
+    el.querySelectorAll(".math-list > span[data-tex]").forEach(function (span) {
+      found[span.dataset.display + span.dataset.tex] = span.innerHTML;
+    });
+    return found;
+  }
+  function mathRules(parser) {
+    function closing(src, pos, end) {
+      while (pos < end) {
+        const c = src[pos];
+        if (c === "\\") { pos += 2; continue; }
+        if (c === "`") return -1;
+        if (c === "$") return !/\s/.test(src[pos - 1]) && !/[0-9]/.test(src[pos + 1] || "") ? pos : -1;
+        pos += 1;
+      }
+      return -1;
+    }
+    parser.inline.ruler.before("escape", "math_inline", function (state, silent) {
+      const src = state.src, pos = state.pos, end = state.posMax;
+      if (src[pos] !== "$") return false;
+      let tex, display, after;
+      if (src.startsWith("$$", pos)) {
+        const close = src.indexOf("$$", pos + 2);
+        if (close === -1 || close + 2 > end || close === pos + 2) return false;
+        tex = src.slice(pos + 2, close); display = true; after = close + 2;
+      } else {
+        if (pos + 1 >= end || /\s/.test(src[pos + 1])) return false;
+        const close = closing(src, pos + 1, end);
+        if (close === -1) return false;
+        tex = src.slice(pos + 1, close); display = false; after = close + 1;
+      }
+      if (!silent) {
+        const token = state.push("math_inline", "math", 0);
+        token.content = tex.trim();
+        token.meta = { display: display };
+      }
+      state.pos = after;
+      return true;
+    });
+    parser.block.ruler.before("fence", "math_block", function (state, startLine, endLine, silent) {
+      const begin = state.bMarks[startLine] + state.tShift[startLine];
+      if (state.sCount[startLine] - state.blkIndent >= 4 || !state.src.startsWith("$$", begin)) return false;
+      const first = state.src.slice(begin + 2, state.eMarks[startLine]).trimEnd();
+      let body, last;
+      if (first.endsWith("$$")) {
+        body = first.slice(0, -2); last = startLine;
+        if (!body.trim()) return false;
+      } else if (first.trim()) {
+        return false;
+      } else {
+        const lines = [];
+        let line = startLine + 1;
+        for (; line < endLine; line++) {
+          const text = state.src.slice(state.bMarks[line] + state.tShift[line], state.eMarks[line]).trimEnd();
+          if (text.endsWith("$$")) { lines.push(text.slice(0, -2)); break; }
+          lines.push(text);
+        }
+        if (line >= endLine) return false;
+        body = lines.join("\n"); last = line;
+      }
+      if (silent) return true;
+      const token = state.push("math_block", "math", 0);
+      token.block = true;
+      token.content = body.trim();
+      token.meta = { display: true };
+      token.map = [startLine, last + 1];
+      state.line = last + 1;
+      return true;
+    }, { alt: ["paragraph", "reference", "blockquote", "list"] });
+    function draw(tokens, idx, options, env) {
+      const token = tokens[idx];
+      const key = (token.meta.display ? "1" : "0") + token.content;
+      const known = env && env.formulas && env.formulas[key];
+      if (known) return known;
+      const fence = token.meta.display ? "$$" : "$";
+      return '<code class="math-pending">' + parser.utils.escapeHtml(fence + token.content + fence) + "</code>";
+    }
+    parser.renderer.rules.math_inline = draw;
+    parser.renderer.rules.math_block = function (tokens, idx, options, env) { return draw(tokens, idx, options, env) + "\n"; };
+  }
+
   const previews = new Set();
   let previewTimer = null;
 
@@ -81,8 +170,8 @@
         raw.after(view);
         raw.hidden = true;
       }
-      view.innerHTML = window.DOMPurify.sanitize(md.render(raw.textContent), {
-        ALLOWED_TAGS: mdTags, ALLOWED_ATTR: ["href", "class"], ALLOWED_URI_REGEXP: /^(?:https?|mailto):/i,
+      view.innerHTML = window.DOMPurify.sanitize(md.render(raw.textContent, { formulas: formulasOf(el) }), {
+        ALLOWED_TAGS: mdTags, ALLOWED_ATTR: mdAttrs, ALLOWED_URI_REGEXP: /^(?:https?|mailto):/i,
       });
       decorate(el);
     });
@@ -199,6 +288,15 @@
       const el = document.getElementById(op.id);
       const tail = el && el.querySelector(".raw .tail");
       if (tail) tail.textContent = op.text;  // text, never markup
+    } else if (op.op === "exchange") {
+      // Another version of a message is in force: what each version started shows or hides.
+      document.querySelectorAll('#transcript [data-exchange="' + Number(op.seq) + '"]').forEach(function (el) {
+        el.hidden = !!op.hidden;
+      });
+    } else if (op.op === "progress") {
+      // How far the completion is (docs/live-page.md, "Progress"): until the turn ends.
+      const line = document.getElementById("progress");
+      if (line && root.dataset.status === "running") { line.textContent = op.text; line.hidden = false; }  // text, never markup
     } else if (op.op === "value") {
       const el = document.getElementById(op.id);
       if (el && el.value !== op.value) el.value = op.value;
@@ -224,10 +322,6 @@
     }
   }
 
-  function nearBottom() {
-    return window.innerHeight + window.scrollY >= document.body.scrollHeight - 80;
-  }
-
   function connect() {
     const scheme = location.protocol === "https:" ? "wss://" : "ws://";
     socket = new WebSocket(scheme + location.host + root.dataset.wsPath + "?after=" + lastSeq);
@@ -249,11 +343,9 @@
         socket.close();
         return;
       }
-      const stick = nearBottom();
-      msg.ops.forEach(apply);
+      msg.ops.forEach(apply);  // follow.js keeps the reader at the bottom, or offers "new messages"
       lastSeq = msg.seq;
       root.dataset.lastSeq = String(lastSeq);
-      if (stick) window.scrollTo(0, document.body.scrollHeight);
     };
     socket.onclose = function (e) {
       // A close code the page has a sentence for is final: say why and how to go on
@@ -282,7 +374,7 @@
     const note = document.getElementById("editing-note");
     if (!box || !flag || !note || box.disabled) return;
     if (on) {
-      const mine = document.querySelectorAll("#transcript .msg.user .body");
+      const mine = document.querySelectorAll("#transcript .msg.user:not([hidden]) .body");
       if (!mine.length) return;
       box.value = mine[mine.length - 1].innerText;
     } else {

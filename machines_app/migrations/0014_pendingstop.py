@@ -7,7 +7,7 @@ class Migration(migrations.Migration):
     when the machine answers again (docs/behaviour.md §5 "no orphans")."""
 
     dependencies = [
-        ("machines_app", "0012_modelfile_special_tokens"),
+        ("machines_app", "0013_memory_room"),
     ]
 
     operations = [

@@ -1,0 +1,8 @@
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("machines/", views.machine_list, name="machine_list"),
+    path("machines/servers/<int:session_id>/stop/", views.machine_server_stop, name="machine_server_stop"),
+]

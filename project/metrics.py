@@ -1,0 +1,180 @@
+"""``GET /metrics``: Corral's figures for a team's monitoring, in Prometheus' text format
+(``prometheus_client``), for staff or for a bearer token (docs/operations.md, "Metrics").
+
+Every figure is read at scrape time from what Corral already stores — the sessions and
+their transcript events in the database, the Celery queues in Redis — so all of Corral's
+processes, on every host, count once, and nothing is kept in one process's memory (a
+worker that restarts loses nothing). Names and units:
+
+- ``corral_sessions{status}``: sessions by status (gauge).
+- ``corral_turns_running``: turns under way now (gauge).
+- ``corral_turns_ended_total{reason}``: turns ended, by the ``turn_end`` reason
+  (``done``, ``error``, ``interrupted``, ``stopped``, ``limit``).
+- ``corral_tokens_total{kind}``: tokens the servers reported in their usage, ``prompt``,
+  ``completion`` (streamed) and ``cached`` (prompt tokens answered from the prompt cache).
+- ``corral_tool_results_total{ok}``: tool calls that ran, by whether they succeeded;
+  ``corral_tool_answers_total{answer}``: a person's answers at the gate.
+- ``corral_time_to_first_text_seconds{quantile}`` and ``corral_queue_wait_seconds{quantile}``
+  over the last hour: from a message taken by its turn to the first stored reply text
+  (stored text is batched, so this includes the store window), and from a message queued
+  to taken. Absent when the hour had none.
+- ``corral_celery_queue_length{queue}``: tasks waiting in each Celery queue.
+"""
+
+from __future__ import annotations
+
+import hmac
+import statistics
+from collections.abc import Iterator
+from datetime import timedelta
+
+from amqp.exceptions import ChannelError
+from django.conf import settings
+from django.contrib.auth.decorators import login_not_required
+from django.db.models import BigIntegerField, Count, Sum
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from project import queues
+
+#: The window of the latency quantiles, in seconds.
+WINDOW_SECONDS = 3600
+QUANTILES = (0.5, 0.95)
+
+
+class CorralCollector(Collector):
+    """The figures listed in the module's docstring, read anew at each ``collect``."""
+
+    def collect(self) -> Iterator:
+        from sessions_app.models import AgentSession, TranscriptEvent
+        from sessions_app.transcript import Kind
+
+        sessions = GaugeMetricFamily("corral_sessions", "Sessions by status.", labels=["status"])
+        for row in AgentSession.objects.values("status").annotate(n=Count("id")).order_by("status"):
+            sessions.add_metric([row["status"]], row["n"])
+        yield sessions
+        yield GaugeMetricFamily("corral_turns_running", "Turns under way now.",
+                                value=AgentSession.objects.filter(turn_active=True).count())
+
+        events = TranscriptEvent.objects
+        ended = CounterMetricFamily("corral_turns_ended", "Turns ended, by reason.", labels=["reason"])
+        for row in (events.filter(kind=Kind.TURN_END).values(reason=KT("payload__reason"))
+                    .annotate(n=Count("id")).order_by("reason")):
+            ended.add_metric([row["reason"] or ""], row["n"])
+        yield ended
+
+        tokens = CounterMetricFamily("corral_tokens", "Tokens reported by the servers' usage.", labels=["kind"])
+        sums = events.filter(kind=Kind.USAGE).aggregate(**{
+            kind: Sum(Cast(KT(f"payload__{key}"), BigIntegerField()))
+            for kind, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens"),
+                              ("cached", "cached_tokens"))
+        })
+        for kind, total in sums.items():
+            tokens.add_metric([kind], total or 0)
+        yield tokens
+
+        results = CounterMetricFamily("corral_tool_results", "Tool calls that ran, by success.", labels=["ok"])
+        for row in events.filter(kind=Kind.TOOL_END).values(ok=KT("payload__ok")).annotate(n=Count("id")).order_by("ok"):
+            results.add_metric([str(row["ok"]).lower() in ("true", "1") and "true" or "false"], row["n"])
+        yield results
+        answers = CounterMetricFamily("corral_tool_answers", "Answers given at the gate.", labels=["answer"])
+        for row in (events.filter(kind=Kind.ANSWERED).values(answer=KT("payload__answer"))
+                    .annotate(n=Count("id")).order_by("answer")):
+            answers.add_metric([row["answer"] or ""], row["n"])
+        yield answers
+
+        first_text, queue_wait = _latencies(events, Kind)
+        for name, help_text, values in (
+            ("corral_time_to_first_text_seconds", "Message taken to first stored reply text, last hour.", first_text),
+            ("corral_queue_wait_seconds", "Message queued to taken by its turn, last hour.", queue_wait),
+        ):
+            if values:
+                family = GaugeMetricFamily(name, help_text, labels=["quantile"])
+                for q in QUANTILES:
+                    family.add_metric([str(q)], _quantile(values, q))
+                yield family
+
+        lengths = GaugeMetricFamily("corral_celery_queue_length", "Tasks waiting per Celery queue.",
+                                    labels=["queue"])
+        from project.celery import app
+
+        try:  # kombu's own count: it knows the broker's key names, priorities and TLS
+            with app.connection_for_read() as connection:
+                connection.ensure_connection(max_retries=1)
+                channel = connection.default_channel
+                for queue in (queues.TURNS, queues.SERVERS, queues.HOUSEKEEPING):
+                    try:
+                        waiting = channel.queue_declare(queue=queue, passive=True).message_count
+                    except ChannelError:
+                        waiting = 0  # not declared yet (no worker has consumed it): nothing waits there
+                    lengths.add_metric([queue], waiting)
+        except Exception:  # noqa: BLE001 — Redis down: the other figures still count; its own alert says so
+            return
+        yield lengths
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def _latencies(events, kind) -> tuple[list[float], list[float]]:
+    """Seconds from each message taken (last hour) to the first reply text after it, and
+    from each message queued to its taking, from one query over the hour's events."""
+    since = timezone.now() - timedelta(seconds=WINDOW_SECONDS)
+    rows = (events.filter(created_at__gte=since,
+                          kind__in=[kind.MESSAGE_QUEUED, kind.MESSAGE_TAKEN, kind.ASSISTANT_TEXT, kind.REASONING,
+                                    kind.TOOL_START])
+            .order_by("session_id", "seq").values_list("session_id", "kind", "payload", "created_at"))
+    first_text: list[float] = []
+    queue_wait: list[float] = []
+    queued_at: dict[tuple[int, str], object] = {}
+    taken_at = None
+    session = None
+    for session_id, event_kind, payload, created_at in rows.iterator():
+        if session_id != session:
+            session, taken_at = session_id, None
+        if event_kind == kind.MESSAGE_QUEUED:
+            queued_at[(session_id, payload.get("id"))] = created_at
+        elif event_kind == kind.MESSAGE_TAKEN:
+            taken_at = created_at
+            queued = queued_at.pop((session_id, payload.get("queued_id")), None)
+            if queued is not None:
+                queue_wait.append((created_at - queued).total_seconds())
+        elif taken_at is not None:
+            first_text.append((created_at - taken_at).total_seconds())
+            taken_at = None
+    return first_text, queue_wait
+
+
+_registry = CollectorRegistry(auto_describe=False)
+_registry.register(CorralCollector())
+
+
+def _allowed(request: HttpRequest) -> bool:
+    if request.user.is_authenticated and request.user.is_staff:
+        return True
+    token = settings.CORRAL_METRICS_TOKEN
+    given = request.headers.get("Authorization", "")
+    return bool(token) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+@login_not_required
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus' text exposition of :class:`CorralCollector`. 200 for staff (session
+    cookie) or ``Authorization: Bearer <CORRAL_METRICS_TOKEN>``; otherwise 401 with
+    ``WWW-Authenticate: Bearer`` and no figure."""
+    if not _allowed(request):
+        response = HttpResponse("Metrics are for staff or a bearer token (CORRAL_METRICS_TOKEN).\n",
+                                status=401, content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="corral-metrics"'
+        return response
+    return HttpResponse(generate_latest(_registry), content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,40 @@
+"""Read-only questions about sessions' servers that both the lifecycle (start, stop,
+sleep) and the room on a machine (sessions_app/room.py) ask: whether a start is under way,
+and which servers are idle. Kept apart so that room.py never imports the lifecycle that
+calls it (tests/test_layers.py: no import circle)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from machines_app.models import Machine, ServerRecord
+
+from .models import AgentSession
+
+Status = AgentSession.Status
+
+
+def start_live(session: AgentSession) -> bool:
+    """Whether a start (or restart) of the session's server is under way, as read from
+    ``session``: its claim is held and was renewed lately. A start lost with its worker
+    or with the broker holds none, and the session may be restarted."""
+    return bool(session.start_owner) and session.start_expires is not None and session.start_expires > timezone.now()
+
+def idle_sessions(machine: Machine | None = None) -> list[int]:
+    """Sessions whose server has been idle longer than their machine's idle time (or, with
+    ``machine``, every idle one of that machine, for its "stop all idle"), oldest first."""
+    rows = ServerRecord.objects.filter(
+        ready_at__isnull=False, stopping=False, session__status=Status.IDLE, session__turn_active=False
+    )
+    if machine is not None:
+        rows = rows.filter(machine=machine)
+    else:
+        now = timezone.now()
+        rows = rows.filter(machine__idle_stop_seconds__isnull=False).select_related("session", "machine")
+        return [
+            r.session_id for r in rows.order_by("session__last_activity_at")
+            if r.session.last_activity_at <= now - timedelta(seconds=r.machine.idle_stop_seconds)
+        ]
+    return list(rows.order_by("session__last_activity_at").values_list("session_id", flat=True))
