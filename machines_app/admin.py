@@ -5,17 +5,17 @@ from django.db import transaction
 from django.db.models import Count
 from django.http import HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from sessions_app import dispatch, lifecycle
+from sessions_app import dispatch, lifecycle, orphans
 from sessions_app.actions import SessionError, check_system_prompt
 
 from . import actions as machine_actions
 from . import ssh
 from .llama_server import BUILTIN_CHAT_TEMPLATES
-from .models import Machine, ModelFile, ServerRecord
+from .models import Machine, ModelFile, PendingStop, ServerRecord
 from .template_files import TemplateFileRefused, check_template_file
 from .transports import ProcessId, TransportError, transport_for
 
@@ -119,7 +119,7 @@ class MachineAdmin(admin.ModelAdmin):
     filter_horizontal = ("allowed_groups",)
     actions = ["refresh_models", "test_connection", "repin_host_key", "stop_idle_servers"]
     readonly_fields = (
-        "tool_containment", "running_servers", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
+        "tool_containment", "running_servers", "unrecorded_servers", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
         "offered_key_fingerprint", "models_refreshed_at", "models_refresh_error",
     )
 
@@ -225,6 +225,79 @@ class MachineAdmin(admin.ModelAdmin):
             "on the machine list.</p>",
             rows,
         )
+
+    @admin.display(description="servers Corral has no record of")
+    def unrecorded_servers(self, obj: Machine) -> str:
+        """The stops still pending on this machine, and every llama-server running there that
+        Corral started (its command line names Corral's private directory) but has no record
+        of, each with a Stop button (docs/behaviour.md §5 "no orphans")."""
+        if obj is None or obj.pk is None:
+            return "none"
+        pending = list(PendingStop.objects.filter(machine=obj).order_by("created_at"))
+        parts = []
+        if pending:
+            parts.append(format_html(
+                "<p class=\"pending-stops\">Stops pending (the machine could not be reached; the watch stops them "
+                "when it answers): {}</p>",
+                format_html_join(", ", "pid {} (session {}, since {})",
+                                 ((p.pid, p.session_id or "deleted", p.created_at) for p in pending)),
+            ))
+        try:
+            found = orphans.unrecorded_servers(obj)
+        except TransportError as exc:
+            parts.append(format_html("<p>The machine cannot be asked about its processes now: {}</p>", exc))
+            return format_html_join("", "{}", ((p,) for p in parts))
+        if not found:
+            parts.append("none")
+            return format_html_join("", "{}", ((p,) for p in parts))
+        url = reverse("admin:machines_app_machine_stop_unrecorded", args=[obj.pk])
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td><td><button type=\"submit\" "
+            "formaction=\"{}\" formmethod=\"post\" name=\"process\" value=\"{}:{}\">Stop</button></td></tr>",
+            (
+                (s.proc.pid, s.session_id, s.port, " ".join(s.argv)[:300], url, s.proc.pid, s.proc.start_time)
+                for s in found
+            ),
+        )
+        parts.append(format_html(
+            "<table class=\"unrecorded-servers\"><thead><tr><th>pid</th><th>session (from its key file)</th>"
+            "<th>port</th><th>command line</th><th></th></tr></thead><tbody>{}</tbody></table>",
+            rows,
+        ))
+        return format_html_join("", "{}", ((p,) for p in parts))
+
+    def get_urls(self):
+        return [
+            path("<int:machine_id>/stop-unrecorded/", self.admin_site.admin_view(self.stop_unrecorded_view),
+                 name="machines_app_machine_stop_unrecorded"),
+            *super().get_urls(),
+        ]
+
+    def stop_unrecorded_view(self, request, machine_id: int):
+        """POST ``process=<pid>:<start time>``: stop that unrecorded server (staff who may
+        change machines only; it is looked up again on the machine before anything is sent)."""
+        machine = self.get_object(request, str(machine_id))
+        if request.method != "POST" or machine is None or not self.has_change_permission(request, machine):
+            raise PermissionDenied
+        back = HttpResponseRedirect(reverse("admin:machines_app_machine_change", args=[machine.pk]))
+        pid_text, _, start_time = request.POST.get("process", "").partition(":")
+        if not pid_text.isdigit() or not start_time.isdigit():
+            self.message_user(request, "No server was chosen.", messages.ERROR)
+            return back
+        try:
+            stopped = orphans.stop_unrecorded(machine, int(pid_text), start_time)
+        except TransportError as exc:
+            self.message_user(request, f"Could not stop it: {exc}", messages.ERROR)
+            return back
+        if stopped is None:
+            self.message_user(request, f"pid {pid_text} on {machine.name} is no longer a server Corral has no "
+                              "record of (it ended, or it is a session's server now); nothing was stopped.",
+                              messages.WARNING)
+        else:
+            self.message_user(request, f"Stopped llama-server pid {stopped.proc.pid} on {machine.name} "
+                              f"(it was started for session {stopped.session_id}, port {stopped.port}).")
+        return back
 
     @admin.action(description="Stop all idle servers (they sleep; the next message starts them again)")
     def stop_idle_servers(self, request, queryset):

@@ -8,6 +8,8 @@ the result as :class:`ModelFile` rows; the picker, the spawn form and the admin 
 from __future__ import annotations
 
 import posixpath
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -15,7 +17,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from .discovery import InvalidModelKey, discover, read_model_head, validate_key
-from .gguf import GGUFError
+from .gguf import GGUFError, GGUFHead
 from .models import Machine, ModelFile
 from .transports import TransportError, transport_for
 
@@ -69,8 +71,49 @@ def _count(value: object) -> int | None:
     return value if isinstance(value, int) and 0 < value < 2**31 else None
 
 
+class _HeadCache:
+    """The heads this process has read, by machine, models directory and key, each with
+    the size and modification time its file had: a refresh reads again only the files
+    whose size or time changed (or that it has not read yet), so refreshing a directory
+    of fifty models that did not change reads none of them. Bounded to ``LIMIT`` heads
+    (the oldest go first); a new process reads each file once."""
+
+    LIMIT = 5000
+
+    def __init__(self) -> None:
+        self.heads: OrderedDict[tuple[int, str, str], tuple[int, int, GGUFHead]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def unchanged(self, machine_id: int, root: str, stamped: list[tuple[str, int, int]]) -> dict[str, GGUFHead]:
+        found = {}
+        with self.lock:
+            for key, size, mtime in stamped:
+                held = self.heads.get((machine_id, root, key))
+                if held is not None and held[:2] == (size, mtime):
+                    found[key] = held[2]
+        return found
+
+    def keep(self, machine_id: int, root: str, stamps: dict[str, tuple[int, int]], key: str, head: GGUFHead) -> None:
+        stamp = stamps.get(key)
+        if stamp is None:
+            return
+        with self.lock:
+            self.heads[(machine_id, root, key)] = (*stamp, head)
+            self.heads.move_to_end((machine_id, root, key))
+            while len(self.heads) > self.LIMIT:
+                self.heads.popitem(last=False)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.heads.clear()
+
+
+_HEADS = _HeadCache()
+
+
 def refresh_models(machine: Machine) -> list[ModelFile]:
-    """Re-read the machine's models directory (heads only) and store what was found.
+    """Re-read the machine's models directory (heads only, and only of files whose size or
+    modification time changed since this process last read them) and store what was found.
 
     Raises TransportError when the machine or directory cannot be read; the error is also
     kept on the machine for the admin page.
@@ -78,8 +121,17 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
     transport = transport_for(machine)
     try:
         root = transport.expand_path(machine.models_dir)
-        files = transport.list_gguf(root)
-        infos = discover(files, lambda key, n, offset=0: transport.read_head(posixpath.join(root, key), n, offset))
+        stamped = transport.list_gguf_stamped(root)
+        known = _HEADS.unchanged(machine.pk, root, stamped)
+        stamps = {key: (size, mtime) for key, size, mtime in stamped}
+        infos = discover(
+            [(key, size) for key, size, _mtime in stamped],
+            read_ranges=lambda ranges: transport.read_ranges(
+                [(posixpath.join(root, key), offset, n) for key, offset, n in ranges]
+            ),
+            known=known,
+            read=lambda key, head: _HEADS.keep(machine.pk, root, stamps, key, head),
+        )
     except TransportError as exc:
         Machine.objects.filter(pk=machine.pk).update(models_refresh_error=str(exc), models_refreshed_at=timezone.now())
         raise

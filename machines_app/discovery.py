@@ -52,6 +52,7 @@ __all__ = [
     "architecture_problem",
     "discover",
     "read_model_head",
+    "read_model_heads",
     "split_key_parts",
     "validate_key",
 ]
@@ -166,6 +167,81 @@ def split_key_parts(key: str) -> tuple[str, int, int] | None:
     return posixpath.join(directory, match["prefix"]), number, count
 
 
+#: ``read_ranges([(key, offset, nbytes), ...])``: for each, what ``read_head`` would give, or
+#: the OSError that file gave; one call may serve many files at once (a pipelined batch
+#: over SFTP, see ``Transport.read_ranges``).
+ReadRanges = Callable[[list[tuple[str, int, int]]], list]
+
+#: Bytes one batch of :func:`read_model_heads` asks for at most (all of it is held in memory).
+BATCH_BYTES = 64 * 1024 * 1024
+
+
+def _next_ask(data: bytes, asked: int, exc: NeedMoreBytes) -> int:
+    """How many bytes from the start to hold next, after a parse of ``data`` (``asked``
+    were asked for) raised ``exc``; raises GGUFError when there is no point reading on."""
+    if len(data) < asked:
+        if len(data) < 8:
+            raise GGUFError(f"not a GGUF file (only {len(data)} bytes long)") from None
+        raise GGUFError("the file ends inside its GGUF metadata (truncated or still being copied?)") from None
+    if asked >= MAX_HEAD_BYTES or exc.needed > MAX_HEAD_BYTES:
+        raise GGUFError(f"metadata larger than {MAX_HEAD_BYTES // (1024 * 1024)} MiB") from None
+    margin = min(exc.needed // 8, INITIAL_HEAD_BYTES)
+    return min(max(exc.needed + margin, asked + asked // 4), MAX_HEAD_BYTES)
+
+
+def read_model_heads(keys: list[str], read_ranges: ReadRanges) -> dict[str, GGUFHead | GGUFError | OSError]:
+    """The heads of many files, read in rounds: every file's first INITIAL_HEAD_BYTES in
+    one batch, then for those whose metadata goes on, only the bytes past those held, sized
+    as :func:`read_model_head` sizes them (what the header says it needs, plus a margin),
+    all of them in the next batch. A batch holds at most BATCH_BYTES (files past that wait
+    for the next), so a directory of any size is read in bounded memory and, over SSH, in
+    a few round trips per batch rather than one per request.
+
+    Returns each key's GGUFHead, or the GGUFError / OSError that file gave."""
+    done: dict[str, GGUFHead | GGUFError | OSError] = {}
+    state = {key: (b"", INITIAL_HEAD_BYTES) for key in keys}  # bytes held, bytes to hold
+    while state:
+        batch, total = [], 0
+        for key, (data, asked) in state.items():
+            want = asked - len(data)
+            if batch and total + want > BATCH_BYTES:
+                break
+            batch.append((key, len(data), want))
+            total += want
+        answers = read_ranges(batch)
+        for (key, _offset, _want), answer in zip(batch, answers, strict=True):
+            data, asked = state.pop(key)
+            if isinstance(answer, OSError):
+                done[key] = answer
+                continue
+            data += bytes(answer)
+            try:
+                done[key] = parse_head(data)
+            except NeedMoreBytes as exc:
+                try:
+                    state[key] = (data, _next_ask(data, asked, exc))
+                except GGUFError as error:
+                    done[key] = error
+            except GGUFError as exc:
+                done[key] = exc
+    return done
+
+
+def ranges_from(read_head: ReadHead) -> ReadRanges:
+    """A :data:`ReadRanges` that reads one range after the other through ``read_head``."""
+
+    def read_ranges(ranges: list[tuple[str, int, int]]) -> list:
+        answers: list = []
+        for key, offset, nbytes in ranges:
+            try:
+                answers.append(read_head(key, nbytes) if offset == 0 else read_head(key, nbytes, offset=offset))
+            except OSError as exc:
+                answers.append(exc)
+        return answers
+
+    return read_ranges
+
+
 def read_model_head(key: str, read_head: ReadHead) -> GGUFHead:
     """Read and parse the head of one file, reading on from where the last read stopped
     until the metadata fits (docs/behaviour.md C42: a header, not the file).
@@ -188,14 +264,7 @@ def read_model_head(key: str, read_head: ReadHead) -> GGUFHead:
         try:
             return parse_head(data)
         except NeedMoreBytes as exc:
-            if len(data) < asked:
-                if len(data) < 8:
-                    raise GGUFError(f"not a GGUF file (only {len(data)} bytes long)") from None
-                raise GGUFError("the file ends inside its GGUF metadata (truncated or still being copied?)") from None
-            if asked >= MAX_HEAD_BYTES or exc.needed > MAX_HEAD_BYTES:
-                raise GGUFError(f"metadata larger than {MAX_HEAD_BYTES // (1024 * 1024)} MiB") from None
-            margin = min(exc.needed // 8, INITIAL_HEAD_BYTES)
-            asked = min(max(exc.needed + margin, asked + asked // 4), MAX_HEAD_BYTES)
+            asked = _next_ask(data, asked, exc)
             # A new bytes object (a copy: a few per file at most): the parse's views of the
             # old one may live on in the exception's frames.
             data += read_head(key, asked - len(data), offset=len(data))
@@ -256,19 +325,17 @@ def _group(files: Iterable[tuple[str, int]]) -> tuple[list[_Candidate], dict[str
     return candidates, vision_dirs
 
 
-def _load(candidate: _Candidate, read_head: ReadHead) -> None:
+def _load(candidate: _Candidate, head: GGUFHead | GGUFError | OSError | None) -> None:
     try:
         validate_key(candidate.key)
     except InvalidModelKey as exc:
         candidate.error = str(exc)
         return
-    try:
-        head = read_model_head(candidate.key, read_head)
-    except GGUFError as exc:
-        candidate.error = str(exc)
+    if isinstance(head, GGUFError):
+        candidate.error = str(head)
         return
-    except OSError as exc:
-        candidate.error = f"could not read the file: {exc}"
+    if isinstance(head, OSError) or head is None:
+        candidate.error = f"could not read the file: {head}"
         return
     candidate.head = head
     if candidate.split_count > 1 and 1 not in candidate.missing_parts:
@@ -369,14 +436,27 @@ def _memory_shape(head: GGUFHead | None, candidate: _Candidate, vision_dirs: dic
     return shape
 
 
-def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInfo]:
+def discover(
+    files: list[tuple[str, int]],
+    read_head: ReadHead | None = None,
+    *,
+    read_ranges: ReadRanges | None = None,
+    known: dict[str, GGUFHead] | None = None,
+    read: Callable[[str, GGUFHead], None] | None = None,
+) -> list[ModelInfo]:
     """List the models in a models directory.
 
     Args:
         files: every ``*.gguf`` file under the models directory as (key, size in bytes);
             key is the '/'-separated path relative to that directory.
         read_head: read_head(key, nbytes, offset=0) returns up to nbytes of that file
-            from byte offset (see ReadHead and :func:`read_model_head`). OSError from it marks that one file as unreadable; other exceptions propagate.
+            from byte offset (see ReadHead and :func:`read_model_head`). OSError from it
+            marks that one file as unreadable; other exceptions propagate.
+        read_ranges: instead of ``read_head``, a batch reader (:data:`ReadRanges`): all
+            heads are read by :func:`read_model_heads`, a few batches for the directory.
+        known: heads already read (by key) of files that did not change since; they
+            are not read again.
+        read: told ``(key, head)`` of each head read now, to be kept for a later ``known``.
 
     Returns:
         one ModelInfo per single file or split set (projectors excluded), sorted by
@@ -385,8 +465,24 @@ def discover(files: list[tuple[str, int]], read_head: ReadHead) -> list[ModelInf
     files = list(files)
     sizes = dict(files)
     candidates, vision_dirs = _group(files)
+    reader = read_ranges or ranges_from(read_head)
+    known = known or {}
+    wanted = []
     for candidate in candidates:
-        _load(candidate, read_head)
+        try:
+            validate_key(candidate.key)
+        except InvalidModelKey:
+            continue  # never read; _load says why
+        if candidate.key not in known:
+            wanted.append(candidate.key)
+    fresh = read_model_heads(wanted, reader)
+    if read is not None:
+        for key, head in fresh.items():
+            if isinstance(head, GGUFHead):
+                read(key, head)
+    heads: dict[str, GGUFHead | GGUFError | OSError] = {**known, **fresh}
+    for candidate in candidates:
+        _load(candidate, heads.get(candidate.key))
     # Projectors recognised by their metadata rather than their file name.
     models: list[_Candidate] = []
     for candidate in candidates:

@@ -420,7 +420,7 @@ def parse_head(data: bytes | bytearray | memoryview) -> GGUFHead:
         # Only the tokens of a type that can be special are decoded: a vocabulary has
         # 50,000 to 260,000 strings and a few hundred of those.
         maybe = {i for i, kind in enumerate(types) if kind in _MAYBE}
-        tokens = _array_strings(cur.data, *vocabulary[_TOKENS], keep=maybe.__contains__)
+        tokens = _array_strings(cur.data, *vocabulary[_TOKENS], keep=maybe)
         specials = special_token_texts(tokens, types, _templates(metadata))
     return GGUFHead(
         version=version, tensor_count=tensor_count, metadata=metadata, metadata_end=cur.pos, special_tokens=specials
@@ -469,20 +469,22 @@ def _templates(metadata: dict[str, object]) -> list[str]:
     ]
 
 
-def _array_strings(data: memoryview, start: int, end: int, keep) -> list[str]:
+def _array_strings(data: memoryview, start: int, end: int, keep: set[int]) -> list[str]:
     """The elements of a string array whose encoding (element type, count, elements)
-    lies in ``data[start:end]``, "" for each index ``keep(index)`` refuses; [] for an
-    array of another type. Already bounds-checked by the parse that found it."""
+    lies in ``data[start:end]``, "" for each index not in ``keep``, and only up to the
+    last index in ``keep`` (the rest is never walked: a vocabulary whose special tokens
+    come first costs a few steps, not one per token); [] for an array of another type.
+    Already bounds-checked by the parse that found it."""
     cur = _Cursor(data[start:end])
     etype, length = cur.u32(), cur.u64()
-    if etype != GGUFValueType.STRING:
+    if etype != GGUFValueType.STRING or not keep:
         return []
     found = []
     view, pos, unpack_from = cur.data, cur.pos, _U64.unpack_from
-    for index in range(length):
+    for index in range(min(length, max(keep) + 1)):
         (size,) = unpack_from(view, pos)
         pos += 8
-        found.append(str(view[pos:pos + size], "utf-8", errors="replace") if keep(index) else "")
+        found.append(str(view[pos:pos + size], "utf-8", errors="replace") if index in keep else "")
         pos += size
     return found
 

@@ -374,3 +374,28 @@ class MachineSample(models.Model):
 
     class Meta:
         ordering = ["taken_at"]
+
+
+class PendingStop(models.Model):
+    """A llama-server Corral set out to stop (Stop, a delete, an idle sleep) while its
+    machine could not be reached (docs/behaviour.md §5 "no orphans"). The process may still
+    run there, holding its memory; the watch stops it (pid and start time checked) as soon
+    as the machine answers again, and no new server starts on that machine before.
+
+    ``place`` is :func:`machines_app.transports.machine_place` of the machine, so a server
+    whose machine row was deleted meanwhile is still stopped; ``session_id`` is the session
+    it served (which may be gone), for the notice in its transcript and the key file's name.
+    """
+
+    machine = models.ForeignKey(Machine, null=True, blank=True, on_delete=models.SET_NULL)
+    place = models.JSONField(default=dict)
+    session_id = models.PositiveIntegerField(null=True, blank=True)
+    pid = models.PositiveIntegerField()
+    start_time = models.CharField(max_length=40)
+    port = models.PositiveIntegerField()
+    reason = models.TextField(blank=True, help_text="Why the machine could not be reached, as last tried.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    tried_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"stop pending: llama-server pid {self.pid} on {self.place.get('name', '?')}"

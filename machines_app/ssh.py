@@ -18,17 +18,31 @@ import base64
 import hashlib
 import logging
 import os
+import random
 import select
 import shlex
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import paramiko
 from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
+from paramiko.sftp import (
+    CMD_ATTRS,
+    CMD_CLOSE,
+    CMD_DATA,
+    CMD_HANDLE,
+    CMD_OPEN,
+    CMD_READ,
+    CMD_STAT,
+    CMD_STATUS,
+    SFTP_FLAG_READ,
+    int64,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +54,11 @@ DEAD_AFTER = 10.0  # seconds without an answer after which a connection is close
 RETRY_AFTER = 3.0  # seconds a failed connect is answered from memory, so callers never pile up on a dead machine
 FORWARD_IDLE = 120.0  # seconds a local forward with no connection stays open before it closes
 OUTPUT_LIMIT = 64 * 1024  # bytes of a command's (merged) output kept; the rest is drained and dropped
+SESSION_WAIT = 60.0  # seconds a command waits for a session on a busy connection before it gives up
+CONNECT_TRIES = 4  # connects tried when sshd drops us before the handshake (its MaxStartups)
+SFTP_WINDOW = 16 * 1024 * 1024  # bytes the SFTP channel may have in flight towards us (SSH window)
+READ_CHUNK = 255 * 1024  # bytes asked by one SFTP read (OpenSSH's sftp-server answers up to 255 KiB)
+PIPELINE_REQUESTS = 64  # SFTP requests in flight at once in a pipelined batch
 
 
 class LinkError(Exception):
@@ -178,6 +197,245 @@ def scan_host_key(host: str, port: int, timeout: float = CONNECT_TIMEOUT) -> par
         transport.close()
 
 
+class LinkBusy(LinkError):
+    """The connection is up but every session its sshd allows stayed in use for
+    ``SESSION_WAIT`` seconds: the machine is busy, not unreachable."""
+
+
+class _Dropped(LinkError):
+    """The server closed the connection before the SSH handshake was done."""
+
+
+def _dropped_before_handshake(exc: BaseException) -> bool:
+    """paramiko's words when the TCP connection was accepted, then closed or reset before
+    the banner or key exchange (sshd's MaxStartups drop, "exceeded MaxStartups" in its log)."""
+    if isinstance(exc, EOFError | ConnectionResetError):
+        return True
+    if isinstance(exc.__context__, TimeoutError):
+        return False  # nothing answered in time (a machine that hangs): not a drop
+    text = str(exc)
+    return isinstance(exc, paramiko.SSHException) and (
+        "Error reading SSH protocol banner" in text or "No existing session" in text
+    ) and "timed out" not in text.lower()
+
+
+class _Sessions:
+    """The session channels one connection has open, and how many its sshd allows.
+
+    OpenSSH refuses a session past ``MaxSessions`` (10 unless configured) with a channel
+    open failure and logs "no more sessions"; it says nothing of the limit before. So
+    there is no limit until the first refusal; then the limit is the number the server
+    had opened for us at that moment (at least 1, raised when sessions asked for before
+    the refusal open after it), and a command waits here for one of them to close — by
+    us, or by the server when its command ended (a closed channel is noticed within
+    ``_POLL`` seconds). A refusal while fewer are open than the learnt limit (a close the
+    server has not finished yet) is waited out the same way."""
+
+    _POLL = 0.2  # seconds between two looks at the open channels while waiting for room
+
+    def __init__(self, entry: str) -> None:
+        self.entry = entry
+        self.asked = 0  # asked for, not answered yet
+        self.channels: set[paramiko.Channel] = set()  # opened by the server, not closed yet
+        self.limit: int | None = None
+        self.cond = threading.Condition()
+
+    @property
+    def open(self) -> int:
+        """Sessions of ours the server may count now (asked for, or open)."""
+        with self.cond:
+            self._prune()
+            return self.asked + len(self.channels)
+
+    def _prune(self) -> None:
+        self.channels = {channel for channel in self.channels if not channel.closed}
+
+    def acquire(self, deadline: float) -> None:
+        with self.cond:
+            while True:
+                self._prune()
+                if self.limit is None or self.asked + len(self.channels) < self.limit:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LinkBusy(
+                        f"{self.entry} is busy: all {self.limit} sessions its sshd allows on one connection "
+                        f"(MaxSessions) stayed in use for {SESSION_WAIT:g} s"
+                    )
+                self.cond.wait(min(left, self._POLL))
+            self.asked += 1
+
+    def opened(self, channel: paramiko.Channel) -> None:
+        with self.cond:
+            self.asked = max(self.asked - 1, 0)
+            self.channels.add(channel)
+            if self.limit is not None and len(self.channels) > self.limit:
+                # Asked for before the refusal and opened after it: the server allows that many.
+                self.limit = len(self.channels)
+
+    def failed(self) -> None:
+        """The session asked for did not open (the link broke)."""
+        with self.cond:
+            self.asked = max(self.asked - 1, 0)
+            self.cond.notify()
+
+    def release(self, channel: paramiko.Channel) -> None:
+        with self.cond:
+            self.channels.discard(channel)
+            self.cond.notify()
+
+    def refused(self, exc: paramiko.SSHException) -> None:
+        """The server refused the session just asked for."""
+        with self.cond:
+            self.asked = max(self.asked - 1, 0)
+            self._prune()
+            if self.limit is None:
+                # The ones the server opened (never those still asked for at the same
+                # moment, which it may refuse too); learnt once: a later refusal below it
+                # is a close still under way, which must not shrink the limit step by step.
+                self.limit = max(len(self.channels), 1)
+                log.info("ssh %s: the server refused a session with %s open (%s); at most %s at once from now on",
+                         self.entry, len(self.channels), exc, self.limit)
+            # Wait for a close (or a moment, for the server to finish one) before trying again.
+            self.cond.wait(0.05 if not self.channels else self._POLL)
+
+
+@dataclass
+class SftpCounts:
+    """What a link's SFTP sessions cost: ``requests`` sent, and ``round_trips``: how many
+    times a request went out with none of ours in flight, i.e. the client waited a whole
+    round trip for the link (a pipelined batch counts once, a ``read()`` loop once per read)."""
+
+    requests: int = 0
+    round_trips: int = 0
+    in_flight: int = 0
+
+
+class _SFTP(paramiko.SFTPClient):
+    """paramiko's SFTP client, counting into :class:`SftpCounts` (every request passes
+    through ``_async_request``, every answer through ``_read_packet``)."""
+
+    def __init__(self, channel: paramiko.Channel, counts: SftpCounts) -> None:
+        self.counts = counts
+        super().__init__(channel)
+
+    def _async_request(self, fileobj, t, *args):
+        counts = self.counts
+        counts.requests += 1
+        if counts.in_flight == 0:
+            counts.round_trips += 1
+        counts.in_flight += 1
+        return super()._async_request(fileobj, t, *args)
+
+    def _read_packet(self):
+        packet = super()._read_packet()
+        self.counts.in_flight = max(self.counts.in_flight - 1, 0)
+        return packet
+
+
+def _expect(sftp: paramiko.SFTPClient, t: int, msg: paramiko.Message, wanted: int) -> None:
+    """Raise the OSError (EOFError at the end of a file) an SFTP status answer carries, or
+    SFTPError for an answer of the wrong kind."""
+    if t == CMD_STATUS:
+        sftp._convert_status(msg)  # raises for anything but OK
+    if t != wanted:
+        raise paramiko.SFTPError(f"unexpected SFTP answer {t} (wanted {wanted})")
+
+
+class _Pipe:
+    """SFTP requests kept in flight together (at most ``PIPELINE_REQUESTS``), each answer
+    handed to its callback, which may send more (an open's answer sends its reads). Uses
+    paramiko's request machinery (``_async_request``: the answer goes to an object's
+    ``_async_response``), the way its own prefetch does."""
+
+    def __init__(self, sftp: paramiko.SFTPClient) -> None:
+        self.sftp = sftp
+        self.queue: deque = deque()
+        self.waiting: dict[int, Callable] = {}
+
+    def send(self, t: int, args: tuple, took: Callable[[int, paramiko.Message], None]) -> None:
+        self.queue.append((t, args, took))
+
+    def _async_response(self, t: int, msg: paramiko.Message, num: int) -> None:
+        took = self.waiting.pop(num, None)
+        if took is not None:
+            took(t, msg)
+
+    def run(self) -> None:
+        while self.queue or self.waiting:
+            while self.queue and len(self.waiting) < PIPELINE_REQUESTS:
+                t, args, took = self.queue.popleft()
+                self.waiting[self.sftp._async_request(self, t, *args)] = took
+            if self.waiting:
+                self.sftp._read_response()
+
+
+class _RangeRead:
+    """One file's part of :meth:`Link.read_ranges`: open, reads of ``READ_CHUNK`` (a short
+    answer asked again for the rest), close."""
+
+    def __init__(self, pipe: _Pipe, results: list, index: int, path: str, offset: int, nbytes: int) -> None:
+        self.pipe, self.results, self.index = pipe, results, index
+        self.path, self.offset, self.nbytes = path, offset, nbytes
+        self.parts: dict[int, bytes] = {}
+        self.handle: bytes | None = None
+        self.pending = 0
+        self.end = offset + nbytes  # lowered to where the file ends
+
+    def open(self) -> None:
+        sftp = self.pipe.sftp
+        self.pipe.send(CMD_OPEN, (sftp._adjust_cwd(self.path), SFTP_FLAG_READ, paramiko.SFTPAttributes()), self._opened)
+
+    def _opened(self, t: int, msg: paramiko.Message) -> None:
+        try:
+            _expect(self.pipe.sftp, t, msg, CMD_HANDLE)
+        except OSError as exc:
+            self.results[self.index] = exc
+            return
+        self.handle = msg.get_binary()
+        for start in range(self.offset, self.end, READ_CHUNK):
+            self._read(start, min(READ_CHUNK, self.end - start))
+        self._maybe_close()
+
+    def _read(self, start: int, size: int) -> None:
+        self.pending += 1
+        self.pipe.send(CMD_READ, (self.handle, int64(start), int(size)),
+                       lambda t, msg: self._got(start, size, t, msg))
+
+    def _got(self, start: int, size: int, t: int, msg: paramiko.Message) -> None:
+        self.pending -= 1
+        try:
+            _expect(self.pipe.sftp, t, msg, CMD_DATA)
+            data = msg.get_string()
+        except EOFError:
+            self.end = min(self.end, start)
+            data = b""
+        except OSError as exc:
+            self.results[self.index] = exc
+            self.end = self.offset
+            data = b""
+        if data and start < self.end:
+            self.parts[start] = data
+            if len(data) < size and start + len(data) < self.end:
+                self._read(start + len(data), size - len(data))  # a short answer: ask for the rest
+        self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if self.pending or self.handle is None:
+            return
+        handle, self.handle = self.handle, None
+        self.pipe.send(CMD_CLOSE, (handle,), lambda t, msg: None)
+        if isinstance(self.results[self.index], OSError):
+            return
+        data, at = bytearray(), self.offset
+        for start in sorted(self.parts):
+            if start != at or at >= self.end:
+                break
+            data += self.parts[start][: self.end - at]
+            at += len(self.parts[start])
+        self.results[self.index] = bytes(data)
+
+
 class Link:
     """One authenticated SSH connection with a heartbeat (see the module docstring)."""
 
@@ -226,12 +484,16 @@ class Link:
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            if _dropped_before_handshake(exc):
+                raise _Dropped(f"cannot reach {target.entry}: {reason}") from None
             raise LinkError(f"cannot reach {target.entry}: {reason}") from None
         self.client = client
         self.transport: paramiko.Transport = client.get_transport()
         self._home: str | None = None
         self._sftp: paramiko.SFTPClient | None = None
         self._sftp_lock = threading.RLock()
+        self._sessions = _Sessions(target.entry)
+        self.sftp_counts = SftpCounts()
         self._heartbeat = threading.Thread(target=self._beat, name=f"ssh-heartbeat {target.entry}", daemon=True)
         self._heartbeat.start()
 
@@ -273,6 +535,51 @@ class Link:
 
     # --- commands ------------------------------------------------------------------------
 
+    def _open_session(self, window_size: int | None = None) -> paramiko.Channel:
+        """A new session channel (a command or the SFTP subsystem), waiting for room while
+        the connection has as many open as its sshd allows (``MaxSessions``, 10 by
+        OpenSSH's default). The limit is learnt from the server's refusal ("open failed",
+        paramiko's ChannelException): a refused channel is a full connection, never a lost
+        one, so the caller waits for one of ours to close and tries again on the same
+        connection. Raises LinkError when no session comes within ``SESSION_WAIT`` seconds
+        or the link breaks. The caller hands the channel to :meth:`_closed` when done."""
+        deadline = time.monotonic() + SESSION_WAIT
+        while True:
+            self._sessions.acquire(deadline)
+            try:
+                channel = self.transport.open_session(window_size=window_size, timeout=CHANNEL_OPEN_TIMEOUT)
+            except paramiko.ChannelException as exc:
+                self._sessions.refused(exc)
+                continue
+            except paramiko.SSHException as exc:
+                # paramiko keeps one refusal per connection: of two refused at once, one
+                # sees the ChannelException, the other "Unable to open channel." Either is
+                # a refusal while the connection is up.
+                if self.active and "Unable to open channel" in str(exc):
+                    self._sessions.refused(exc)
+                    continue
+                self._sessions.failed()
+                raise self.lost(exc) from None
+            except (OSError, EOFError) as exc:
+                self._sessions.failed()
+                raise self.lost(exc) from None
+            except BaseException:
+                self._sessions.failed()
+                raise
+            self._sessions.opened(channel)
+            return channel
+
+    def _closed(self, channel: paramiko.Channel) -> None:
+        """Close a channel from :meth:`_open_session` and give its room to the next waiter."""
+        try:
+            channel.close()
+        finally:
+            self._sessions.release(channel)
+
+    def release_channel(self, channel: paramiko.Channel) -> None:
+        """Close a channel handed out by :meth:`start` (its reader is done with it)."""
+        self._closed(channel)
+
     def run(self, script: str, *, stdin: bytes = b"", timeout: float = 30.0) -> tuple[int, str]:
         """Run ``script`` with ``sh -c`` on the machine; (exit status, merged output).
 
@@ -283,10 +590,7 @@ class Link:
         marked "[output truncated]". Raises LinkError when the command does not finish in
         ``timeout`` seconds (the channel is closed) or the link breaks.
         """
-        try:
-            channel = self.transport.open_session(timeout=CHANNEL_OPEN_TIMEOUT)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise self.lost(exc) from None
+        channel = self._open_session()
         try:
             channel.set_combine_stderr(True)
             channel.settimeout(timeout)
@@ -314,16 +618,14 @@ class Link:
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise self.lost(exc) from None
         finally:
-            channel.close()
+            self._closed(channel)
 
     def start(self, script: str, *, stdin: bytes = b"") -> paramiko.Channel:
         """Start ``script`` with ``sh -c`` (quoted as :meth:`run` does) and hand back its
         channel, stdout and stderr merged, ``stdin`` sent and closed; the caller reads,
-        waits and closes. Raises LinkError."""
-        try:
-            channel = self.transport.open_session(timeout=CHANNEL_OPEN_TIMEOUT)
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise self.lost(exc) from None
+        waits and gives it back with :meth:`release_channel` (which closes it and frees its
+        session for the next command). Raises LinkError."""
+        channel = self._open_session()
         try:
             channel.set_combine_stderr(True)
             channel.exec_command("sh -c " + shlex.quote(script))
@@ -331,7 +633,7 @@ class Link:
                 channel.sendall(stdin)
             channel.shutdown_write()
         except (paramiko.SSHException, OSError, EOFError) as exc:
-            channel.close()
+            self._closed(channel)
             raise self.lost(exc) from None
         return channel
 
@@ -346,10 +648,17 @@ class Link:
         LinkError, and the link is closed."""
         with self._sftp_lock:
             if self._sftp is None or self._sftp.get_channel().closed:
-                try:
-                    self._sftp = self.client.open_sftp()
-                except (paramiko.SSHException, OSError, EOFError) as exc:
+                if self._sftp is not None:
+                    self._sessions.release(self._sftp.get_channel())  # the closed one's room
                     self._sftp = None
+                # A session like any command's (MaxSessions), with a window wide enough
+                # for pipelined reads across a slow link.
+                channel = self._open_session(window_size=SFTP_WINDOW)
+                try:
+                    channel.invoke_subsystem("sftp")
+                    self._sftp = _SFTP(channel, self.sftp_counts)
+                except (paramiko.SSHException, OSError, EOFError) as exc:
+                    self._closed(channel)
                     raise self.lost(exc) from None
                 self._sftp.get_channel().settimeout(IO_TIMEOUT)
             try:
@@ -360,6 +669,40 @@ class Link:
             except (paramiko.SSHException, EOFError, ConnectionError) as exc:
                 self._sftp = None
                 raise self.lost(exc) from None
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | OSError]:
+        """For each ``(path, offset, nbytes)``, up to ``nbytes`` of that file from ``offset``
+        (fewer only where the file ends), or the OSError that file gave (no such file,
+        permission). Every open, read and close of the batch is pipelined on this link's
+        SFTP session (:class:`_Pipe`): a batch costs about three round trips however many
+        files it holds, where one ``read()`` after another costs one per 32 KiB. The caller
+        bounds the batch's total size (it is all held in memory). Raises LinkError as
+        :meth:`sftp` does."""
+        results: list[bytes | OSError] = [b""] * len(ranges)
+        with self.sftp() as sftp:
+            pipe = _Pipe(sftp)
+            for index, (path, offset, nbytes) in enumerate(ranges):
+                _RangeRead(pipe, results, index, path, offset, nbytes).open()
+            pipe.run()
+        return results
+
+    def stat_many(self, paths: list[str]) -> list[paramiko.SFTPAttributes | OSError]:
+        """``stat`` (links followed) of every path, pipelined as :meth:`read_ranges` is."""
+        results: list[paramiko.SFTPAttributes | OSError] = [OSError("no answer")] * len(paths)
+        with self.sftp() as sftp:
+            pipe = _Pipe(sftp)
+            for index, path in enumerate(paths):
+
+                def took(t: int, msg: paramiko.Message, index: int = index) -> None:
+                    try:
+                        _expect(sftp, t, msg, CMD_ATTRS)
+                        results[index] = paramiko.SFTPAttributes._from_msg(msg)
+                    except OSError as exc:
+                        results[index] = exc
+
+                pipe.send(CMD_STAT, (sftp._adjust_cwd(path),), took)
+            pipe.run()
+        return results
 
     def home(self) -> str:
         """The remote user's home directory (where ``~`` and relative paths point)."""
@@ -388,6 +731,7 @@ class Link:
 _lock = threading.Lock()
 _links: dict[Target, Link] = {}
 _failures: dict[Target, tuple[float, LinkError]] = {}
+_connecting: dict[Target, threading.Lock] = {}
 _forwards: dict[tuple[Target, int], _Forward] = {}
 _pid = os.getpid()
 
@@ -398,6 +742,7 @@ def _after_fork_check() -> None:
     if os.getpid() != _pid:
         _links.clear()
         _failures.clear()
+        _connecting.clear()
         _forwards.clear()
         _pid = os.getpid()
 
@@ -408,28 +753,60 @@ def link_for(target: Target) -> Link:
     ``RETRY_AFTER`` seconds ago fails again at once with the same error."""
     with _lock:
         _after_fork_check()
-        link = _links.get(target)
-        if link is not None and link.active:
+        link = _live(target)
+        if link is not None:
             return link
-        _links.pop(target, None)
-        failure = _failures.get(target)
-        if failure is not None and time.monotonic() - failure[0] < RETRY_AFTER:
-            raise failure[1]
-    # Connect outside the lock: one slow machine must not hold up the others.
-    try:
-        link = Link(target)
-    except LinkError as exc:
+        connecting = _connecting.setdefault(target, threading.Lock())
+    # One connect per machine at a time (a burst of callers waits for it rather than
+    # opening a connection each, which sshd's MaxStartups would drop), outside the
+    # registry's lock: one slow machine must not hold up the others.
+    with connecting:
         with _lock:
-            _failures[target] = (time.monotonic(), exc)
-        raise
-    with _lock:
-        _failures.pop(target, None)
-        current = _links.get(target)
-        if current is not None and current.active:
-            link.close()
-            return current
-        _links[target] = link
+            link = _live(target)
+            if link is not None:
+                return link
+        try:
+            link = _connect(target)
+        except LinkError as exc:
+            with _lock:
+                _failures[target] = (time.monotonic(), exc)
+            raise
+        with _lock:
+            _failures.pop(target, None)
+            _links[target] = link
+            return link
+
+
+def _live(target: Target) -> Link | None:
+    """The live link to ``target`` (under ``_lock``); raises the last connect's error while
+    it is fresher than ``RETRY_AFTER``."""
+    link = _links.get(target)
+    if link is not None and link.active:
         return link
+    _links.pop(target, None)
+    failure = _failures.get(target)
+    if failure is not None and time.monotonic() - failure[0] < RETRY_AFTER:
+        raise failure[1]
+    return None
+
+
+def _connect(target: Target) -> Link:
+    """A new Link, tried again (up to ``CONNECT_TRIES``, a short random pause between)
+    when the server closed the connection before the handshake was done: that is how
+    sshd's ``MaxStartups`` drops a connection beyond its unauthenticated ones (other
+    processes of this backend connecting at the same moment), and not a machine that is
+    down (connection refused, a timeout: those fail at once)."""
+    for attempt in range(1, CONNECT_TRIES + 1):
+        started = time.monotonic()
+        try:
+            return Link(target)
+        except _Dropped as exc:
+            # A drop is quick; a connection that went quiet until a timeout is a machine
+            # that hangs, and trying again would only multiply the wait.
+            if attempt == CONNECT_TRIES or time.monotonic() - started > CONNECT_TIMEOUT / 2:
+                raise LinkError(str(exc)) from None
+            time.sleep(random.uniform(0.1, 0.5) * attempt)
+    raise AssertionError("unreachable")
 
 
 def drop_link(target: Target) -> None:

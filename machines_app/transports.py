@@ -140,18 +140,37 @@ class Transport(ABC):
         Raises TransportError when the machine cannot be asked.
         """
 
-    @abstractmethod
     def list_gguf(self, models_dir: str) -> list[tuple[str, int]]:
         """Every ``*.gguf`` under ``models_dir`` as (key relative to it, '/'-separated; size in bytes).
 
         Raises TransportError when the directory does not exist or cannot be read.
         """
+        return [(key, size) for key, size, _mtime in self.list_gguf_stamped(models_dir)]
+
+    @abstractmethod
+    def list_gguf_stamped(self, models_dir: str) -> list[tuple[str, int, int]]:
+        """As :meth:`list_gguf`, each with its modification time too (whole seconds since
+        the epoch, the resolution SFTP gives): (key, size, mtime), sorted by key. A linked
+        file counts with its target's size and time."""
 
     @abstractmethod
     def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
         """Up to ``nbytes`` of the file at absolute ``path`` from byte ``offset`` (fewer only
         where the file ends): a model's head is read on from where the last read stopped
         (machines_app.discovery.read_model_head), never again from the start."""
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | OSError]:
+        """For each ``(absolute path, offset, nbytes)`` what :meth:`read_head` gives, or the
+        OSError that file gave. Over SSH one pipelined batch (a few round trips for all of
+        them); here one read after the other. Raises TransportError when the machine
+        cannot be asked."""
+        answers: list[bytes | OSError] = []
+        for path, offset, nbytes in ranges:
+            try:
+                answers.append(self.read_head(path, nbytes, offset))
+            except OSError as exc:
+                answers.append(exc)
+        return answers
 
     @abstractmethod
     def spawn(
@@ -409,14 +428,15 @@ class LocalTransport(Transport):
         except (OSError, ValueError) as exc:
             raise TransportError(f"{path!r} is not a usable path: {exc}") from None
 
-    def list_gguf(self, models_dir: str) -> list[tuple[str, int]]:
+    def list_gguf_stamped(self, models_dir: str) -> list[tuple[str, int, int]]:
         root = Path(self.expand_path(models_dir))
         if not root.is_dir():
             raise TransportError(f"models directory {root} does not exist on this machine")
         found = []
         for path in root.rglob("*"):
             if path.suffix.lower() == ".gguf" and path.is_file():
-                found.append((path.relative_to(root).as_posix(), path.stat().st_size))
+                info = path.stat()
+                found.append((path.relative_to(root).as_posix(), info.st_size, int(info.st_mtime)))
         return sorted(found)
 
     def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
@@ -743,6 +763,8 @@ class SSHTransport(Transport):
         except ssh.HostKeyChanged as exc:
             self._report("host_key_changed", str(exc), ssh.public_key_line(exc.offered))
             raise TransportError(f"Machine '{self.name}': {exc}", permanent=False) from None
+        except ssh.LinkBusy as exc:
+            raise TransportError(f"Machine '{self.name}': {exc}", permanent=False) from None
         except ssh.LinkError as exc:
             self._report("unreachable", str(exc), "")
             raise TransportError(f"Machine '{self.name}' is unreachable: {exc}", permanent=False) from None
@@ -786,14 +808,17 @@ class SSHTransport(Transport):
         # realpath -m on that machine: symlinks resolved there, before any "..", and a part
         # that does not exist kept as written (GNU coreutils; busybox has -m too).
         status, output = self._run(f"realpath -m -- {shlex.quote(path)}", timeout=15)
-        resolved = output.strip()
+        # The last line: whatever the account's shell start-up files print comes first
+        # (seen: pyenv's "cannot rehash" when many commands log in at once).
+        resolved = output.strip().splitlines()[-1] if output.strip() else ""
         if status != 0 or not resolved.startswith("/"):
             raise TransportError(f"{path!r} could not be resolved on {self.name}: {resolved or 'no answer'}")
         return resolved
 
-    def list_gguf(self, models_dir: str) -> list[tuple[str, int]]:
+    def list_gguf_stamped(self, models_dir: str) -> list[tuple[str, int, int]]:
         root = self.expand_path(models_dir)
-        found: list[tuple[str, int]] = []
+        found: list[tuple[str, int, int]] = []
+        links: list[str] = []
         seen = 0
         with self._link() as link, link.sftp() as sftp:
             try:
@@ -823,16 +848,23 @@ class SSHTransport(Transport):
                     if not attr.filename.lower().endswith(".gguf"):
                         continue
                     if stat.S_ISLNK(mode):
-                        # A linked model counts as a file (a local walk follows the link too);
-                        # a linked directory is not walked, as locally.
-                        try:
-                            attr = sftp.stat(posixpath.join(root, key))
-                        except OSError:
-                            continue
-                        mode = attr.st_mode or 0
-                    if stat.S_ISREG(mode):
-                        found.append((key, attr.st_size or 0))
+                        links.append(key)  # its target is asked below, all links at once
+                    elif stat.S_ISREG(mode):
+                        found.append((key, attr.st_size or 0, attr.st_mtime or 0))
+        # A linked model counts as a file (a local walk follows the link too); a linked
+        # directory is not walked, as locally.
+        with self._link() as link:
+            targets = link.stat_many([posixpath.join(root, key) for key in links])
+        for key, attr in zip(links, targets, strict=True):
+            if not isinstance(attr, OSError) and stat.S_ISREG(attr.st_mode or 0):
+                found.append((key, attr.st_size or 0, attr.st_mtime or 0))
         return sorted(found)
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | OSError]:
+        if not ranges:
+            return []
+        with self._link() as link:
+            return link.read_ranges(ranges)
 
     def read_head(self, path: str, nbytes: int, offset: int = 0) -> bytes:
         """Up to ``nbytes`` from byte ``offset``, read in requests of at most 32 KiB, one
@@ -1152,7 +1184,7 @@ class SSHTransport(Transport):
         except (OSError, EOFError) as exc:
             raise TransportError(f"Machine '{self.name}': lost the command's channel ({exc})", permanent=False) from None
         finally:
-            channel.close()
+            link.release_channel(channel)
         if head:
             out.add(bytes(head))
         return CommandResult(bytes(out.kept), status, out.truncated, timed_out, cancelled)

@@ -58,7 +58,7 @@ from machines_app.transports import (
     transport_for,
 )
 
-from . import dispatch, presenters, room, tools, turns
+from . import dispatch, orphans, presenters, room, tools, turns
 from .events import append, change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
 from .server_state import idle_sessions, start_live  # noqa: F401 — callers still ask lifecycle.start_live
@@ -85,7 +85,8 @@ def key_path_for(session: AgentSession, transport: Transport, port: int) -> str:
 
 
 def _key_file(session_id: int, transport: Transport, port: int) -> str:
-    return posixpath.join(transport.private_dir(), f"session-{session_id}-{port}.key")
+    # Its name also tells Corral's servers apart on the machine (orphans.key_file).
+    return orphans.key_file(transport, session_id, port)
 
 
 def _proc(record: ServerRecord) -> ProcessId:
@@ -262,6 +263,9 @@ def _wait_for_stop(record: ServerRecord, transport: Transport) -> ServerRecord |
 def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True) -> None:
     key_path = ""
     try:
+        # A stop still pending on this machine first (docs/behaviour.md §5 "no orphans"):
+        # never a new server beside one Corral meant to stop.
+        orphans.settle_machine(session.machine, transport)
         model = catalog.model_for_session(session.machine, session.model_key)
         port = transport.free_port()
         key_path = key_path_for(session, transport, port)
@@ -347,7 +351,7 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
             transport.remove(key_path)
             transport.stop(proc, grace=settings.CORRAL_STOP_GRACE)
         except TransportError as exc:
-            log.warning("could not stop llama-server pid %s on machine %s: %s", proc.pid, session.machine.name, exc)
+            orphans.defer_stop(machine_place(session.machine), proc.pid, proc.start_time, spec.port, session.pk, exc)
         transport.release_port(spec.port)
         return
     _wait(session, transport, record, restore=restore)
@@ -473,8 +477,9 @@ def _stop_quietly(record: ServerRecord, transport: Transport) -> None:
     ServerRecord.objects.filter(pk=record.pk).update(stopping=True)
     try:
         transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
-    except TransportError:
-        pass
+    except TransportError as exc:
+        orphans.defer_stop(machine_place(record.machine), record.pid, record.start_time, record.port,
+                           record.session_id, exc)
     transport.release_port(record.port)
     ServerRecord.objects.filter(pk=record.pk).delete()
 
@@ -656,13 +661,9 @@ def _stop_process(session_id: int, *, stopped: dict | None = None, claimed: bool
         _save(record, transport)
         transport.stop(_proc(record), grace=settings.CORRAL_STOP_GRACE)
     except TransportError as exc:
-        # The machine cannot be reached to stop it: say so, with what an admin needs to
-        # find the process, rather than claim it stopped.
-        record_error(
-            session_id,
-            f"Could not stop llama-server (pid {record.pid}) on machine '{record.machine.name}': {exc}. "
-            "It may still be running there.",
-        )
+        # The machine cannot be reached to stop it: the stop stays pending and the watch
+        # finishes it when the machine answers (docs/behaviour.md §5 "no orphans").
+        orphans.defer_stop(machine_place(record.machine), record.pid, record.start_time, record.port, session_id, exc)
     transport.release_port(record.port)
     with transaction.atomic():
         session = locked(session_id)
@@ -704,8 +705,8 @@ def stop_orphan(place: dict, pid: int, start_time: str, port: int, session_id: i
         transport.release_port(port)
         transport.remove(_key_file(session_id, transport, port))
     except TransportError as exc:
-        # Nobody is left to tell in a transcript: the worker's log says what to look for.
-        log.warning("could not stop llama-server pid %s on machine %s: %s", pid, place.get("name"), exc)
+        # Nobody is left to tell in a transcript; the stop stays pending for the watch.
+        orphans.defer_stop(place, pid, start_time, port, session_id, exc)
 
 
 def remove_slot_file(place: dict, session_id: int, save_id: int) -> None:
@@ -830,7 +831,9 @@ def watch_servers() -> None:
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can. A server whose
     machine was lost while it loaded (``unknown``, not ready) is checked too, so it is
-    waited for again once the machine answers (docs/ssh.md)."""
+    waited for again once the machine answers (docs/ssh.md). First, every stop left pending
+    on a machine that could not be reached is tried again (docs/behaviour.md §5 "no orphans")."""
+    orphans.settle_pending_stops()
     records = ServerRecord.objects.filter(
         Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), stopping=False
     ).select_related("machine", "session")

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('machines_app', '0013_memory_room'),
+        ('machines_app', '0014_pendingstop'),
     ]
 
     operations = [
