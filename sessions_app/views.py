@@ -13,7 +13,20 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machine_refusal, machines_for
 
-from . import actions, export, first_run, images, importing, markdown, presence, room, tex, text_files, transcript, turns
+from . import (
+    actions,
+    export,
+    first_run,
+    images,
+    importing,
+    markdown,
+    presence,
+    room,
+    tex,
+    text_files,
+    transcript,
+    turns,
+)
 from .consumers import CloseCode
 from .events import load_events, load_kinds, load_queue_events, load_turns, turns_since
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm

@@ -7,7 +7,7 @@ import pytest
 from django.test import Client
 
 from machines_app.models import Machine, ModelFile
-from sessions_app import actions, dispatch, lifecycle, tasks, transcript, turns
+from sessions_app import actions, dispatch, lifecycle, transcript, turns
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.presenters import TranscriptView, build_items, render_item
 from sessions_app.transcript import Event
