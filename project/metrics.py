@@ -18,6 +18,10 @@ worker that restarts loses nothing). Names and units:
   over the last hour: from a message taken by its turn to the first stored reply text
   (stored text is batched, so this includes the store window), and from a message queued
   to taken. Absent when the hour had none.
+- ``corral_machine_memory_bytes{machine,kind}`` (``total``, ``available``),
+  ``corral_machine_servers_memory_bytes{machine}`` and
+  ``corral_machine_gpu_memory_bytes{machine,gpu,kind}`` (``total``, ``free``): each
+  machine's latest memory sample (the machines page's).
 - ``corral_celery_queue_length{queue}``: tasks waiting in each Celery queue.
 """
 
@@ -100,6 +104,8 @@ class CorralCollector(Collector):
                     family.add_metric([str(q)], _quantile(values, q))
                 yield family
 
+        yield from _machine_memory()
+
         lengths = GaugeMetricFamily("corral_celery_queue_length", "Tasks waiting per Celery queue.",
                                     labels=["queue"])
         from project.celery import app
@@ -117,6 +123,34 @@ class CorralCollector(Collector):
         except Exception:  # noqa: BLE001 — Redis down: the other figures still count; its own alert says so
             return
         yield lengths
+
+
+def _machine_memory() -> Iterator:
+    """Per machine, from its latest memory sample (the health watch's, every 30 s; see
+    the machines page): RAM total and available, Corral's servers' use, and each GPU's
+    total and free memory, in bytes. A machine not sampled yet, or whose last read
+    failed, is left out."""
+    from machines_app.models import Machine, MachineSample
+
+    ram = GaugeMetricFamily("corral_machine_memory_bytes", "Machine RAM from /proc/meminfo, latest sample.",
+                            labels=["machine", "kind"])
+    corral = GaugeMetricFamily("corral_machine_servers_memory_bytes",
+                               "Memory Corral's llama-servers use there (resident + GPU), latest sample.",
+                               labels=["machine"])
+    gpu = GaugeMetricFamily("corral_machine_gpu_memory_bytes", "GPU memory from nvidia-smi, latest sample.",
+                            labels=["machine", "gpu", "kind"])
+    for machine in Machine.objects.order_by("name"):
+        sample = MachineSample.objects.filter(machine=machine).order_by("-taken_at").first()
+        if sample is None or sample.error:
+            continue
+        for kind, value in (("total", sample.ram_total), ("available", sample.ram_available)):
+            if value is not None:
+                ram.add_metric([machine.name, kind], value)
+        corral.add_metric([machine.name], sample.corral_used)
+        for card in sample.gpus:
+            for kind in ("total", "free"):
+                gpu.add_metric([machine.name, str(card.get("index")), kind], card.get(kind) or 0)
+    yield from (ram, corral, gpu)
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -7,9 +7,10 @@ from datetime import timedelta
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from machines_app.models import Machine
+from machines_app.models import Machine, MachineSample
 from sessions_app.events import record_event
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.transcript import Kind
@@ -64,6 +65,11 @@ def test_metrics_count_what_the_transcripts_hold(charlie_staff, sessions):
     record_event(first.pk, Kind.TOOL_END, {"id": "c2", "output": "no", "ok": False})
     record_event(second.pk, Kind.ANSWERED, {"id": "c3", "tool": "run_command", "answer": "deny"})
     record_event(second.pk, Kind.TURN_END, {"reason": "error"})
+    MachineSample.objects.create(machine=first.machine, ram_total=8 * 2**30, ram_available=2**30,
+                                 corral_used=100, taken_at=timezone.now() - timedelta(seconds=60))
+    MachineSample.objects.create(machine=first.machine, ram_total=8 * 2**30, ram_available=3 * 2**30,
+                                 corral_used=300 * 2**20,
+                                 gpus=[{"index": 0, "total": 8 * 2**30, "used": 7 * 2**30, "free": 2**30}])
 
     staff = Client()
     staff.force_login(charlie_staff)
@@ -80,5 +86,8 @@ def test_metrics_count_what_the_transcripts_hold(charlie_staff, sessions):
     assert figures[("corral_tool_answers_total", (("answer", "deny"),))] == 1
     assert figures[("corral_queue_wait_seconds", (("quantile", "0.5"),))] == pytest.approx(3)
     assert figures[("corral_time_to_first_text_seconds", (("quantile", "0.95"),))] == pytest.approx(2.9)
+    assert figures[("corral_machine_memory_bytes", (("kind", "available"), ("machine", "m1")))] == 3 * 2**30
+    assert figures[("corral_machine_servers_memory_bytes", (("machine", "m1"),))] == 300 * 2**20
+    assert figures[("corral_machine_gpu_memory_bytes", (("gpu", "0"), ("kind", "free"), ("machine", "m1")))] == 2**30
     for queue in ("turns", "servers", "housekeeping"):
         assert ("corral_celery_queue_length", (("queue", queue),)) in figures
