@@ -377,6 +377,22 @@ def restore_slot(server: Endpoint, filename: str, *, timeout: float = SLOT_IO_TI
     return restored
 
 
+def does_not_answer(endpoint: Endpoint, timeout: float) -> bool:
+    """Whether the server at ``endpoint`` took ``GET /health`` and sent no answer within
+    ``timeout`` seconds: a process that still has its pid but is frozen (SIGSTOP, a wedged
+    driver) — the kernel still accepts its connections, nothing reads them. Any answer
+    (200, 503 while loading, 401) is False; so is a refused or broken connection, which is
+    the process check's to explain (docs/behaviour.md §5, "keep watching")."""
+    try:
+        with httpx.Client(timeout=timeout, headers=auth_headers(endpoint.api_key), verify=tls_context()) as http:
+            http.get(f"{endpoint.url}/health")
+    except httpx.TimeoutException:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
+
+
 def wait_until_ready(
     transport: Transport,
     proc: ProcessId,

@@ -276,6 +276,12 @@ CORRAL_DEFAULT_MAX_TOKENS = env_int("CORRAL_DEFAULT_MAX_TOKENS", 4096, minimum=1
 # The most characters of one tool result that are stored and sent to the model; the rest is
 # cut with a note saying how much and how to ask for a part (docs/behaviour.md §9): one
 # huge result would otherwise be re-sent with every request and overflow the context.
+# Seconds a reply's stream may send nothing (not even a progress chunk) before the turn
+# ends with "llama-server sent nothing for …" (a frozen server held it for 30 minutes).
+CORRAL_STREAM_IDLE_SECONDS = env_float("CORRAL_STREAM_IDLE_SECONDS", 600.0, minimum=1.0)
+# Seconds a ready llama-server has to answer GET /health at each watch before its session
+# shows "unknown" (a frozen process still has a pid).
+CORRAL_HEALTH_TIMEOUT = env_float("CORRAL_HEALTH_TIMEOUT", 10.0, minimum=0.5)
 # A bearer token that may read /metrics (Prometheus' scrape, project/metrics.py); staff may
 # always. Unset: only staff.
 CORRAL_METRICS_TOKEN = env_str("CORRAL_METRICS_TOKEN", "")

@@ -503,7 +503,8 @@ class Step:
 
         watcher = threading.Thread(target=watch_interrupt, name=f"interrupt-{self.session_id}", daemon=True)
         watcher.start()
-        stream = self.client_factory(server.url, http=http.client, api_key=server.api_key).stream(
+        stream = self.client_factory(server.url, http=http.client, api_key=server.api_key,
+                                     idle_timeout=settings.CORRAL_STREAM_IDLE_SECONDS).stream(
             messages, tools=definitions, sampling=sampling, opens_thinking=bool(ready.get("opens_thinking"))
         )
         # Anything a person can see — text or reasoning that is not only white space — or a

@@ -56,6 +56,12 @@ __all__ = [
 #: Wall-clock cap on one completion, in seconds (docs/behaviour.md §6: "longer than 30 minutes").
 DEFAULT_TIMEOUT = 1800.0
 
+#: Seconds a stream may send nothing before the reply is abandoned (docs/behaviour.md §6):
+#: a frozen llama-server (SIGSTOP, a wedged GPU driver) used to hold the turn for the whole
+#: 30 minutes. Requests ask ``return_progress``, so even a long prompt sends a chunk per
+#: batch it reads; the bound is long enough for one batch of a large model on a CPU.
+DEFAULT_IDLE_TIMEOUT = 600.0
+
 #: Seconds allowed to open the TCP connection, capped by the overall timeout.
 CONNECT_TIMEOUT = 30.0
 
@@ -577,9 +583,10 @@ class CompletionClient:
     ``httpx.Client`` to use (tests may pass one with a mock transport); without it each
     :meth:`stream` opens its own client and closes it when the stream ends, so nothing
     needs closing. ``timeout`` is the wall-clock cap on one completion, in seconds
-    (docs/behaviour.md §6: 30 minutes); it is also the read timeout, since llama-server sends nothing,
-    not even headers, while it processes a long prompt. ``api_key`` is the server's own
-    key, sent as ``Authorization: Bearer …`` (docs/security.md).
+    (docs/behaviour.md §6: 30 minutes). ``idle_timeout`` is the read timeout: seconds the
+    server may send nothing at all (not even a progress chunk) before the reply is
+    abandoned as "sent nothing for N"; capped by ``timeout``. ``api_key`` is the server's
+    own key, sent as ``Authorization: Bearer …`` (docs/security.md).
     """
 
     def __init__(
@@ -588,10 +595,12 @@ class CompletionClient:
         *,
         http: httpx.Client | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         api_key: str = "",
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.idle_timeout = min(idle_timeout, timeout)
         self._http = http
         self._headers = auth_headers(api_key)
 
@@ -661,7 +670,7 @@ class CompletionClient:
                 ) -> Generator[Delta, None, None]:
         url = self.base_url + CHAT_COMPLETIONS_PATH
         deadline = time.monotonic() + self.timeout
-        timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout))
+        timeout = httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout), read=self.idle_timeout)
         started = False
         try:
             with http.stream("POST", url, json=body, headers=self._headers, timeout=timeout) as response:
@@ -690,6 +699,11 @@ class CompletionClient:
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.ConnectTimeout):
                 raise self._unreachable(exc) from exc
+            if isinstance(exc, httpx.ReadTimeout) and time.monotonic() < deadline:
+                raise CompletionError(
+                    f"llama-server sent nothing for {_duration(self.idle_timeout)}; the reply is abandoned "
+                    "(the server may be frozen or overloaded)"
+                ) from exc
             raise self._too_slow() from exc
         except (httpx.ConnectError, httpx.UnsupportedProtocol) as exc:
             raise self._unreachable(exc) from exc

@@ -29,6 +29,7 @@ from machines_app.llama_server import (
     ServerStartError,
     SlotError,
     build_argv,
+    does_not_answer,
     explain_start_failure,
     new_api_key,
     prompt_opens_thinking,
@@ -841,6 +842,12 @@ def watch_servers() -> None:
         check_server(record)
 
 
+#: What a session says when its server's process runs but does not answer.
+FROZEN = ("llama-server does not answer (nothing within {seconds}): its process is still there, but it may "
+          "be frozen or overloaded. The status is unknown until it answers again; Stop server and Restart "
+          "if it does not.")
+
+
 def _unknown_sentence(exc: TransportError) -> str:
     return f"{exc} The session's server cannot be checked; its status is unknown until the machine answers again."
 
@@ -903,6 +910,11 @@ def check_server(record: ServerRecord) -> None:
             # Lost while loading, back now: wait for it again (start_server adopts it).
             if set_status(record.session_id, Status.LOADING, only_from=(Status.UNKNOWN,)):
                 dispatch.enqueue(dispatch.START_SERVER, record.session_id)
+            return
+        # A frozen process keeps its pid: ask it, within a bound (docs/behaviour.md §5).
+        if does_not_answer(_endpoint(transport, record), settings.CORRAL_HEALTH_TIMEOUT):
+            if set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING)):
+                record_error(record.session_id, FROZEN.format(seconds=f"{settings.CORRAL_HEALTH_TIMEOUT:g} seconds"))
             return
         # Only an unknown session has anything to change (the lock checks again): a live
         # server's every-two-seconds check costs no transaction.
