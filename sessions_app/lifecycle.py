@@ -842,6 +842,22 @@ def watch_servers() -> None:
         check_server(record)
 
 
+#: Seconds between two ``/health`` questions to one ready server from the watch (a session
+#: already ``unknown`` is asked at every watch, so it is back as soon as it answers).
+HEALTH_EVERY = 10.0
+_asked_at: dict[int, float] = {}
+
+
+def _health_due(record: ServerRecord) -> bool:
+    """Whether the watch asks this server ``/health`` now. Kept per worker process (a
+    pacing, not a state: a new worker asks at once)."""
+    now = time.monotonic()
+    if record.session.status != Status.UNKNOWN and now - _asked_at.get(record.pk, -HEALTH_EVERY) < HEALTH_EVERY:
+        return False
+    _asked_at[record.pk] = now
+    return True
+
+
 #: What a session says when its server's process runs but does not answer.
 FROZEN = ("llama-server does not answer (nothing within {seconds}): its process is still there, but it may "
           "be frozen or overloaded. The status is unknown until it answers again; Stop server and Restart "
@@ -911,8 +927,9 @@ def check_server(record: ServerRecord) -> None:
             if set_status(record.session_id, Status.LOADING, only_from=(Status.UNKNOWN,)):
                 dispatch.enqueue(dispatch.START_SERVER, record.session_id)
             return
-        # A frozen process keeps its pid: ask it, within a bound (docs/behaviour.md §5).
-        if does_not_answer(_endpoint(transport, record), settings.CORRAL_HEALTH_TIMEOUT):
+        # A frozen process keeps its pid: ask it, within a bound (docs/behaviour.md §5) —
+        # every HEALTH_EVERY seconds, not every watch (an idle stack should cost nothing).
+        if _health_due(record) and does_not_answer(_endpoint(transport, record), settings.CORRAL_HEALTH_TIMEOUT):
             if set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING)):
                 record_error(record.session_id, FROZEN.format(seconds=f"{settings.CORRAL_HEALTH_TIMEOUT:g} seconds"))
             return
