@@ -4,6 +4,7 @@ service worker (docs/attention.md)."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 import json
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -67,18 +68,39 @@ def _device(user_agent: str) -> str:
 
 def endpoint_refusal(endpoint: str) -> str:
     """Why Corral will not send to ``endpoint`` ('' when it will). Corral's workers POST to
-    it, so only an ``https`` URL of a host that is not an address inside this network
-    (loopback, private, link-local: a member must not make Corral knock on internal
-    services); every browser's push service is such a URL (RFC 8030 §5)."""
+    it, so only an ``https`` URL of a host on the public internet: a member must not make
+    Corral knock on internal services. The host is resolved (``getaddrinfo``), so an
+    address in disguise (``2130706433``, ``0x7f000001``, ``127.1``, a name that resolves
+    to 127.0.0.1) is judged by where it leads; every address it leads to must be global
+    (not loopback, private, link-local, shared 100.64/10, reserved). A name that does not
+    resolve here is taken: sending to it will fail on its own. Every browser's push
+    service is a public https URL (RFC 8030 §5)."""
     parsed = urlsplit(endpoint)
-    if parsed.scheme != "https" or not parsed.hostname:
-        return "That is not a push subscription (its endpoint is not an https URL)."
     try:
-        address = ipaddress.ip_address(parsed.hostname)
+        host = parsed.hostname
+        port = parsed.port or 443
     except ValueError:
-        return "" if parsed.hostname != "localhost" else "A push subscription cannot point at this server's network."
-    if address.is_private or address.is_loopback or address.is_link_local or address.is_reserved:
-        return "A push subscription cannot point at this server's network."
+        host = None
+    if parsed.scheme != "https" or not host:
+        return "That is not a push subscription (its endpoint is not an https URL)."
+    inside = "A push subscription cannot point at this server's network."
+    name = host.rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return inside
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        addresses = set()
+        try:
+            addresses = {str(ipaddress.ip_address(host))}
+        except ValueError:
+            return ""  # a name this host cannot resolve: nothing to knock on
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        if getattr(ip, "ipv4_mapped", None):
+            ip = ip.ipv4_mapped
+        if not ip.is_global:
+            return inside
     return ""
 
 

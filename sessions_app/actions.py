@@ -25,6 +25,7 @@ from . import dispatch, images, room, transcript, turns
 from .events import append, change_status, load_events, load_kinds, load_queue_events, locked, record_event
 from .lifecycle import start_live
 from .models import Access, AgentSession, TranscriptEvent
+from .rules import MAX_MESSAGE_CHARS  # its old home was here: callers still read actions.MAX_MESSAGE_CHARS
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -228,8 +229,6 @@ def do_stop(session: AgentSession, user) -> None:
 # --- messages, interrupt and questions: the turn's rules live in sessions_app/turns.py ---------
 
 
-#: The longest message a person may send, in characters (after surrounding spaces are cut).
-MAX_MESSAGE_CHARS = 200_000
 
 # Tab, newline and carriage return are text; every other control character (C0, DEL,
 # C1) is not something a person types, and PostgreSQL's jsonb cannot store NUL at all.

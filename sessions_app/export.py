@@ -82,6 +82,12 @@ def read_jsonl(text: str) -> list[Event]:
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def _no_constant(name: str) -> None:
+    """``NaN``, ``Infinity``: Python's JSON reader takes them, JSON does not (nor
+    PostgreSQL's jsonb)."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def read_export(text: str) -> tuple[list[Event], dict[str, tuple[str, bytes]], list[int]]:
     """The events and the image bytes of a :func:`to_jsonl` file: ``(events, {sha256:
     (media_type, bytes)}, lines)``, ``lines`` the line number of each event. Raises :class:`InvalidEvent` naming the line for a line that
@@ -95,7 +101,7 @@ def read_export(text: str) -> tuple[list[Event], dict[str, tuple[str, bytes]], l
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
+            entry = json.loads(line, parse_constant=_no_constant)
             if isinstance(entry, dict) and "image" in entry and "kind" not in entry:
                 sha256, media_type, data = _image_line(entry["image"])
                 images[sha256] = (media_type, data)
@@ -103,7 +109,9 @@ def read_export(text: str) -> tuple[list[Event], dict[str, tuple[str, bytes]], l
             seq, kind, payload = entry["seq"], entry["kind"], entry["payload"]
         except (ValueError, TypeError, KeyError) as exc:
             raise InvalidEvent(f"line {number}: not an exported event ({exc})") from None
-        if not isinstance(seq, int) or not isinstance(payload, dict):
+        except RecursionError:
+            raise InvalidEvent(f"line {number}: nested too deeply to be an exported event") from None
+        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, dict):
             raise InvalidEvent(f"line {number}: seq must be a number and payload an object")
         try:
             check_payload(kind, payload)

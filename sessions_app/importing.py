@@ -29,9 +29,12 @@ they never had (docs/security.md, "Who can see an image").
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints, is_typeddict
 
 from django.db import transaction
 
@@ -46,7 +49,7 @@ __all__ = ["MAX_IMPORT_BYTES", "MAX_IMPORT_EVENTS", "ImportRefused", "check_even
 #: The largest file taken, in bytes (the images' base64 included).
 MAX_IMPORT_BYTES = 64_000_000
 #: The most events one file may hold.
-MAX_IMPORT_EVENTS = 200_000
+MAX_IMPORT_EVENTS = 50_000
 
 #: The result of a call the file left without one.
 NOT_RUN_HERE = "This call was not run: the session was imported from an export before it had a result."
@@ -108,6 +111,88 @@ def _check_actor(value: Any) -> str | None:
     if isinstance(value, Mapping) and _is_text(value.get("username")):
         return None
     return "who did it (by) must be a name or {id, username}"
+
+
+#: The deepest nesting a payload may have (``storable`` and the folds recurse into it).
+MAX_DEPTH = 32
+#: The largest whole number a payload may carry: exact in a double (JavaScript, jsonb
+#: arithmetic) and far from overflowing a sum of them in a 64-bit column (/metrics).
+MAX_INT = 2**53
+#: Characters a person cannot send in a message (C0 and C1 controls but tab and new lines).
+_MESSAGE_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (a scalar is 0), without recursing."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, Mapping):
+            children = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level + 1)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (read from JSON) has the type ``hint`` of a payload key
+    (transcript.py's TypedDicts): str, int (within ±MAX_INT), float (finite), bool, dict,
+    list[X], X | None, a TypedDict (an object; ``Actor``: a name or {id, username}), Any."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is transcript.Actor:
+        return _check_actor(value) is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool) and -MAX_INT <= value <= MAX_INT
+    if hint is float:
+        return (isinstance(value, int | float) and not isinstance(value, bool)
+                and math.isfinite(value) and abs(value) <= MAX_INT)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or origin is dict or is_typeddict(hint):
+        return isinstance(value, Mapping)
+    if hint is list or origin is list:
+        return isinstance(value, list) and (not args or all(_conforms(item, args[0]) for item in value))
+    return True  # a type the payloads do not use: the key checks above still hold
+
+
+def _check_shape(kind: str, payload: Mapping[str, Any]) -> str | None:
+    """Every key of ``payload`` against the type its kind's payload declares."""
+    if _depth(payload) > MAX_DEPTH:
+        return f"{kind}'s payload nests deeper than {MAX_DEPTH} levels"
+    hints = _hints(kind)
+    for key, value in payload.items():
+        if key in hints and not _conforms(value, hints[key]):
+            return f"{kind}'s {key} is not of the type Corral writes there"
+    if kind == Kind.QUESTION:
+        for offer in payload.get("offers") or []:
+            if not isinstance(offer.get("scope"), Mapping):
+                return "question's offers must each carry a scope object"
+    if kind in (Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED):
+        text = payload.get("text") or ""
+        if len(text) > actions.MAX_MESSAGE_CHARS:
+            return f"a message of {len(text):,} characters is longer than a person may send"
+        if _MESSAGE_CONTROLS.search(text):
+            return "a message holds a control character a person cannot send"
+    return None
+
+
+@functools.cache
+def _hints(kind: str) -> dict[str, Any]:
+    return get_type_hints(transcript.PAYLOADS[Kind(kind)])
 
 
 def _check_images(payload: Mapping[str, Any]) -> str | None:
@@ -199,7 +284,8 @@ def check_events(events: list[Event], lines: list[int] | None = None) -> None:
             if not _CHECKS[kind](payload[key]):
                 refuse(f"{event.kind}'s {key} must be {_WORDS[kind]}")
         for problem in (_check_actor(payload.get("by")), _check_actor(payload.get("author")),
-                        _check_images(payload) if event.kind in (Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED) else None):
+                        _check_images(payload) if event.kind in (Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED) else None,
+                        _check_shape(event.kind, payload)):
             if problem:
                 refuse(problem)
         if event.kind == Kind.MESSAGE_TAKEN and payload.get("replaces") is not None:

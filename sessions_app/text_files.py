@@ -16,6 +16,7 @@ from pathlib import PurePath
 from django.conf import settings
 
 from .images import Upload, megabytes
+from .rules import MAX_MESSAGE_CHARS
 
 __all__ = ["TextFileRefused", "attach", "limits_sentence", "max_bytes", "max_count", "read_text"]
 
@@ -26,7 +27,7 @@ class TextFileRefused(Exception):
 
 #: Control characters a log may carry (colour codes, bells) other than tab and new lines:
 #: replaced by U+FFFD, which the model reads as "a character was here".
-_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab, new lines
 #: File extension → the fence's language (Pygments' names), for the common ones.
 LANGUAGES = {".py": "python", ".js": "javascript", ".ts": "typescript", ".md": "markdown", ".json": "json",
              ".sh": "bash", ".rs": "rust", ".go": "go", ".c": "c", ".h": "c", ".cpp": "cpp", ".java": "java",
@@ -46,7 +47,8 @@ def max_count() -> int:
 
 def limits_sentence() -> str:
     """The composer's line about text files."""
-    return f"Text files (code, logs, Markdown) go to any model as text, up to {megabytes(max_bytes())} each."
+    return (f"Text files (code, logs, Markdown) go to any model as text, up to {megabytes(max_bytes())} each "
+            f"and {MAX_MESSAGE_CHARS:,} characters in all with the message.")
 
 
 def read_text(upload: Upload) -> str:
@@ -85,4 +87,9 @@ def attach(text: str, uploads: list[Upload]) -> str:
         fence = _fence(content)
         language = LANGUAGES.get(PurePath(name).suffix.lower(), "")
         parts.append(f"{name}:\n{fence}{language}\n{content.rstrip(chr(10))}\n{fence}")
-    return "\n\n".join(parts)
+    whole = "\n\n".join(parts)
+    if len(whole) > MAX_MESSAGE_CHARS:
+        names = ", ".join(PurePath(u.name or "file").name for u in uploads)
+        raise TextFileRefused(f"With its files ({names}) this message is {len(whole):,} characters long; a message "
+                              f"can be at most {MAX_MESSAGE_CHARS:,}. Send fewer or smaller files at once.")
+    return whole

@@ -63,7 +63,7 @@ def test_metrics_count_what_the_transcripts_hold(charlie_staff, sessions):
         record_event(session.pk, Kind.TURN_END, {"reason": "done"})
     record_event(first.pk, Kind.TOOL_END, {"id": "c1", "output": "ok", "ok": True})
     record_event(first.pk, Kind.TOOL_END, {"id": "c2", "output": "no", "ok": False})
-    record_event(second.pk, Kind.ANSWERED, {"id": "c3", "tool": "run_command", "answer": "deny"})
+    record_event(second.pk, Kind.ANSWERED, {"id": "c3", "tool": "run_command", "answer": "refuse"})
     record_event(second.pk, Kind.TURN_END, {"reason": "error"})
     MachineSample.objects.create(machine=first.machine, ram_total=8 * 2**30, ram_available=2**30,
                                  corral_used=100, taken_at=timezone.now() - timedelta(seconds=60))
@@ -83,7 +83,7 @@ def test_metrics_count_what_the_transcripts_hold(charlie_staff, sessions):
     assert figures[("corral_tokens_total", (("kind", "cached"),))] == 120
     assert figures[("corral_tool_results_total", (("ok", "true"),))] == 1
     assert figures[("corral_tool_results_total", (("ok", "false"),))] == 1
-    assert figures[("corral_tool_answers_total", (("answer", "deny"),))] == 1
+    assert figures[("corral_tool_answers_total", (("answer", "refuse"),))] == 1
     assert figures[("corral_queue_wait_seconds", (("quantile", "0.5"),))] == pytest.approx(3)
     assert figures[("corral_time_to_first_text_seconds", (("quantile", "0.95"),))] == pytest.approx(2.9)
     assert figures[("corral_machine_memory_bytes", (("kind", "available"), ("machine", "m1")))] == 3 * 2**30
