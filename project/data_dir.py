@@ -60,6 +60,12 @@ def prepare(data_dir: Path) -> None:
     cannot be written.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
+    # Owner only: the SQLite database (password hashes, session keys, servers' keys), logs
+    # and slots are in here; the files Django and SQLite create are 0644 by the umask.
+    try:
+        data_dir.chmod(0o700)
+    except OSError:
+        pass  # not ours to change (a mount, another owner): its own mode stands
     (data_dir / "logs").mkdir(exist_ok=True)
     (data_dir / "static").mkdir(exist_ok=True)
     if not read_secret_key(data_dir):
