@@ -66,6 +66,14 @@ def index_session(session_id: int) -> None:
 
 def _read_on(mark: Indexed) -> None:
     passage = mark.open_passage
+    dirty = False  # the open passage grew since it was last saved
+
+    def close() -> None:
+        # One write per passage per read, not one per fragment: a reply streamed as 3,000
+        # fragments rewrote its whole passage (and its full-text row) 3,000 times.
+        if passage is not None and dirty:
+            passage.save(update_fields=["text", "last_seq"])
+
     events = (TranscriptEvent.objects.filter(session_id=mark.session_id, seq__gt=mark.upto)
               .order_by("seq").only("seq", "kind", "payload"))
     for event in events.iterator(chunk_size=CHUNK):
@@ -78,17 +86,19 @@ def _read_on(mark: Indexed) -> None:
             else:
                 passage.text += text
                 passage.last_seq = event.seq
-                passage.save(update_fields=["text", "last_seq"])
+                dirty = True
         elif kind in _KEEP_OPEN:
             pass
         else:
-            passage = None
+            close()
+            passage, dirty = None, False
             if kind == Kind.MESSAGE_TAKEN and isinstance(payload.get("text"), str) and payload["text"].strip():
                 who = actor(payload)
                 Passage.objects.create(session_id=mark.session_id, seq=event.seq, last_seq=event.seq,
                                        role=Passage.Role.USER, who=who["username"] if who else "",
                                        text=payload["text"])
         mark.upto = event.seq
+    close()
     mark.open_passage = passage
     mark.save()
 

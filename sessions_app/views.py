@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from django.contrib import messages as flash
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotModified
@@ -89,7 +91,8 @@ def session_list(request: HttpRequest) -> HttpResponse:
     """The sessions this user may see, as "mine", "shared with me" and, for staff, the
     others' private ones; ``q`` keeps those whose title, model, machine or owner contains
     it (any case), ``show`` those in the statuses :data:`LIST_FILTERS` names."""
-    query = " ".join(request.GET.get("q", "").split())[:200]
+    # No control characters: PostgreSQL text cannot hold NUL (a search for one was a 500).
+    query = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", request.GET.get("q", "")).split())[:200]
     show = request.GET.get("show", "")
     statuses = LIST_FILTERS.get(show)
     sessions = (
