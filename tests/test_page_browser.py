@@ -322,8 +322,11 @@ def test_the_new_session_form_keeps_the_context_within_the_trained_length_and_sh
     assert page.get_attribute("#id_max_tokens", "placeholder") == "4096 (default)"
     page.fill("#id_working_dir", str(tmp_path))
     page.fill("#id_contextSize", str(model.context_length * 2))
-    page.click("#new-session button[type=submit]")
-    page.locator(".errorlist", has_text=f"choose at most {model.context_length:,}").wait_for()
+    # The model chosen and the form sent in one step: a picker redrawn in between (it failed
+    # once in a full run under load, the form going off with another model) cannot undo it.
+    page.evaluate("""(key) => { document.querySelector('#id_model_key').value = key;
+                                document.querySelector('#new-session button[type=submit]').click(); }""", model.key)
+    page.locator(".errorlist", has_text=f"choose at most {model.context_length:,}").wait_for(timeout=60_000)
     assert "/sessions/new/" in page.url and not AgentSession.objects.filter(owner=alice).exists()
 
 
