@@ -201,7 +201,8 @@ def read_model_heads(keys: list[str], read_ranges: ReadRanges) -> dict[str, GGUF
     done: dict[str, GGUFHead | GGUFError | OSError] = {}
     state = {key: (b"", INITIAL_HEAD_BYTES) for key in keys}  # bytes held, bytes to hold
     while state:
-        batch, total = [], 0
+        batch: list[tuple[str, int, int]] = []
+        total = 0
         for key, (data, asked) in state.items():
             want = asked - len(data)
             if batch and total + want > BATCH_BYTES:
@@ -465,7 +466,9 @@ def discover(
     files = list(files)
     sizes = dict(files)
     candidates, vision_dirs = _group(files)
-    reader = read_ranges or ranges_from(read_head)
+    if read_ranges is None and read_head is None:
+        raise TypeError("discover() needs read_head or read_ranges")
+    reader = read_ranges or ranges_from(read_head)  # type: ignore[arg-type]  # checked just above
     known = known or {}
     wanted = []
     for candidate in candidates:
@@ -477,9 +480,9 @@ def discover(
             wanted.append(candidate.key)
     fresh = read_model_heads(wanted, reader)
     if read is not None:
-        for key, head in fresh.items():
-            if isinstance(head, GGUFHead):
-                read(key, head)
+        for key, found in fresh.items():
+            if isinstance(found, GGUFHead):
+                read(key, found)
     heads: dict[str, GGUFHead | GGUFError | OSError] = {**known, **fresh}
     for candidate in candidates:
         _load(candidate, heads.get(candidate.key))

@@ -28,7 +28,7 @@ from markdown_it import MarkdownIt
 
 from . import callcard
 from .allowances import label as allowance_label
-from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload, image_refs
+from .transcript import Event, EventLike, ImageRef, InvalidEvent, Kind, actor, check_payload, image_refs
 
 __all__ = ["read_export", "read_jsonl", "to_jsonl", "to_markdown"]
 
@@ -44,7 +44,7 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 #: ``image_data(ref)`` → the stored bytes of an image reference, or None when they are gone.
-ImageData = Callable[[dict], "bytes | None"]
+ImageData = Callable[[ImageRef], "bytes | None"]
 
 
 def to_jsonl(events: Iterable[EventLike], *, image_data: ImageData | None = None) -> Iterator[str]:
@@ -56,7 +56,7 @@ def to_jsonl(events: Iterable[EventLike], *, image_data: ImageData | None = None
     one line each: ``{"image": {"sha256", "media_type", "size", "data": base64}}`` (an
     image whose file is gone is left out), so an import can attach them again
     (:func:`read_export`)."""
-    refs: dict[str, dict] = {}
+    refs: dict[str, ImageRef] = {}
     for event in events:
         line = {"seq": event.seq, "kind": event.kind, "payload": event.payload, "created_at": _created_at(event)}
         yield json.dumps(line, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
@@ -305,7 +305,7 @@ def _again(payload: dict, taken: dict[int, dict]) -> str:
     """The line above a message sent again (Regenerate, Edit): which message it replaced,
     so a reader can tell which reply the model no longer saw."""
     how = "Edited and sent again" if payload.get("edited") else "Sent again (Regenerate)"
-    replaced = taken.get(payload.get("replaces")) if isinstance(payload.get("replaces"), int) else None
+    replaced = taken.get(replaces) if isinstance(replaces := payload.get("replaces"), int) else None
     if replaced is None:
         return f"*{how}: the model no longer saw the message it replaces, its reply or anything after it.*"
     said = _plain(_excerpt(str(replaced.get("text") or ""))) or "a message with no text"
@@ -396,7 +396,7 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
             out.append(f"*{_who(payload, 'Corral')} answered {_plain(payload.get('answer', ''))}{covers} for "
                        f"{_code(payload.get('tool') or '')}.*")
         elif kind == Kind.ALLOWANCE_REVOKED:
-            scope = payload.get("scope") if isinstance(payload.get("scope"), dict) else {}
+            scope = found if isinstance(found := payload.get("scope"), dict) else {}
             out.append(f"*{_who(payload, 'Someone')} revoked the allowance for "
                        f"{_plain(allowance_label(payload.get('tool') or '', scope))}.*")
         elif kind == Kind.ERROR:
@@ -412,7 +412,7 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
         elif kind == Kind.IMPORTED:
             out.append(f"---\n\n*{_plain(imported_text(payload))}*")
         elif kind == Kind.VERSION_CHOSEN:
-            chosen = taken.get(payload.get("seq")) if isinstance(payload.get("seq"), int) else None
+            chosen = taken.get(chosen_seq) if isinstance(chosen_seq := payload.get("seq"), int) else None
             said = _plain(_excerpt(str((chosen or {}).get("text") or ""))) or "an earlier message"
             out.append(f"*{_who(payload, 'Someone')} went back to the version “{said}”: from here the model sees "
                        "that message and its reply again, and not the versions sent after it.*")
