@@ -211,3 +211,40 @@ def test_the_pure_cores_import_no_django():
                 continue
             offending += [f"{name} imports {root}" for root in roots if root in FRAMEWORKS]
     assert offending == []
+
+
+#: Functions still longer than LONGEST_FUNCTION, to be cut into named phases. The list only
+#: shrinks: a function that gets short must leave it (the test says so).
+LONG_FUNCTIONS_LEFT = {
+    "sessions_app.agent:Step.complete",
+    "sessions_app.lifecycle:_spawn",
+    "machines_app.transports:SSHTransport._run_command",
+}
+LONGEST_FUNCTION = 80  # lines, decorators and docstring included
+
+
+def long_functions() -> dict[str, int]:
+    """``"module:Class.function"`` → its length in lines, for every function of the project
+    (outside tests and bench) longer than LONGEST_FUNCTION."""
+    found: dict[str, int] = {}
+
+    def walk(module: str, node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                qualified = f"{prefix}{child.name}"
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                if child.end_lineno - first + 1 > LONGEST_FUNCTION:
+                    found[f"{module}:{qualified}"] = child.end_lineno - first + 1
+                walk(module, child, f"{qualified}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(module, child, f"{prefix}{child.name}.")
+
+    for name, path in project_modules().items():
+        walk(name, ast.parse(path.read_text()), "")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    found = long_functions()
+    assert sorted(set(found) - LONG_FUNCTIONS_LEFT) == [], "cut these into named phases"
+    assert sorted(LONG_FUNCTIONS_LEFT - set(found)) == [], "short now: take them out of LONG_FUNCTIONS_LEFT"
