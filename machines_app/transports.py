@@ -26,11 +26,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 
 from . import ssh
 from .sandbox import Sandbox, bwrap_argv, local_secrets, probe_argv, server_environment
+
+if TYPE_CHECKING:
+    import paramiko
 
 
 class TransportError(Exception):
@@ -1120,74 +1124,98 @@ class SSHTransport(Transport):
         with self._link() as link:
             channel = link.start(script, stdin=stdin)
         out = _Output(max_output)
-        head = bytearray()  # the output until the group id's line is read
-        pgid: int | None = None
-        eof, exited_at, timed_out, cancelled = False, None, False, False
-        deadline = time.monotonic() + timeout
-
-        def take(chunk: bytes) -> None:
-            nonlocal pgid
-            if pgid is not None:
-                out.add(chunk)
-                return
-            head.extend(chunk)
-            line, newline, rest = bytes(head).partition(b"\n")
-            if newline and line.strip().isdigit():
-                pgid = int(line)
-                head.clear()
-                out.add(rest)
-            elif newline or len(head) > 64:  # not our line (cd failed): all of it is output
-                out.add(bytes(head))
-                head.clear()
-                pgid = -1
-
+        leader = _LeaderLine(out)
         try:
             channel.settimeout(COMMAND_POLL)
-            while True:
-                if not eof:
-                    try:
-                        chunk = channel.recv(65536)
-                        if chunk:
-                            take(chunk)
-                        else:
-                            eof = True
-                    except TimeoutError:
-                        pass
-                else:
-                    time.sleep(COMMAND_POLL)
-                now = time.monotonic()
-                if exited_at is None and channel.exit_status_ready():
-                    exited_at = now
-                if exited_at is not None and (eof or now - exited_at >= COMMAND_GRACE):
-                    break
-                if cancel is not None and cancel.is_set():
-                    cancelled = True
-                    break
-                if now >= deadline:
-                    timed_out = True
-                    break
-            if pgid is not None and pgid > 1:
+            eof, timed_out, cancelled = _follow(channel, leader.take, deadline=time.monotonic() + timeout,
+                                                cancel=cancel)
+            if leader.pgid is not None and leader.pgid > 1:
+                pgid = leader.pgid
                 self._run(f"kill -9 -{pgid} 2>/dev/null; kill -9 -- -{pgid} 2>/dev/null; true", timeout=15)
-            until = time.monotonic() + 0.5
-            while not eof and time.monotonic() < until:
-                try:
-                    chunk = channel.recv(65536)
-                except TimeoutError:
-                    continue
-                if not chunk:
-                    break
-                take(chunk)
-            if not channel.status_event.wait(0.5):
-                status = -1
-            else:
-                status = channel.recv_exit_status()
+            if not eof:
+                _drain(channel, leader.take, seconds=0.5)
+            status = channel.recv_exit_status() if channel.status_event.wait(0.5) else -1
         except (OSError, EOFError) as exc:
             raise TransportError(f"Machine '{self.name}': lost the command's channel ({exc})", permanent=False) from None
         finally:
             link.release_channel(channel)
-        if head:
-            out.add(bytes(head))
+        leader.flush()
         return CommandResult(bytes(out.kept), status, out.truncated, timed_out, cancelled)
+
+
+class _LeaderLine:
+    """Splits what a remote command writes into the process group id its wrapper prints
+    first, on a line of its own (``pgid``; -1 when the first line is not one, e.g. ``cd``
+    failed), and the command's own output, which goes to ``out``."""
+
+    def __init__(self, out: _Output) -> None:
+        self.out = out
+        self.head = bytearray()  # the output until the group id's line is read
+        self.pgid: int | None = None
+
+    def take(self, chunk: bytes) -> None:
+        if self.pgid is not None:
+            self.out.add(chunk)
+            return
+        self.head.extend(chunk)
+        line, newline, rest = bytes(self.head).partition(b"\n")
+        if newline and line.strip().isdigit():
+            self.pgid = int(line)
+            self.head.clear()
+            self.out.add(rest)
+        elif newline or len(self.head) > 64:  # not our line (cd failed): all of it is output
+            self.out.add(bytes(self.head))
+            self.head.clear()
+            self.pgid = -1
+
+    def flush(self) -> None:
+        """What is still held (a command that wrote less than a line) is output too."""
+        if self.head:
+            self.out.add(bytes(self.head))
+            self.head.clear()
+
+
+def _follow(channel: paramiko.Channel, take: Callable[[bytes], None], *, deadline: float,
+            cancel: threading.Event | None) -> tuple[bool, bool, bool]:
+    """Read ``channel`` (``COMMAND_POLL`` timeout set) into ``take`` until the command has
+    exited and its output ended (or ``COMMAND_GRACE`` seconds passed since it exited: a
+    background child may hold the output open), until ``deadline`` (``time.monotonic()``)
+    or until ``cancel`` is set. Returns (output ended, timed out, cancelled)."""
+    eof, exited_at = False, None
+    while True:
+        if not eof:
+            try:
+                chunk = channel.recv(65536)
+                if chunk:
+                    take(chunk)
+                else:
+                    eof = True
+            except TimeoutError:
+                pass
+        else:
+            time.sleep(COMMAND_POLL)
+        now = time.monotonic()
+        if exited_at is None and channel.exit_status_ready():
+            exited_at = now
+        if exited_at is not None and (eof or now - exited_at >= COMMAND_GRACE):
+            return eof, False, False
+        if cancel is not None and cancel.is_set():
+            return eof, False, True
+        if now >= deadline:
+            return eof, True, False
+
+
+def _drain(channel: paramiko.Channel, take: Callable[[bytes], None], *, seconds: float) -> None:
+    """What the channel still holds, for up to ``seconds`` (after the command's group was killed)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        try:
+            chunk = channel.recv(65536)
+        except TimeoutError:
+            continue
+        if not chunk:
+            return
+        take(chunk)
 
 
 def ssh_target(machine) -> ssh.Target:
