@@ -6,7 +6,8 @@ queue, docs/operations.md shows the production units)::
     turns         sessions_app.tasks.run_turn            (one thread per streaming turn)
     servers       start / stop / restart / sleep a llama-server, stop an orphan
     housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
-                  refresh_models, Web Push of a question (attention_app.tasks.push_question)
+                  watch_host, sample_host (each host's share of those), refresh_models,
+                  Web Push of a question (attention_app.tasks.push_question)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
 check, a recovery or a Stop.

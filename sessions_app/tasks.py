@@ -11,7 +11,7 @@ import sys
 import time
 
 from celery import shared_task
-from celery.signals import celeryd_init, worker_ready
+from celery.signals import celeryd_after_setup, celeryd_init, worker_ready
 from channels.layers import get_channel_layer
 from django.conf import settings
 
@@ -160,6 +160,20 @@ def refuse_a_live_name(sender: str, **_kwargs) -> None:
               "id of its own (CORRAL_HOST_ID, or delete data/host_id on a cloned machine).", file=sys.stderr,
               flush=True)
         sys.exit(1)
+
+
+@celeryd_after_setup.connect
+def read_this_hosts_own_queues(sender: str, instance, **_kwargs) -> None:
+    """A worker that reads a shared queue reads this host's own of that kind too
+    (``turns`` → ``turns.<host id>``: project/queues.py), whatever its command line says —
+    a unit written before hosts had ids included — so no task meant for this host's own
+    local machine waits in a queue nobody here reads."""
+    host = settings.CORRAL_HOST_ID
+    selected = instance.app.amqp.queues
+    consumed = set(getattr(selected, "consume_from", None) or {})
+    for kind in queues.ALL:
+        if host and kind in consumed and queues.on_host(kind, host) not in consumed:
+            selected.select_add(queues.on_host(kind, host))
 
 
 def consumed_queues(consumer) -> set[str]:

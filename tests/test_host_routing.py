@@ -154,3 +154,20 @@ def test_a_name_held_by_a_live_worker_is_refused_and_one_left_by_a_dead_worker_i
     assert liveness.worker_pid(name) == os.getpid()
     assert liveness.name_in_use(name, watch=1.0) is None
     assert liveness.name_in_use(name + "-never", watch=0.3) is None
+
+
+def test_a_worker_reading_a_shared_queue_reads_its_hosts_own_too_whatever_its_command_line():
+    # A unit written before hosts had ids (`-Q turns -n turns@%h`) must not leave this
+    # host's own turns waiting in turns.<host id>.
+    from types import SimpleNamespace
+
+    from celery import Celery
+
+    from sessions_app import tasks
+
+    app = Celery(set_as_current=False)
+    app.amqp.queues.select(["turns"])
+    tasks.read_this_hosts_own_queues(sender="turns@old-unit", instance=SimpleNamespace(app=app))
+    assert set(app.amqp.queues.consume_from) == {"turns", f"turns.{settings.CORRAL_HOST_ID}"}
+    tasks.read_this_hosts_own_queues(sender="turns@old-unit", instance=SimpleNamespace(app=app))
+    assert len(app.amqp.queues.consume_from) == 2
