@@ -1,7 +1,6 @@
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
 from django.db.models import Count
 from django.http import HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
@@ -157,7 +156,8 @@ class MachineAdmin(admin.ModelAdmin):
     @admin.display(description="address")
     def address(self, obj: Machine) -> str:
         if obj.transport != Machine.Transport.SSH:
-            return "this backend"
+            # docs/operations.md "More hosts": each host has its own local machine.
+            return f"Corral host {obj.corral_host}" if obj.corral_host else "this backend"
         return f"{obj.user}@{obj.host_entry}" if obj.user else obj.host_entry
 
     @admin.display(description="state")
@@ -314,9 +314,7 @@ class MachineAdmin(admin.ModelAdmin):
             # A new machine's models, or a machine moved to other files, are read now (in
             # the background, once the row is saved), so the picker lists them without a
             # Refresh models first.
-            from .tasks import refresh_models
-
-            transaction.on_commit(lambda: refresh_models.delay(obj.pk))
+            dispatch.enqueue_on_commit(dispatch.REFRESH_MODELS, obj.pk)
             self.message_user(request, f"Reading the model files on {obj.name}; they are listed in a moment.")
         if form.cleaned_data.get("private_key"):
             fingerprint = machine_actions.do_store_private_key(obj, form.cleaned_data["private_key"])
@@ -331,10 +329,8 @@ class MachineAdmin(admin.ModelAdmin):
 
     @admin.action(description="Refresh models (read GGUF heads)")
     def refresh_models(self, request, queryset):
-        from .tasks import refresh_models
-
         for machine in queryset:
-            refresh_models.delay(machine.pk)
+            dispatch.enqueue(dispatch.REFRESH_MODELS, machine.pk)
         names = ", ".join(m.name for m in queryset)
         self.message_user(request, f"Reading model files on {names}; reload this page in a moment.")
 

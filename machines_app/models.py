@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 from django.utils.html import escape
 
 from . import ssh
 from .workspaces import parse_roots, validate_workspace_roots
+
+
+def this_host() -> str:
+    """The id of the Corral host this process runs on (settings.CORRAL_HOST_ID): a local
+    machine created here is this host's own."""
+    return settings.CORRAL_HOST_ID
+
+
+def reached_by(host: str | None, path: str = "") -> models.Q:
+    """The machines whose servers one process looks after, as a filter on ``path`` (``""``
+    for Machine itself, ``"machine__"`` from a row that points at one): with ``host``
+    None, those every host reaches — SSH machines and an unclaimed local one; with a host
+    id, that host's own local machine (docs/operations.md, "More hosts")."""
+    if host is None:
+        return models.Q(**{f"{path}transport": "ssh"}) | models.Q(**{f"{path}corral_host": ""})
+    return models.Q(**{f"{path}transport": "local", f"{path}corral_host": host})
 
 
 class Machine(models.Model):
@@ -19,6 +36,14 @@ class Machine(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     transport = models.CharField(max_length=10, choices=Transport.choices, default=Transport.LOCAL)
+    # docs/operations.md "More hosts": a local machine is the computer of one Corral host;
+    # only that host's workers touch its servers (its tasks go to that host's queues).
+    corral_host = models.CharField(
+        "Corral host", max_length=63, blank=True, default=this_host,
+        help_text="For a local machine: the id of the Corral host it is (each host has its own local machine; "
+        "its servers are started, watched and stopped by that host's workers only). Empty: the one host of a "
+        "deployment that has one. Not used for SSH machines.",
+    )
     class LinkState(models.TextChoices):
         UNCHECKED = "unchecked", "not checked yet"
         REACHABLE = "reachable", "reachable"
@@ -114,6 +139,13 @@ class Machine(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def owner_host(self) -> str:
+        """The host id whose own queues this machine's work goes to: ``corral_host`` for a
+        local machine, "" (any host, the shared queues) for an SSH one or an unclaimed
+        local one."""
+        return self.corral_host if self.transport == self.Transport.LOCAL else ""
 
     def note_containment(self, contained: bool, reason: str = "") -> None:
         """Record what the last server start found about the machine's sandbox (the admin

@@ -49,6 +49,25 @@ class TransportError(Exception):
         self.permanent = permanent
 
 
+class ElsewhereError(TransportError):
+    """The machine is another Corral host's local machine: its processes, loopback ports and
+    files are on that host, and only that host's workers touch them (docs/operations.md,
+    "More hosts"). A process that meets this must not conclude anything about the server."""
+
+
+def is_here(transport: str, corral_host: str) -> bool:
+    """Whether a machine of ``transport`` owned by the host ``corral_host`` can be reached
+    from this process: an SSH machine from any host; a local machine from its own host only
+    (an unclaimed one, ``corral_host`` empty, from any: one host, as before hosts had ids)."""
+    return transport != "local" or not corral_host or corral_host == settings.CORRAL_HOST_ID
+
+
+def _refuse_elsewhere(name: object, corral_host: str) -> None:
+    raise ElsewhereError(
+        f"Machine '{name}' is the local machine of the Corral host {corral_host}; only that host reaches it "
+        f"(this is {settings.CORRAL_HOST_ID or 'a host without an id'}).")
+
+
 @dataclass(frozen=True)
 class CommandResult:
     """What :meth:`Transport.run_command` saw.
@@ -1234,15 +1253,19 @@ def machine_place(machine) -> dict[str, object]:
     For a task that must reach a machine whose row may be deleted before it runs (the
     server of a session deleted with its machine, docs/behaviour.md §5)."""
     return {
-        "name": machine.name, "transport": machine.transport, "host": machine.host, "port": machine.port,
+        "name": machine.name, "transport": machine.transport, "corral_host": getattr(machine, "corral_host", ""),
+        "host": machine.host, "port": machine.port,
         "user": machine.user, "private_key_path": machine.private_key_path, "host_key": machine.host_key,
     }
 
 
 def transport_at(place: dict) -> Transport:
     """The transport for a :func:`machine_place`; its link state is reported nowhere
-    (the row may be gone). Raises TransportError for a place it cannot reach."""
+    (the row may be gone). Raises TransportError for a place it cannot reach
+    (ElsewhereError: another host's local machine)."""
     if place.get("transport") == "local":
+        if not is_here("local", str(place.get("corral_host") or "")):
+            _refuse_elsewhere(place.get("name"), str(place.get("corral_host")))
         return LocalTransport()
     if place.get("transport") == "ssh" and place.get("host"):
         target = ssh.Target(
@@ -1255,8 +1278,11 @@ def transport_at(place: dict) -> Transport:
 
 def transport_for(machine) -> Transport:
     """The transport for a :class:`machines_app.models.Machine`. An SSH machine's link
-    state is written back to its row as it changes (see ``Machine.note_link``)."""
+    state is written back to its row as it changes (see ``Machine.note_link``). Raises
+    ElsewhereError for another host's local machine (:func:`is_here`)."""
     if machine.transport == "local":
+        if not is_here("local", machine.corral_host):
+            _refuse_elsewhere(machine.name, machine.corral_host)
         return LocalTransport()
     if machine.transport == "ssh":
         if not machine.host:

@@ -7,6 +7,9 @@ process finds the folders and the same secret key.
 Layout under ``CORRAL_DATA_DIR`` (default ``<repo>/data``)::
 
     secret_key        Django's SECRET_KEY when the SECRET_KEY variable is not set (0600)
+    host_id           this Corral host's id when CORRAL_HOST_ID is not set: which local
+                      machine is its own, its queues and its workers' names
+                      (docs/operations.md, "More hosts")
     vapid_private.pem the P-256 key Web Push messages are signed with (VAPID, RFC 8292; 0600):
                       browsers' subscriptions are bound to its public half, so it is kept
     logs/             one llama-server log per start, key files while a server starts,
@@ -25,13 +28,21 @@ All of it is hidden from every llama-server's sandbox, and so from the tools
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import socket
 from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 SECRET_KEY_FILE = "secret_key"
 VAPID_KEY_FILE = "vapid_private.pem"
+HOST_ID_FILE = "host_id"
+#: What a host id may be: it is part of queue names (``turns.<id>``) and worker names
+#: (``turns@<id>``), so letters, digits, ``-`` and ``_`` only.
+HOST_ID_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 
 def location() -> Path:
@@ -48,9 +59,36 @@ def read_secret_key(data_dir: Path) -> str:
         return ""
 
 
+def read_host_id(data_dir: Path) -> str:
+    """This Corral host's id: ``CORRAL_HOST_ID`` when set, else the one kept in
+    ``data_dir/host_id``; ``""`` when neither is there (:func:`prepare` writes the file).
+    Raises ImproperlyConfigured, naming the variable, for a value of another shape than
+    :data:`HOST_ID_SHAPE`."""
+    raw = os.environ.get("CORRAL_HOST_ID", "").strip()
+    if raw:
+        if not HOST_ID_SHAPE.fullmatch(raw):
+            raise ImproperlyConfigured(
+                f"CORRAL_HOST_ID={raw!r} is not a host id: use 1 to 63 letters, digits, '-' or '_', "
+                "starting with a letter or digit")
+        return raw
+    try:
+        kept = (data_dir / HOST_ID_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
+    return kept if HOST_ID_SHAPE.fullmatch(kept) else ""
+
+
+def new_host_id() -> str:
+    """A fresh host id: the host name (cut to 20 characters of the allowed ones, for the
+    reader) and 8 random hex digits, which make it unique however many hosts share a name
+    (cloned VMs)."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:20].strip("-_") or "host"
+    return f"{name}-{secrets.token_hex(4)}"
+
+
 def prepare(data_dir: Path) -> None:
-    """Create the data directory, ``logs/`` and ``static/``, a secret key and the VAPID
-    key (:func:`ensure_vapid_key`) once.
+    """Create the data directory, ``logs/`` and ``static/``, a secret key, the host id
+    (:func:`new_host_id`) and the VAPID key (:func:`ensure_vapid_key`) once.
 
     The key is 50 URL-safe random bytes (as ``check --deploy`` wants: long, varied, not
     Django's ``django-insecure-`` placeholder), written to a temporary file created with
@@ -70,6 +108,10 @@ def prepare(data_dir: Path) -> None:
     (data_dir / "static").mkdir(exist_ok=True)
     if not read_secret_key(data_dir):
         _write_private(data_dir, SECRET_KEY_FILE, secrets.token_urlsafe(50).encode())
+    # Once per data directory, kept: the host's local machine row and its queues name it.
+    kept = (data_dir / HOST_ID_FILE)
+    if not (kept.exists() and HOST_ID_SHAPE.fullmatch(kept.read_text().strip())):
+        _write_private(data_dir, HOST_ID_FILE, (new_host_id() + "\n").encode())
     ensure_vapid_key(data_dir)
 
 

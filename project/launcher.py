@@ -17,6 +17,10 @@ unless ``--debug`` or ``DEBUG=1`` asks for it. The URL is printed once it answer
 (data directory, migrations, the local machine, an admin account), for a production
 host whose processes systemd runs (README, "Production"). Needs ``REDIS_URL``.
 
+``python -m project.launcher worker <turns|servers|housekeeping> [celery args]``: this
+host's Celery worker of that kind, named after the host's id and reading the host's own
+queue too (``worker_argv``), for the production units (docs/operations.md, "More hosts").
+
 ``python -m project.launcher test [pytest args]``: embedded Redis when ``REDIS_URL`` is
 not set, then pytest.
 """
@@ -252,8 +256,8 @@ def _control_socket_live(path: Path) -> bool:
 #: cleanly. SIGKILL is for a process that hangs, not for a slow machine.
 STOP_WAIT_SECONDS = 15
 
-# One [program:x] section per Corral process. %% is a literal % (supervisor expands
-# %(here)s-style names); %%h becomes Celery's %h, the host name.
+# One [program:x] section per Corral process. A % would have to be written %% (supervisor
+# expands %(here)s-style names); worker names carry the host id instead of Celery's %h.
 _PROGRAM = """
 [program:{name}]
 command={command}
@@ -278,6 +282,38 @@ stdout_logfile_maxbytes=0
 QUIET_WORKER = "--without-gossip --without-mingle --without-heartbeat"
 
 
+def worker_argv(queue: str, host: str, *, concurrency: int, loglevel: str = "info",
+                extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line of this host's Celery worker of kind ``queue`` (project/queues.py):
+    it consumes the shared queue and the host ``host``'s own (``turns,turns.<host id>``),
+    named ``<queue>@<host id>`` — unique as the host id is, where ``%h`` (the host name) is
+    shared by cloned machines — with ``concurrency`` threads, ``loglevel`` and ``extra``
+    arguments last. Raises ImproperlyConfigured when the host has no id yet."""
+    if not host:
+        raise ImproperlyConfigured("this host has no id: run ./corral setup (or set CORRAL_HOST_ID) first")
+    celery = str(Path(sys.executable).parent / "celery")
+    return [celery, "-A", "project", "worker", "-Q", ",".join(queues.consumed_by(queue, host)),
+            "-n", queues.worker_name(queue, host), "-P", "threads", "-c", str(concurrency), *QUIET_WORKER.split(),
+            "-l", loglevel, *extra]
+
+
+def worker(args: list[str]) -> int:
+    """``./corral worker <turns|servers|housekeeping> [celery worker arguments]``: exec this
+    host's worker of that kind (:func:`worker_argv`), for a production unit. ``-c N`` and
+    ``-l LEVEL`` among the arguments win over the defaults (CORRAL_TURN_WORKERS threads for
+    turns, 4 for the others)."""
+    if not args or args[0] not in queues.ALL:
+        raise UsageError(f"worker needs a queue: one of {', '.join(queues.ALL)} ({USAGE})")
+    queue, extra = args[0], args[1:]
+    data = prepare_data_dir()
+    default = (env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256) if queue == queues.TURNS
+               else queues.SERVERS_CONCURRENCY)
+    argv = worker_argv(queue, data_dir.read_host_id(data), concurrency=default,
+                       loglevel="warning" if queue == queues.HOUSEKEEPING else "info", extra=tuple(extra))
+    os.execv(argv[0], argv)  # Celery takes the last -c / -l it is given
+    return 1  # not reached
+
+
 def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_workers: int) -> str:
     """supervisord's configuration for ``./corral run``: the text of an ini file.
 
@@ -298,18 +334,17 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     # leave daphne and the four Celery processes running, and the next ``./corral run``
     # refused with "port already in use".
     with_parent = "setpriv --pdeathsig SIGTERM -- " if shutil.which("setpriv") else ""
+    host = data_dir.read_host_id(data)
     programs = {
         "web": f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application",
         # A streaming turn is cut at a stop (its page says so when the turn is taken over
         # at the next start): the warm shutdown waits for it until STOP_WAIT_SECONDS.
-        "worker-turns": (f"{celery} worker -Q {queues.TURNS} -n {queues.TURNS}@%%h -P threads -c {turn_workers} "
-                         f"{QUIET_WORKER} -l info"),
-        "worker-servers": (f"{celery} worker -Q {queues.SERVERS} -n {queues.SERVERS}@%%h -P threads "
-                           f"-c {queues.SERVERS_CONCURRENCY} {QUIET_WORKER} -l info"),
+        "worker-turns": " ".join(worker_argv(queues.TURNS, host, concurrency=turn_workers)),
+        "worker-servers": " ".join(worker_argv(queues.SERVERS, host, concurrency=queues.SERVERS_CONCURRENCY)),
         # Housekeeping runs every few seconds: at INFO its "received / succeeded" lines
         # would bury everything else (the admin password printed once included).
-        "worker-housekeeping": (f"{celery} worker -Q {queues.HOUSEKEEPING} -n {queues.HOUSEKEEPING}@%%h -P threads "
-                                f"-c {queues.HOUSEKEEPING_CONCURRENCY} {QUIET_WORKER} -l warning"),
+        "worker-housekeeping": " ".join(worker_argv(queues.HOUSEKEEPING, host,
+                                                    concurrency=queues.HOUSEKEEPING_CONCURRENCY, loglevel="warning")),
         "beat": f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}",
     }
     head = (
@@ -438,7 +473,8 @@ class UsageError(Exception):
     usual status of a command-line usage error."""
 
 
-USAGE = "usage: ./corral run [--port N] [--debug] | ./corral setup | ./corral test [pytest args] | ./corral check"
+USAGE = ("usage: ./corral run [--port N] [--debug] | ./corral setup | ./corral worker <turns|servers|housekeeping> "
+         "[celery args] | ./corral test [pytest args] | ./corral check")
 
 
 def run_port(args: list[str]) -> int:
@@ -479,6 +515,8 @@ def main(argv: list[str]) -> int:
             if args:
                 raise UsageError(f"check takes no arguments, got {' '.join(args)!r} ({USAGE})")
             return check()
+        if command == "worker":
+            return worker(args)
         if command == "setup":
             if args:
                 raise UsageError(f"setup takes no arguments, got {' '.join(args)!r} ({USAGE})")

@@ -6,10 +6,19 @@ queue, docs/operations.md shows the production units)::
     turns         sessions_app.tasks.run_turn            (one thread per streaming turn)
     servers       start / stop / restart / sleep a llama-server, stop an orphan
     housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
-                  refresh_models, Web Push of a question (attention_app.tasks.push_question)
+                  watch_host, sample_host (each host's share of those), refresh_models,
+                  Web Push of a question (attention_app.tasks.push_question)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
-check, a recovery or a Stop. Pure data: imported by settings, the launcher and the tests.
+check, a recovery or a Stop.
+
+**Hosts.** Every Corral host has queues of its own besides: ``turns.<host id>``,
+``servers.<host id>`` and ``housekeeping.<host id>`` (:func:`on_host`), which its workers
+consume with the shared one of their kind. Work that must touch a server on a host's own
+local machine — its process, its loopback port, its files — goes there
+(sessions_app/dispatch.py), since no other host can reach it; work on an SSH machine
+stays on the shared queues, any host's worker takes it (docs/operations.md, "More
+hosts"). Pure data: imported by settings, the launcher and the tests.
 """
 
 from __future__ import annotations
@@ -30,11 +39,40 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.sleep_server": {"queue": SERVERS},
     "sessions_app.tasks.remove_slot": {"queue": SERVERS},
     "sessions_app.tasks.watch_servers": {"queue": HOUSEKEEPING},
+    "sessions_app.tasks.watch_host": {"queue": HOUSEKEEPING},
+    "sessions_app.tasks.sample_host": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.sample_machines": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},
     "attention_app.tasks.push_question": {"queue": HOUSEKEEPING},
 }
+
+#: Tasks that touch one machine's server or files: sent to the owner host's queue of their
+#: kind when that machine is a host's local machine (sessions_app/dispatch.py).
+MACHINE_BOUND = frozenset({
+    "sessions_app.tasks.run_turn", "sessions_app.tasks.start_server", "sessions_app.tasks.stop_server",
+    "sessions_app.tasks.restart_server", "sessions_app.tasks.stop_process", "sessions_app.tasks.sleep_server",
+    "sessions_app.tasks.remove_slot", "machines_app.tasks.refresh_models",
+})
+
+
+def on_host(queue: str, host_id: str) -> str:
+    """The queue of kind ``queue`` (TURNS, SERVERS, HOUSEKEEPING) that only the workers of
+    the host ``host_id`` consume: ``"<queue>.<host id>"``."""
+    return f"{queue}.{host_id}"
+
+
+def consumed_by(queue: str, host_id: str) -> list[str]:
+    """What a worker of kind ``queue`` on the host ``host_id`` consumes: the shared queue
+    and the host's own of that kind (only the shared one while the host has no id)."""
+    return [queue, on_host(queue, host_id)] if host_id else [queue]
+
+
+def worker_name(queue: str, host_id: str) -> str:
+    """The Celery node name of the host's worker of kind ``queue``: ``"<queue>@<host id>"``,
+    unique as the host id is (a host name is not: cloned machines share theirs)."""
+    return f"{queue}@{host_id}"
+
 
 #: Threads of the servers and housekeeping workers that ``./corral run`` starts (a start
 #: waits for a model to load, up to CORRAL_READY_TIMEOUT; a model refresh over SSH may take

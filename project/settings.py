@@ -247,6 +247,10 @@ CORRAL_LLAMA_SERVER = env_str("CORRAL_LLAMA_SERVER", "")
 CORRAL_READY_TIMEOUT = env_float("CORRAL_READY_TIMEOUT", 300.0, minimum=1.0)
 CORRAL_STOP_GRACE = env_float("CORRAL_STOP_GRACE", 5.0, minimum=0.0)
 CORRAL_LOG_DIR = DATA_DIR / "logs"
+# Which Corral host this process runs on (CORRAL_HOST_ID, or data/host_id): the local
+# machine whose servers are its own, and the queues of its workers (docs/operations.md,
+# "More hosts"). "" before the launcher prepared the data directory.
+CORRAL_HOST_ID = data_dir.read_host_id(DATA_DIR)
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (docs/behaviour.md C16).
 CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)

@@ -6,6 +6,11 @@ moment — must never undo or hide what the caller already stored. Work that is 
 way is not lost for good: the beat's ``recover_turns`` picks up every open turn whose step
 is not running, and ``watch_servers`` starts again a session left ``loading`` by a start that
 never ran (lifecycle.recover_starts; the page's Restart works then too: docs/architecture.md).
+
+Work on a server of a host's own local machine goes to that host's queue of its kind
+(``turns.<host id>``…, project/queues.py): only that host can reach the process, its
+loopback port and its files. Work on an SSH machine goes to the shared queue, which every
+host's workers consume (docs/operations.md, "More hosts").
 """
 
 from __future__ import annotations
@@ -14,6 +19,11 @@ import logging
 
 from celery import current_app
 from django.db import transaction
+
+from machines_app.models import Machine
+from project import queues
+
+from .models import AgentSession
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +35,55 @@ STOP_PROCESS = "sessions_app.tasks.stop_process"
 SLEEP_SERVER = "sessions_app.tasks.sleep_server"
 REMOVE_SLOT = "sessions_app.tasks.remove_slot"
 PUSH_QUESTION = "attention_app.tasks.push_question"
+REFRESH_MODELS = "machines_app.tasks.refresh_models"
+WATCH_HOST = "sessions_app.tasks.watch_host"
+SAMPLE_HOST = "sessions_app.tasks.sample_host"
+
+
+def owner_host(task: str, args: tuple) -> str:
+    """The host whose own queue ``task`` must go to, "" for the shared queue. Tasks of
+    queues.MACHINE_BOUND name their machine by their first argument: a session id (its
+    machine), a machine id (REFRESH_MODELS) or a ``machine_place`` dict."""
+    if task not in queues.MACHINE_BOUND or not args:
+        return ""
+    first = args[0]
+    if isinstance(first, dict):
+        return str(first.get("corral_host") or "") if first.get("transport") == Machine.Transport.LOCAL else ""
+    if task == REFRESH_MODELS:
+        row = Machine.objects.filter(pk=first).values_list("transport", "corral_host").first()
+    else:
+        row = AgentSession.objects.filter(pk=first).values_list("machine__transport", "machine__corral_host").first()
+    if row is None or row[0] != Machine.Transport.LOCAL:
+        return ""
+    return row[1] or ""
 
 
 def enqueue(task: str, *args: object) -> bool:
-    """Send ``task`` (a name above) with ``args`` now; False, logged, when the broker
+    """Send ``task`` (a name above) with ``args`` now, to the owner host's queue when it
+    touches a host's local machine (:func:`owner_host`); False, logged, when the broker
     cannot take it."""
     try:
-        current_app.send_task(task, args=args)
+        host = owner_host(task, args)
+        if host:
+            kind = queues.ROUTES[task]["queue"]
+            current_app.send_task(task, args=args, queue=queues.on_host(kind, host))
+        else:
+            current_app.send_task(task, args=args)
     except Exception as exc:  # kombu/redis raise many kinds; none may fail the caller
         log.warning("could not enqueue %s%r: %s", task, args, exc)
+        return False
+    return True
+
+
+def enqueue_on_host(task: str, host: str, *args: object, expires: float | None = None) -> bool:
+    """Send ``task`` with ``args`` to the host ``host``'s own queue of its kind (the health
+    watch's share of each host: sessions_app.tasks.watch_servers), dropped unrun after
+    ``expires`` seconds when given; False, logged, when the broker cannot take it."""
+    try:
+        current_app.send_task(task, args=args, queue=queues.on_host(queues.ROUTES[task]["queue"], host),
+                              expires=expires)
+    except Exception as exc:
+        log.warning("could not enqueue %s%r on host %s: %s", task, args, host, exc)
         return False
     return True
 

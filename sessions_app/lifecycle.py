@@ -41,7 +41,7 @@ from machines_app.llama_server import (
     slot_fingerprint,
     wait_until_ready,
 )
-from machines_app.models import Machine, ModelFile, ServerRecord, SlotSave
+from machines_app.models import Machine, ModelFile, ServerRecord, SlotSave, reached_by
 from machines_app.sandbox import Sandbox
 from machines_app.template_files import (
     MAX_TEMPLATE_BYTES,
@@ -50,6 +50,7 @@ from machines_app.template_files import (
     without_template_lines,
 )
 from machines_app.transports import (
+    ElsewhereError,
     ProcessId,
     ToolView,
     Transport,
@@ -827,16 +828,20 @@ def recover_starts() -> list[int]:
     return found
 
 
-def watch_servers() -> None:
+def watch_servers(host: str | None = None) -> None:
     """Check every ready server's process (docs/behaviour.md §5 "keep watching"): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can. A server whose
     machine was lost while it loaded (``unknown``, not ready) is checked too, so it is
     waited for again once the machine answers (docs/ssh.md). First, every stop left pending
-    on a machine that could not be reached is tried again (docs/behaviour.md §5 "no orphans")."""
-    orphans.settle_pending_stops()
+    on a machine that could not be reached is tried again (docs/behaviour.md §5 "no orphans").
+
+    ``host`` None: the servers any host reaches (SSH machines); a host id: that host's own
+    local machine's, which only it may judge — on another host its loopback port refuses
+    and its pid is not there (machines_app.models.reached_by)."""
+    orphans.settle_pending_stops(host)
     records = ServerRecord.objects.filter(
-        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), stopping=False
+        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), reached_by(host, "machine__"), stopping=False
     ).select_related("machine", "session")
     for record in records:
         check_server(record)
@@ -894,6 +899,8 @@ def link_broken(session_id: int) -> str | None:
         return None
     try:
         transport_for(record.machine).process_alive(_proc(record))
+    except ElsewhereError:
+        return None  # another host's own server: nothing can be told from here
     except TransportError as exc:
         set_status(session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING))
         return f"The link to machine '{record.machine.name}' broke while llama-server was replying. {_unknown_sentence(exc)}"
@@ -914,9 +921,11 @@ def server_gone(session_id: int) -> bool:
 
 
 def check_server(record: ServerRecord) -> None:
-    transport = transport_for(record.machine)
     try:
+        transport = transport_for(record.machine)
         alive = transport.process_alive(_proc(record))
+    except ElsewhereError:
+        return  # another host's own server: only that host can tell whether it runs
     except TransportError as exc:
         if set_status(record.session_id, Status.UNKNOWN, only_from=(Status.IDLE, Status.RUNNING)):
             record_error(record.session_id, _unknown_sentence(exc))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import redis
 from django.conf import settings
@@ -37,6 +38,10 @@ def _key_prefix() -> str:
     return channel_prefix(settings.REDIS_URL) + "worker:"
 
 
+def _host_prefix() -> str:
+    return channel_prefix(settings.REDIS_URL) + "host:"
+
+
 def worker_pid(nodename: str) -> int | None:
     """The pid the worker ``nodename`` wrote in its key, None when the key has lapsed or
     Redis cannot be read: a worker restarted under the same name is told from the one
@@ -50,10 +55,14 @@ def _client() -> redis.Redis:
 
 
 class Heartbeat:
-    """The thread that keeps this worker's key (started once per worker process)."""
+    """The thread that keeps this worker's key (started once per worker process), and
+    with ``host`` (a host id: this worker consumes that host's own housekeeping queue)
+    the host's key too, which tells the health watch that the host's own servers can be
+    watched there (:func:`live_hosts`)."""
 
-    def __init__(self, nodename: str) -> None:
+    def __init__(self, nodename: str, host: str = "") -> None:
         self.key = _key_prefix() + nodename
+        self.host_key = _host_prefix() + host if host else ""
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="corral-liveness", daemon=True)
 
@@ -71,6 +80,8 @@ class Heartbeat:
         while True:
             try:
                 client.set(self.key, os.getpid(), px=int(LAPSE_SECONDS * 1000))
+                if self.host_key:
+                    client.set(self.host_key, os.getpid(), px=int(LAPSE_SECONDS * 1000))
                 if failing:
                     log.warning("liveness key %s written again", self.key)
                 failing = False
@@ -88,6 +99,38 @@ def live_workers() -> set[str] | None:
     prefix = _key_prefix()
     return _read(lambda client: {key.decode()[len(prefix):]
                                  for key in client.scan_iter(match=prefix + "*", count=1000)})
+
+
+def live_hosts() -> set[str] | None:
+    """Ids of the Corral hosts whose housekeeping worker is alive (its host key written
+    within :data:`LAPSE_SECONDS`); None when Redis cannot be read."""
+    prefix = _host_prefix()
+    return _read(lambda client: {key.decode()[len(prefix):]
+                                 for key in client.scan_iter(match=prefix + "*", count=1000)})
+
+
+def name_in_use(nodename: str, watch: float | None = None) -> int | None:
+    """The pid kept in the key of a *live* worker named ``nodename``, None when there is
+    none. A key left by a worker that died (a restart under the same name) is not renewed:
+    its time to live only falls until it lapses. A live worker renews it every
+    :data:`BEAT_SECONDS`, so the key is watched for a beat and a quarter (``watch``
+    seconds) and counts as live once its time to live goes up. None too when Redis cannot
+    be read (logged): nothing can be told, and refusing would keep every worker down."""
+    watch = BEAT_SECONDS * 1.25 if watch is None else watch
+    key = _key_prefix() + nodename
+
+    def renewed(client) -> int | None:
+        last = client.pttl(key)
+        deadline = time.monotonic() + watch
+        while last >= 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = client.pttl(key)
+            if now > last:
+                return int(client.get(key) or 0)
+            last = now
+        return None
+
+    return _read(renewed)
 
 
 def _read(query):

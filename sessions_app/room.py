@@ -37,7 +37,7 @@ from machines_app import memory
 from machines_app.discovery import read_model_head
 from machines_app.gguf import GGUFError
 from machines_app.memory import Fit, Need, Room, size
-from machines_app.models import Machine, MachineSample, MemoryClaim, ModelFile, ServerRecord
+from machines_app.models import Machine, MachineSample, MemoryClaim, ModelFile, ServerRecord, reached_by
 from machines_app.transports import ProcessId, Transport, TransportError, transport_for
 
 from . import dispatch
@@ -387,13 +387,15 @@ def fits(machine: Machine, models: list[ModelFile], server_params: dict | None =
             for m in models if m.is_complete}
 
 
-def sample_machines(*, force: bool = False) -> list[int]:
+def sample_machines(*, force: bool = False, host: str | None = None) -> list[int]:
     """Read each enabled machine's memory and store it (:class:`MachineSample`), at most
     every :data:`SAMPLE_SECONDS` per machine; drop samples older than :data:`SAMPLES_KEPT`.
-    A machine that cannot be read gets a sample saying why. The machines sampled."""
+    A machine that cannot be read gets a sample saying why. The machines sampled: with
+    ``host`` None those every host reaches (SSH machines), with a host id that host's own
+    local machine (machines_app.models.reached_by)."""
     now = timezone.now()
     done = []
-    for machine in Machine.objects.filter(enabled=True):
+    for machine in Machine.objects.filter(reached_by(host), enabled=True):
         last = latest_sample(machine)
         if not force and last is not None and last.taken_at > now - timedelta(seconds=SAMPLE_SECONDS):
             continue

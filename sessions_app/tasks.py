@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 from celery import shared_task
-from celery.signals import worker_ready
+from celery.signals import celeryd_after_setup, celeryd_init, worker_ready
 from channels.layers import get_channel_layer
+from django.conf import settings
 
 from machines_app.llama_server import tls_context
-from project import heap
+from project import heap, queues
 
-from . import agent, lifecycle, liveness, room, turns
+from . import agent, dispatch, lifecycle, liveness, room, turns
 
 log = logging.getLogger(__name__)
 #: Seconds between recovery's two reads of the liveness keys: more than a beat, so a live
@@ -59,20 +61,46 @@ def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: 
     lifecycle.stop_orphan(place, pid, start_time, port, session_id)
 
 
+#: Seconds a watch or a sample handed to one host's own queue stays worth running: a host
+#: that has fallen behind drops the stale ones instead of running each in turn.
+HOST_TASK_EXPIRES = 10
+
+
 @shared_task
 def watch_servers() -> None:
     """The housekeeping beat: dead servers, lost starts, servers idle past their time,
-    starts waiting for memory."""
+    starts waiting for memory. Servers on SSH machines are watched here, by whichever host
+    took the task; those on a host's own local machine by that host, in
+    :func:`watch_host`, handed to each host whose housekeeping worker is alive (a host
+    that is down has nobody who could look at its servers: they are left as they are)."""
     lifecycle.watch_servers()
+    for host in sorted(liveness.live_hosts() or ()):
+        dispatch.enqueue_on_host(dispatch.WATCH_HOST, host, expires=HOST_TASK_EXPIRES)
     lifecycle.recover_starts()
     lifecycle.sleep_idle_servers()
     room.admit_waiting()
 
 
 @shared_task
+def watch_host() -> None:
+    """This host's share of the health watch: the servers of its own local machine
+    (docs/operations.md, "More hosts")."""
+    lifecycle.watch_servers(host=settings.CORRAL_HOST_ID)
+
+
+@shared_task
 def sample_machines() -> None:
-    """Each machine's memory, every half minute (the machines page; docs/behaviour.md §5)."""
+    """Each machine's memory, every half minute (the machines page; docs/behaviour.md §5):
+    SSH machines here, each host's local machine by that host (:func:`sample_host`)."""
     room.sample_machines()
+    for host in sorted(liveness.live_hosts() or ()):
+        dispatch.enqueue_on_host(dispatch.SAMPLE_HOST, host, expires=HOST_TASK_EXPIRES)
+
+
+@shared_task
+def sample_host() -> None:
+    """This host's local machine's memory reading."""
+    room.sample_machines(host=settings.CORRAL_HOST_ID)
 
 
 @shared_task(bind=True)
@@ -102,7 +130,7 @@ def recover_turns(self) -> None:
         if taken:
             log.warning("took over the turns of sessions %s from workers that are gone", taken)
     for session_id in turns.recoverable():
-        run_turn.delay(session_id)
+        dispatch.enqueue(dispatch.RUN_TURN, session_id)
 
 
 def live_workers() -> set[str] | None:
@@ -117,13 +145,50 @@ def take_over_after_restart(sender, **_kwargs) -> None:
     restarted = (sender.hostname, os.getpid())
     for session_id in turns.take_over_dead_steps(restarted=restarted):
         log.warning("session %s: resuming a turn after the restart of %s", session_id, sender.hostname)
-        run_turn.delay(session_id)
+        dispatch.enqueue(dispatch.RUN_TURN, session_id)
+
+
+@celeryd_init.connect
+def refuse_a_live_name(sender: str, **_kwargs) -> None:
+    """A worker started under the name of a live one would be taken for it restarted and
+    let go of every turn that one runs (take_over_after_restart): refuse to start, naming
+    the other, and exit non-zero (docs/operations.md, "More hosts")."""
+    pid = liveness.name_in_use(sender)
+    if pid is not None:
+        print(f"corral: a worker named {sender} is already running (pid {pid} on its host, its liveness key is "
+              "renewed); not starting a second one under that name. Stop that one first, or give this host an "
+              "id of its own (CORRAL_HOST_ID, or delete data/host_id on a cloned machine).", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
+
+
+@celeryd_after_setup.connect
+def read_this_hosts_own_queues(sender: str, instance, **_kwargs) -> None:
+    """A worker that reads a shared queue reads this host's own of that kind too
+    (``turns`` → ``turns.<host id>``: project/queues.py), whatever its command line says —
+    a unit written before hosts had ids included — so no task meant for this host's own
+    local machine waits in a queue nobody here reads."""
+    host = settings.CORRAL_HOST_ID
+    selected = instance.app.amqp.queues
+    consumed = set(getattr(selected, "consume_from", None) or {})
+    for kind in queues.ALL:
+        if host and kind in consumed and queues.on_host(kind, host) not in consumed:
+            selected.select_add(queues.on_host(kind, host))
+
+
+def consumed_queues(consumer) -> set[str]:
+    """The names of the queues the worker of ``consumer`` (worker_ready's sender) reads."""
+    return set(getattr(consumer.app.amqp.queues, "consume_from", None) or {})
 
 
 @worker_ready.connect
 def keep_liveness_key(sender, **_kwargs) -> None:
-    """Start this worker's liveness key (sessions_app/liveness.py), read by recover_turns."""
-    liveness.Heartbeat(sender.hostname).start()
+    """Start this worker's liveness key (sessions_app/liveness.py), read by recover_turns;
+    and this host's key when it reads the host's own housekeeping queue (the health watch
+    then hands it its share: :func:`watch_servers`)."""
+    host = settings.CORRAL_HOST_ID
+    own = host if host and queues.on_host(queues.HOUSEKEEPING, host) in consumed_queues(sender) else ""
+    liveness.Heartbeat(sender.hostname, host=own).start()
 
 
 @worker_ready.connect

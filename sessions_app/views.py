@@ -17,6 +17,7 @@ from machines_app.access import machine_refusal, machines_for
 
 from . import (
     actions,
+    dispatch,
     export,
     first_run,
     images,
@@ -193,13 +194,12 @@ def model_defaults(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 def refresh_models(request: HttpRequest, machine_id: int) -> HttpResponse:
-    """Re-read a machine's model files (a Celery task); the picker reloads when it is done."""
-    from machines_app.tasks import refresh_models as refresh_task
-
+    """Re-read a machine's model files (a Celery task, on the machine's own host for a
+    local one); the picker reloads when it is done."""
     machine = machines_for(request.user).filter(pk=machine_id).first()
     if machine is None:
         return HttpResponse(status=404)
-    refresh_task.delay(machine.pk)
+    dispatch.enqueue(dispatch.REFRESH_MODELS, machine.pk)
     since = machine.models_refreshed_at.isoformat() if machine.models_refreshed_at else ""
     context = {"machine": machine, "since": since, "selected": request.POST.get("model_key", "")}
     return render(request, "sessions_app/_refreshing.html", context)

@@ -176,9 +176,12 @@ class Stack:
         beat inside it when ``beat``; returns once it consumes (its liveness key holds its
         pid: the workers run without Celery's remote control, so nothing answers a ping)."""
         log = open(self.data_dir / f"{name}.log", "ab")
+        # Each queue with this host's own of its kind (project/queues.py): the tests' local
+        # machines are the test process's host's (it shares its CORRAL_HOST_ID).
+        consumed = [q for name_ in queue_names for q in queues.consumed_by(name_, settings.CORRAL_HOST_ID)]
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "project", "worker", *(["-B"] if beat else []),
-             "-Q", ",".join(queue_names), "-n", f"{name}@%h", "-P", "threads", "-c", str(concurrency),
+             "-Q", ",".join(consumed), "-n", f"{name}@%h", "-P", "threads", "-c", str(concurrency),
              "--without-gossip", "--without-mingle", "-l", "info",
              "-s", str(self.data_dir / "celerybeat-schedule")],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -245,6 +248,7 @@ def stack(django_db_setup, django_db_blocker, tmp_path_factory):
         "REDIS_URL": settings.REDIS_URL,
         "SECRET_KEY": settings.SECRET_KEY,
         "CORRAL_DATA_DIR": str(data),
+        "CORRAL_HOST_ID": settings.CORRAL_HOST_ID,  # one host: the test process's
         "CORRAL_STOP_GRACE": "3",
         "CORRAL_LEASE_SECONDS": "3",
         "PYTHONUNBUFFERED": "1",

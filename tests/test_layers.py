@@ -102,7 +102,7 @@ def test_no_import_circle_among_the_projects_modules():
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Pure cores: no Django, no Celery, no Channels; only other pure cores.
     ("pure", (
-        "project.broker", "project.channel_layer", "project.data_dir", "project.heap",
+        "project.broker", "project.channel_layer", "project.heap",
         "project.log_filters", "project.queues",
         "machines_app", "machines_app.gguf", "machines_app.memory", "machines_app.discovery",
         "machines_app.sandbox", "machines_app.ssh", "machines_app.demo_models",
@@ -114,7 +114,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Settings and process wiring read from the environment.
     ("config", (
         # The package itself loads the Celery app (Celery's pattern for Django projects).
-        "project", "project.env", "project.settings", "project.celery", "project.beat", "project.launcher",
+        "project", "project.env", "project.data_dir", "project.settings", "project.celery", "project.beat", "project.launcher",
         "project.websocket_security", "project.login_throttle",
     )),
     # Rows and what reaches a machine: models, transports, the llama-server client, reads

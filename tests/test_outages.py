@@ -85,11 +85,13 @@ def private_stack(tmp_path, django_db_setup, stack):
     port = LocalTransport().free_port()
     env = {**os.environ, "DATABASE_URL": _database_url(), "REDIS_URL": redis_server.url,
            "SECRET_KEY": settings.SECRET_KEY, "CORRAL_DATA_DIR": str(tmp_path / "data"),
-           "CORRAL_LEASE_SECONDS": "30", "CORRAL_STOP_GRACE": "2", "PYTHONUNBUFFERED": "1"}
+           "CORRAL_HOST_ID": settings.CORRAL_HOST_ID, "CORRAL_LEASE_SECONDS": "30", "CORRAL_STOP_GRACE": "2", "PYTHONUNBUFFERED": "1"}
     worker_log = tmp_path / "worker.log"
     procs = [
         subprocess.Popen([sys.executable, "-m", "celery", "-A", "project", "worker", "-B",
-                          "-Q", ",".join(queues.ALL), "-P", "threads", "-c", "4",
+                          "-Q", ",".join(q for kind in queues.ALL
+                                         for q in queues.consumed_by(kind, settings.CORRAL_HOST_ID)),
+                          "-P", "threads", "-c", "4",
                           "--without-gossip", "--without-mingle", "-l", "info",
                           "-s", str(tmp_path / "celerybeat-schedule")],
                          cwd=ROOT, env=env, stdout=open(worker_log, "ab"), stderr=subprocess.STDOUT,

@@ -127,7 +127,7 @@ def test_it_prepares_a_fresh_data_dir_once_with_an_owner_only_key(tmp_path):
     assert data_dir.read_secret_key(target) and data_dir.read_secret_key(target) != key
     # The VAPID key of Web Push, owner-only too (docs/attention.md); no partial file left.
     assert stat.S_IMODE((target / data_dir.VAPID_KEY_FILE).stat().st_mode) == 0o600
-    assert sorted(p.name for p in target.iterdir()) == ["logs", "secret_key", "static", "vapid_private.pem"]
+    assert sorted(p.name for p in target.iterdir()) == ["host_id", "logs", "secret_key", "static", "vapid_private.pem"]
 
 
 def test_importing_settings_writes_nothing_and_a_missing_key_is_a_clear_error(tmp_path):
@@ -277,10 +277,37 @@ def test_a_usage_mistake_is_one_line_and_exit_status_2(tmp_path, argv, words):
 def test_the_run_workers_leave_out_celerys_worker_to_worker_chatter(tmp_path):
     # Heartbeat events every 2 s from every worker, received by every other (gossip), cost an
     # idle stack CPU and Corral reads none of them (liveness is keys in Redis: docs/operations.md).
-    from project import launcher
+    from project import data_dir, launcher
 
+    data_dir.prepare(tmp_path)
     config = launcher.supervisor_config(data=tmp_path, port=8000, daphne_args=[], turn_workers=2)
     workers = [line for line in config.splitlines() if line.startswith("command=") and " worker " in line]
     assert len(workers) == 3
     for line in workers:
         assert {"--without-gossip", "--without-mingle", "--without-heartbeat"} <= set(line.split())
+
+
+def test_each_worker_is_named_after_its_hosts_id_and_reads_its_hosts_own_queue(tmp_path, monkeypatch):
+    # Two hosts with the same host name (a cloned VM) gave two workers the same turns@%h
+    # name; the host id is drawn once per data directory (or set: CORRAL_HOST_ID).
+    from project import data_dir, launcher
+
+    monkeypatch.delenv("CORRAL_HOST_ID", raising=False)
+    first, second = tmp_path / "one", tmp_path / "two"
+    data_dir.prepare(first)
+    data_dir.prepare(second)
+    host = data_dir.read_host_id(first)
+    assert host and host != data_dir.read_host_id(second)
+    data_dir.prepare(first)
+    assert data_dir.read_host_id(first) == host  # kept
+    config = launcher.supervisor_config(data=first, port=8000, daphne_args=[], turn_workers=2)
+    for kind in ("turns", "servers", "housekeeping"):
+        line = next(line for line in config.splitlines() if f" -n {kind}@" in line)
+        assert f" -Q {kind},{kind}.{host} -n {kind}@{host} " in line
+    monkeypatch.setenv("CORRAL_HOST_ID", "rack-7")
+    assert data_dir.read_host_id(first) == "rack-7"
+    monkeypatch.setenv("CORRAL_HOST_ID", "rack 7")
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured, match="CORRAL_HOST_ID"):
+        data_dir.read_host_id(first)

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from django.conf import settings
 
 from machines_app.models import ServerRecord
 from project import launcher as launcher_module
@@ -266,7 +267,9 @@ def test_a_turn_whose_worker_is_killed_ends_truthfully_and_its_server_outlives_t
     actions hand their tasks to that Redis, so the launcher's workers run them."""
     from project.celery import app
 
-    launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60")
+    # The same host as this process, which makes the machine (docs/operations.md "More
+    # hosts": another host's workers would leave its local machine alone).
+    launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60", CORRAL_HOST_ID=settings.CORRAL_HOST_ID)
     launcher.start()
     redis_url = (launcher.data / "redis" / "url").read_text().strip()  # password-protected: docs/security.md
 

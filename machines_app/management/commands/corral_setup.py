@@ -30,10 +30,25 @@ def packaged_llama_server() -> str:
 
 
 def ensure_local_machine() -> Machine:
-    machine, _ = Machine.objects.get_or_create(
-        name="local",
-        defaults={"transport": Machine.Transport.LOCAL, "models_dir": settings.CORRAL_LOCAL_MODELS_DIR},
-    )
+    """This host's own local machine (docs/operations.md, "More hosts"), made if missing.
+
+    The one whose ``corral_host`` is this host's id; else the unclaimed ``local`` row
+    (made before hosts had ids, or by the first start) is claimed, with a conditional
+    UPDATE so two hosts starting at once never both take it; else a new one, named
+    ``local`` when that name is free and ``local-<host id>`` when another host has it."""
+    host = settings.CORRAL_HOST_ID
+    local = Machine.Transport.LOCAL
+    machine = Machine.objects.filter(transport=local, corral_host=host).order_by("pk").first() if host else None
+    if machine is None and host:
+        unclaimed = Machine.objects.filter(name="local", transport=local, corral_host="").first()
+        if unclaimed is not None and Machine.objects.filter(pk=unclaimed.pk, corral_host="").update(corral_host=host):
+            machine = Machine.objects.get(pk=unclaimed.pk)
+    if machine is None:
+        taken = Machine.objects.filter(name="local").exclude(transport=local, corral_host=host).exists()
+        machine, _ = Machine.objects.get_or_create(
+            name=f"local-{host}" if taken and host else "local",
+            defaults={"transport": local, "models_dir": settings.CORRAL_LOCAL_MODELS_DIR, "corral_host": host},
+        )
     binary = packaged_llama_server()
     if machine.llama_server_path in ("", "llama-server") or not Path(machine.llama_server_path).exists():
         machine.llama_server_path = binary
