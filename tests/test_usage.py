@@ -338,3 +338,35 @@ def test_the_figures_equal_the_real_servers_own_reports(real_session, alice, bob
         import_into(locked(copy_session.pk), imported_events, stored, actions.by(bob))
     assert TranscriptEvent.objects.filter(session=copy_session, kind="usage").count() == 2
     assert UsageRecord.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_the_admin_sets_quotas_and_only_shows_usage_rows(alice, machines, django_user_model):
+    root = client_for(django_user_model.objects.create_superuser("root", password="root-password-1"))
+    add(alice, machines["north"])
+    assert root.get("/admin/usage_app/usagerecord/").status_code == 200
+    assert root.get("/admin/usage_app/usagerecord/add/").status_code == 403
+    form = root.get("/admin/usage_app/quota/add/")
+    assert form.status_code == 200 and "Counted per UTC day" in form.content.decode()
+    both = root.post("/admin/usage_app/quota/add/", {"user": alice.pk, "group": Group.objects.create(name="g").pk,
+                                                    "tokens_per_day": 10})
+    assert "choose exactly one" in both.content.decode() and not Quota.objects.exists()
+    root.post("/admin/usage_app/quota/add/", {"user": alice.pk, "tokens_per_day": 10})
+    assert quota.quota_for(alice) == 10
+
+
+@pytest.mark.django_db
+def test_a_step_that_lost_its_lease_counts_nothing(alice, machines, idle_session):
+    from sessions_app import metering, turns
+
+    AgentSession.objects.filter(pk=idle_session.pk).update(lease_owner="another-step")
+    usage = completions.Usage(prompt_tokens=10, completion_tokens=2, cached_tokens=0, prompt_ms=5.0, predicted_ms=5.0)
+    with pytest.raises(turns.LeaseLost):
+        metering.record_completion(idle_session.pk, "this-step", usage.as_payload(), usage, None,
+                                   model_key="north.gguf", model_name="Model north")
+    assert not UsageRecord.objects.exists()
+    AgentSession.objects.filter(pk=idle_session.pk).update(lease_owner="this-step")
+    metering.record_completion(idle_session.pk, "this-step", usage.as_payload(), usage, None,
+                               model_key="north.gguf", model_name="Model north")
+    row = UsageRecord.objects.get()
+    assert (row.member, row.prompt_tokens, row.completion_tokens, row.seconds) == (alice, 10, 2, pytest.approx(0.01))
