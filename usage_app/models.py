@@ -79,5 +79,8 @@ class Quota(models.Model):
         ]
 
     def __str__(self) -> str:
-        who = self.user.get_username() if self.user_id else f"group {self.group.name}"
+        if self.user is not None:
+            who = self.user.get_username()
+        else:
+            who = f"group {self.group.name}" if self.group is not None else "nobody"
         return f"{who}: {self.tokens_per_day:,} tokens a day"
