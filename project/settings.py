@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "sessions_app",
     "attention_app",
     "search_app",
+    "usage_app",
 ]
 
 MIDDLEWARE = [

@@ -18,6 +18,7 @@ urlpatterns = [
     path("", include("attention_app.urls")),
     path("", include("machines_app.urls")),
     path("", include("sessions_app.urls")),
+    path("", include("usage_app.urls")),
 ]
 
 handler403 = "sessions_app.views.permission_denied"

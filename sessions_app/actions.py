@@ -19,6 +19,7 @@ from django.http import Http404
 from machines_app import catalog
 from machines_app.access import machine_refusal
 from machines_app.models import ServerRecord
+from usage_app import quota
 
 from . import dispatch, images, room, transcript, turns
 from .events import append, change_status, load_events, load_kinds, load_queue_events, locked, record_event
@@ -249,7 +250,8 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
     """Take a user's message, with the images attached to it: start a turn with it, or
     queue it behind the running one.
 
-    Raises SessionError for a message check_message refuses, images check_images refuses,
+    Raises SessionError for a member whose daily token quota is spent (before anything is
+    stored: docs/usage.md), a message check_message refuses, images check_images refuses,
     or a session whose server is gone (docs/behaviour.md §4 ``exited``, ``stopped``). A
     message sent while the model is ``loading`` is accepted and waits (docs/behaviour.md §4);
     one sent to a ``sleeping`` session starts its server again and waits for it
@@ -257,6 +259,7 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
     under way is waited for by the start, never raced. Images are stored before the message
     is recorded, so a recorded message never names a missing file.
     """
+    refuse_spent_quota(user)
     uploads = uploads or []
     text = check_message(text, with_images=bool(uploads))
     refs = check_images(session, uploads)
@@ -269,6 +272,14 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
         session = locked(session.pk)
         _wake(session, user)
         turns.take_message(session, text, by(user), refs)
+
+
+def refuse_spent_quota(user) -> None:
+    """Raise SessionError with usage_app's sentence when ``user`` has spent today's token
+    quota (docs/usage.md, "Quotas"). Every way a person sends a message checks it first: a
+    new one, Regenerate, an edit."""
+    if refusal := quota.refusal(user):
+        raise SessionError(refusal)
 
 
 def _wake(session: AgentSession, user) -> None:
@@ -316,10 +327,11 @@ def do_send_again(session: AgentSession, user, text: str | None = None) -> None:
     Both are new transcript events (docs/transcript.md): the first reply stays in the
     history; the model no longer sees it.
 
-    Raises SessionError while a turn runs, when the server is not running, or when there
-    is no message yet or since the conversation was cleared. A ``sleeping`` server is started again
+    Raises SessionError for a spent daily token quota, while a turn runs, when the server is
+    not running, or when there is no message yet or since the conversation was cleared. A ``sleeping`` server is started again
     first, as for a new message (docs/behaviour.md §5 "sleep").
     """
+    refuse_spent_quota(user)
     if text is not None:
         text = check_message(text, with_images=True)  # empty only for a message with images (below)
     with transaction.atomic():

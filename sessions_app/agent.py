@@ -40,6 +40,7 @@ from . import (
     images,
     lifecycle,
     machine_use,
+    metering,
     tool_results,
     tools,
     transcript,
@@ -571,7 +572,9 @@ class Step:
             payload = usage.as_payload() if usage is not None else {}
             payload.update({"seed": seed, "finish_reason": finish_reason, "sampling": in_force,
                             "sampling_from": sources})
-            self.record(Kind.USAGE, payload)
+            # The usage row (usage_app) goes with the event, in its transaction.
+            metering.record_completion(self.session_id, self.owner, payload, usage, model,
+                                       model_key=fresh.model_key, model_name=ready.get("model") or fresh.model_key)
         if interrupted.is_set():
             return self.cut_by_stop(produced) if self.server_stop_asked() else TurnEnd.INTERRUPTED
         calls = assembler.calls()

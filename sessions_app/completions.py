@@ -142,7 +142,9 @@ class Usage:
     time), ``cache_n`` (prompt tokens reused from the prompt cache), ``predicted_n`` (tokens
     generated), ``predicted_per_second`` and ``prompt_per_second`` (tokens per second),
     and with speculative decoding on (a draft model or MTP) ``draft_n`` (tokens drafted)
-    and ``draft_n_accepted`` (drafted tokens the model kept). Any field the server did not send is ``None``.
+    and ``draft_n_accepted`` (drafted tokens the model kept); ``prompt_ms`` and
+    ``predicted_ms`` (milliseconds spent reading the prompt and generating: the time the
+    completion held the machine, counted by usage_app). Any field the server did not send is ``None``.
     """
 
     prompt_tokens: int | None = None
@@ -155,6 +157,8 @@ class Usage:
     prompt_per_second: float | None = None
     draft_n: int | None = None
     draft_n_accepted: int | None = None
+    prompt_ms: float | None = None
+    predicted_ms: float | None = None
 
     def as_payload(self) -> dict[str, Any]:
         """The fields that were sent, as a JSON-able dict (e.g. for a ``usage`` event)."""
@@ -466,6 +470,8 @@ def _usage(usage: Any, timings: Any) -> Usage:
         prompt_per_second=_as_float(timings.get("prompt_per_second")),
         draft_n=_as_int(timings.get("draft_n")),
         draft_n_accepted=_as_int(timings.get("draft_n_accepted")),
+        prompt_ms=_as_float(timings.get("prompt_ms")),
+        predicted_ms=_as_float(timings.get("predicted_ms")),
     )
 
 

@@ -232,7 +232,7 @@ _TYPES: dict[str, dict[str, str]] = {
                         "warm_tokens": "int", "opens_thinking": "bool"},
     Kind.USAGE: {"prompt_tokens": "int?", "completion_tokens": "int?", "cached_tokens": "int?", "prompt_n": "int?",
                  "cache_n": "int?", "predicted_n": "int?", "predicted_per_second": "num?",
-                 "prompt_per_second": "num?", "seed": "int?", "finish_reason": "str?", "sampling": "dict?",
+                 "prompt_per_second": "num?", "prompt_ms": "num?", "predicted_ms": "num?", "seed": "int?", "finish_reason": "str?", "sampling": "dict?",
                  "sampling_from": "dict?"},
     Kind.NOTICE: {"message": "str"},
     Kind.TURN_END: {"reason": "str"},

@@ -42,7 +42,7 @@ def _refusal_for(actor: transcript.Actor | None, session: AgentSession) -> str:
     return lost_refusal(user, session.machine, username=actor["username"] if actor else "")
 
 
-def _turn_author(session_id: int) -> transcript.Actor | None:
+def turn_author(session_id: int) -> transcript.Actor | None:
     """Who sent the message the open turn answers (its last ``message_taken``)."""
     payload = (TranscriptEvent.objects.filter(session_id=session_id, kind=Kind.MESSAGE_TAKEN)
                .order_by("-seq").values_list("payload", flat=True).first())
@@ -52,7 +52,7 @@ def _turn_author(session_id: int) -> transcript.Actor | None:
 def check_turn(step, session: AgentSession) -> None:
     """Before a step asks the model anything: end the turn when its author may no longer
     use the session's machine (an error in words; raises :class:`TurnCutOff`)."""
-    reason = _refusal_for(_turn_author(session.pk), session)
+    reason = _refusal_for(turn_author(session.pk), session)
     if reason:
         step.error(TURN_STOPPED.format(reason=reason))
         step.finish(TurnEnd.ERROR)
@@ -63,7 +63,7 @@ def check_call(step, session: AgentSession, call: dict) -> None:
     """Before a tool call runs: when the turn's author, or whoever allowed this call, may
     no longer use the session's machine, record the call's result as not run, end the turn
     with an error in words and raise :class:`TurnCutOff`."""
-    actors = [_turn_author(session.pk)]
+    actors = [turn_author(session.pk)]
     answer = (TranscriptEvent.objects.filter(session_id=session.pk, kind=Kind.ANSWERED, payload__id=call["id"])
               .order_by("-seq").values_list("payload", flat=True).first())
     if answer is not None:

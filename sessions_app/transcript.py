@@ -318,6 +318,8 @@ class UsagePayload(TypedDict, total=False):
     prompt_per_second: float
     draft_n: int  # speculative decoding: tokens drafted (llama-server's timings)
     draft_n_accepted: int  # … and kept
+    prompt_ms: float  # milliseconds reading the prompt (llama-server's timings)
+    predicted_ms: float  # … and generating the reply
     seed: int
     finish_reason: str | None
     sampling: dict  # the values in force (docs/behaviour.md §17)

@@ -64,6 +64,8 @@ EXPECTED_USAGE = Usage(
     predicted_n=2,
     predicted_per_second=50.0,
     prompt_per_second=1600.0,
+    prompt_ms=12.5,
+    predicted_ms=40.0,
 )
 
 

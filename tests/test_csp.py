@@ -65,6 +65,8 @@ def test_every_kind_of_response_carries_the_policy(alice, charlie_staff, django_
         "admin list": staff.get("/admin/sessions_app/agentsession/"),
         "admin change form": staff.get(f"/admin/sessions_app/agentsession/{session.pk}/change/"),
         "static file": member.get("/static/corral/session.js"),
+        "usage page": member.get("/usage/"),
+        "usage page of everyone": staff.get("/usage/?days=30"),
     }
     for what, response in responses.items():
         assert response.status_code in (200, 302, 403, 404), what

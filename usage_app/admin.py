@@ -1,0 +1,40 @@
+"""Quotas are set here; usage rows are shown, never added or changed (each one is a
+server's report: docs/usage.md)."""
+
+from django.contrib import admin
+
+from .models import Quota, UsageRecord
+from .quota import COUNTED
+
+
+@admin.register(Quota)
+class QuotaAdmin(admin.ModelAdmin):
+    list_display = ("__str__", "user", "group", "tokens_per_day")
+    autocomplete_fields = ("user", "group")
+    fields = ("user", "group", "tokens_per_day")
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        kwargs["help_texts"] = {
+            "user": "One member: their own quota wins over any group's.",
+            "group": "Everyone in the group: a member in several groups gets the largest.",
+            "tokens_per_day": f"Counted per UTC day: {COUNTED}. 0 stops the member's messages altogether.",
+        }
+        return super().get_form(request, obj, change, **kwargs)
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(admin.ModelAdmin):
+    list_display = ("at", "member_name", "machine_name", "model_name", "source", "prompt_tokens", "cached_tokens",
+                    "completion_tokens", "seconds")
+    list_filter = ("source", "machine_name")
+    search_fields = ("member_name", "model_name", "model_key")
+    date_hierarchy = "at"
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
