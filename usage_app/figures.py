@@ -4,6 +4,7 @@ the day plot's bars. Queries in, plain dicts out; the views only choose the rows
 from __future__ import annotations
 
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
 from django.db.models import Count, QuerySet, Sum
 from django.db.models.functions import TruncDate
@@ -59,8 +60,9 @@ def totals(rows: QuerySet[UsageRecord]) -> dict:
 def by_day(rows: QuerySet[UsageRecord], first: date, days: int) -> list[dict]:
     """One entry per UTC day from ``first``, ``days`` of them, days without usage at 0:
     :func:`totals`' figures plus ``"day"`` (a date)."""
-    summed = {
-        row["day"]: row
+    # django-stubs types values().annotate(**_SUMS) rows without the sums: plain dicts here.
+    summed: dict[date, dict[str, Any]] = {
+        row["day"]: dict(row)
         for row in rows.annotate(day=TruncDate("at", tzinfo=UTC)).values("day").annotate(**_SUMS).order_by("day")
     }
     return [{"day": day, **_filled(summed.get(day, {}))}
@@ -99,7 +101,8 @@ def csv_rows(rows: QuerySet[UsageRecord]):
                .values("day", "member_name", "machine_name", "model_name", "model_key", "source")
                .annotate(**_SUMS)
                .order_by("day", "member_name", "machine_name", "model_name", "source"))
-    for row in grouped:
+    for found in grouped:
+        row: dict[str, Any] = dict(found)  # django-stubs does not see the annotated sums
         yield (row["day"].isoformat(), row["member_name"], row["machine_name"], row["model_name"], row["model_key"],
                row["source"], row["replies"], row["prompt"] or 0, row["cached"] or 0, row["completion"] or 0,
                round(row["seconds"] or 0.0, 3))
