@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("project", "machines_app", "sessions_app", "attention_app")
+PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "api_app")
 
 
 def module_name(path: Path) -> str:
