@@ -46,8 +46,10 @@ def _request_finished(user, model_file: ModelFile, usage: dict, seconds: float, 
     """Called once per finished chat completion (streamed or not, ended by the server or
     broken off), with llama-server's reported ``usage`` (``prompt_tokens``,
     ``completion_tokens``, ``total_tokens``; {} when it reported none), its ``timings`` when
-    it sent them, and the request's wall time in seconds from the server being ready. The
-    place where per-member usage is recorded; for now it only logs."""
+    it sent them, and the request's wall time in seconds from the server being ready. A
+    stream whose client did not ask for ``usage`` gets it counted from the ``timings``
+    (:func:`usage_from_timings`). The place where per-member usage is recorded; for now it
+    only logs."""
     log.debug("API request of %s on %s/%s: usage %s, timings %s, %.2f s", user.get_username(),
               model_file.machine.name, model_file.key, usage, timings, seconds)
 
@@ -187,6 +189,22 @@ class Usage:
                 self.timings = payload["timings"]
 
 
+def usage_from_timings(timings: dict | None) -> dict:
+    """OpenAI's ``usage`` counted from llama-server's ``timings`` (which every reply's last
+    frame carries): a stream sends ``usage`` only when the client asked for it
+    (``stream_options.include_usage``), and Corral does not change the request to ask.
+    The prompt is the tokens read from the cache (``cache_n``) and the ones computed
+    (``prompt_n``), as llama-server counts ``prompt_tokens``. {} without timings."""
+    if not timings:
+        return {}
+    try:
+        prompt = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
+        completion = int(timings.get("predicted_n", 0))
+    except (TypeError, ValueError):
+        return {}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _client() -> httpx.AsyncClient:
     timeout = httpx.Timeout(connect=10.0, read=settings.CORRAL_STREAM_IDLE_SECONDS, write=60.0, pool=10.0)
     return httpx.AsyncClient(timeout=timeout, verify=tls_context())
@@ -263,7 +281,8 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
                 timings = answer.get("timings")
             except (ValueError, AttributeError):
                 pass
-        await done(usage if isinstance(usage, dict) else {}, timings if isinstance(timings, dict) else None)
+        timings = timings if isinstance(timings, dict) else None
+        await done((usage if isinstance(usage, dict) else {}) or usage_from_timings(timings), timings)
         if failure is not None:
             why = await sync_to_async(serving.server_went_away)(session_id)
             return _error(ApiError(503, "server_unavailable", why or f"The model's server broke off: {failure}.",
@@ -288,7 +307,7 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
         finally:
             await upstream.aclose()
             await client.aclose()
-            await done(seen.usage, seen.timings)
+            await done(seen.usage or usage_from_timings(seen.timings), seen.timings)
 
     response = StreamingHttpResponse(frames(), status=200, content_type=content_type)
     response["Cache-Control"] = "no-cache"

@@ -16,7 +16,7 @@ from django.test import Client
 
 from api_app import keys, serving
 from api_app.models import ApiKey
-from api_app.views import Usage
+from api_app.views import Usage, usage_from_timings
 from machines_app.models import Machine, ServerRecord
 from sessions_app.models import AgentSession
 
@@ -84,6 +84,9 @@ def test_the_usage_reader_takes_usage_and_timings_from_frames_cut_anywhere():
         seen.feed(stream[cut:])
         assert seen.usage == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
         assert seen.timings == {"predicted_n": 2}
+    assert usage_from_timings({"cache_n": 30, "prompt_n": 1, "predicted_n": 4}) == {
+        "prompt_tokens": 31, "completion_tokens": 4, "total_tokens": 35}
+    assert usage_from_timings(None) == {} and usage_from_timings({"prompt_n": "x"}) == {}
 
 
 # --- refusals, in OpenAI's shape ------------------------------------------------------------------
@@ -193,7 +196,11 @@ def test_replies_stream_or_not_from_one_shared_server(stack, local_machine, alic
     frames = [f for f in body.split(b"\n\n") if f.strip()]
     assert all(f.startswith(b"data: ") for f in frames) and frames[-1] == b"data: [DONE]"
     assert json.loads(frames[0][6:])["object"] == "chat.completion.chunk"
-    assert seen.usage.get("completion_tokens", 0) > 0 and seen.timings
+    # Not asked for, usage is not in the stream (it is passed on as llama-server sent it);
+    # Corral counts it from the timings of the last frame.
+    assert not seen.usage and seen.timings
+    counted = usage_from_timings(seen.timings)
+    assert counted["prompt_tokens"] > 0 and 0 < counted["completion_tokens"] <= 8
     assert ServerRecord.objects.get().pid == first.pid
 
     # Hidden from every page: not in the staff's session list, listed as Corral's own on the machines page.
