@@ -10,6 +10,7 @@ Every refusal is OpenAI's error body, ``{"error": {"message", "type", "param", "
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -205,6 +206,26 @@ def usage_from_timings(timings: dict | None) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+@contextlib.asynccontextmanager
+async def _held(session_id: int):
+    """Keep the request's lease on its server (serving.renew) for as long as the block
+    runs, whether or not the server sends anything meanwhile (a long prompt is read in
+    silence): a task renews it every ``RENEW_SECONDS``."""
+
+    async def renew() -> None:
+        while True:
+            await asyncio.sleep(serving.RENEW_SECONDS)
+            await sync_to_async(serving.renew)(session_id)
+
+    task = asyncio.create_task(renew())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def _client() -> httpx.AsyncClient:
     timeout = httpx.Timeout(connect=10.0, read=settings.CORRAL_STREAM_IDLE_SECONDS, write=60.0, pool=10.0)
     return httpx.AsyncClient(timeout=timeout, verify=tls_context())
@@ -264,7 +285,8 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
     content_type = upstream.headers.get("content-type", "application/json")
     if not stream or upstream.status_code != 200:
         try:
-            content = await upstream.aread()
+            async with _held(session_id):
+                content = await upstream.aread()
         except httpx.HTTPError as exc:
             content = b""
             failure = exc
@@ -291,14 +313,11 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
 
     async def frames() -> AsyncIterator[bytes]:
         seen = Usage()
-        renewed = time.monotonic()
         try:
-            async for chunk in upstream.aiter_raw():
-                seen.feed(chunk)
-                yield chunk
-                if time.monotonic() - renewed > serving.RENEW_SECONDS:
-                    renewed = time.monotonic()
-                    await sync_to_async(serving.renew)(session_id)
+            async with _held(session_id):
+                async for chunk in upstream.aiter_raw():
+                    seen.feed(chunk)
+                    yield chunk
         except httpx.HTTPError as exc:
             why = await sync_to_async(serving.server_went_away)(session_id)
             error = ApiError(503, "server_unavailable", why or f"The model's server broke off the reply: {exc}.",

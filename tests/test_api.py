@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import timedelta
 
 import httpx
 import openai
 import pytest
 from django.contrib.auth.models import Group
 from django.test import Client
+from django.utils import timezone
 
 from api_app import keys, serving
 from api_app.models import ApiKey
 from api_app.views import Usage, usage_from_timings
 from machines_app.models import Machine, ServerRecord
 from sessions_app.models import AgentSession
+from sessions_app.server_state import idle_sessions
 
 from .conftest import model_key
 
@@ -217,8 +220,12 @@ def test_a_sleeping_api_server_is_woken_by_the_next_request(stack, local_machine
     api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     session = AgentSession.objects.get(purpose="api")
     first = ServerRecord.objects.get().pid
-    assert not lifecycle.sleep_server(session.pk), "a server just serving a request is busy for a while"
+    # A server serving a request (its lease held) is neither idle nor put to sleep.
+    AgentSession.objects.filter(pk=session.pk).update(api_busy_until=timezone.now() + timedelta(hours=1))
+    assert session.pk not in idle_sessions(local_machine)
+    assert not lifecycle.sleep_server(session.pk)
     AgentSession.objects.filter(pk=session.pk).update(api_busy_until=None)
+    assert idle_sessions(local_machine) == [session.pk]
     assert lifecycle.sleep_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "sleeping" and not ServerRecord.objects.exists()
     reply = api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
