@@ -144,7 +144,7 @@ def claim(user, model: ModelFile) -> tuple[int, int]:
         AgentSession.objects.filter(pk=current.pk).update(api_busy_until=now + BUSY, last_activity_at=now)
         if current.status in (Status.SLEEPING, Status.STOPPED, Status.EXITED):
             woke = current.status == Status.SLEEPING
-            change_status(current, Status.LOADING, by=by(user), reason="wake" if woke else "")
+            change_status(current, Status.LOADING, by=dict(by(user)), reason="wake" if woke else "")
             dispatch.enqueue_on_commit(dispatch.START_SERVER, current.pk)
         return current.pk, current.last_seq
 

@@ -21,7 +21,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods, require_POST
@@ -226,6 +226,20 @@ async def _held(session_id: int):
             await task
 
 
+def _whole_usage(content: bytes) -> tuple[dict, dict | None]:
+    """``(usage, timings)`` of a whole (unstreamed) answer; usage counted from the timings
+    when the answer has none."""
+    try:
+        answer = json.loads(content)
+    except ValueError:
+        return {}, None
+    if not isinstance(answer, dict):
+        return {}, None
+    usage, timings = answer.get("usage"), answer.get("timings")
+    timings = timings if isinstance(timings, dict) else None
+    return (usage if isinstance(usage, dict) and usage else usage_from_timings(timings)), timings
+
+
 def _client() -> httpx.AsyncClient:
     timeout = httpx.Timeout(connect=10.0, read=settings.CORRAL_STREAM_IDLE_SECONDS, write=60.0, pool=10.0)
     return httpx.AsyncClient(timeout=timeout, verify=tls_context())
@@ -233,7 +247,7 @@ def _client() -> httpx.AsyncClient:
 
 @csrf_exempt
 @login_not_required
-async def chat_completions(request: HttpRequest) -> HttpResponse:
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     """``POST /v1/chat/completions``: the request goes, byte for byte, to the llama-server of
     the model file it names (started on demand, shared by every API request for that file:
     api_app.serving), and its answer comes back unchanged — streamed as llama-server's own
@@ -262,7 +276,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 
 async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, endpoint: Endpoint, *,
-                 stream: bool) -> HttpResponse:
+                 stream: bool) -> HttpResponseBase:
     started = time.monotonic()
     client = _client()
     upstream_request = client.build_request(
@@ -284,27 +298,17 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
                                type="server_error"))
     content_type = upstream.headers.get("content-type", "application/json")
     if not stream or upstream.status_code != 200:
+        failure: httpx.HTTPError | None = None
         try:
             async with _held(session_id):
                 content = await upstream.aread()
         except httpx.HTTPError as exc:
-            content = b""
-            failure = exc
-        else:
-            failure = None
+            content, failure = b"", exc
         finally:
             await upstream.aclose()
             await client.aclose()
-        usage, timings = {}, None
-        if failure is None and upstream.status_code == 200:
-            try:
-                answer = json.loads(content)
-                usage = answer.get("usage") or {}
-                timings = answer.get("timings")
-            except (ValueError, AttributeError):
-                pass
-        timings = timings if isinstance(timings, dict) else None
-        await done((usage if isinstance(usage, dict) else {}) or usage_from_timings(timings), timings)
+        usage, timings = _whole_usage(content) if failure is None and upstream.status_code == 200 else ({}, None)
+        await done(usage, timings)
         if failure is not None:
             why = await sync_to_async(serving.server_went_away)(session_id)
             return _error(ApiError(503, "server_unavailable", why or f"The model's server broke off: {failure}.",
@@ -341,18 +345,21 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
 def api_keys(request: HttpRequest) -> HttpResponse:
     """The member's API keys: name, start of the key, made, last used, revoked; a form to
     make one. A key just made is shown once, on the answer to that POST, and never again."""
+    user = request.user
+    if not user.is_authenticated:  # the login middleware sends them to log in first
+        return redirect("login")
     made, error = None, ""
     if request.method == "POST":
         try:
-            key, token = keys.create_key(request.user, request.POST.get("name", ""))
+            key, token = keys.create_key(user, request.POST.get("name", ""))
         except keys.KeyRefused as exc:
             error = str(exc)
         else:
             made = {"key": key, "token": token}
     response = render(request, "api_app/keys.html", {
-        "keys": ApiKey.objects.filter(user=request.user), "made": made, "error": error,
+        "keys": ApiKey.objects.filter(user=user), "made": made, "error": error,
         "base_url": request.build_absolute_uri("/v1"),
-        "models": [serving.model_id(m.machine.name, m.key) for m in serving.listed_models(request.user)],
+        "models": [serving.model_id(m.machine.name, m.key) for m in serving.listed_models(user)],
     }, status=400 if error else 200)
     if made:
         response["Cache-Control"] = "no-store"  # the key must not stay in a cache

@@ -4,8 +4,8 @@ service worker (docs/attention.md)."""
 from __future__ import annotations
 
 import ipaddress
-import socket
 import json
+import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 

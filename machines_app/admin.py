@@ -10,7 +10,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from sessions_app import dispatch, lifecycle, orphans
-from sessions_app.actions import SessionError, check_system_prompt
+from sessions_app.rules import SessionError, check_system_prompt
 
 from . import actions as machine_actions
 from . import ssh

@@ -201,7 +201,8 @@ def read_model_heads(keys: list[str], read_ranges: ReadRanges) -> dict[str, GGUF
     done: dict[str, GGUFHead | GGUFError | OSError] = {}
     state = {key: (b"", INITIAL_HEAD_BYTES) for key in keys}  # bytes held, bytes to hold
     while state:
-        batch, total = [], 0
+        batch: list[tuple[str, int, int]] = []
+        total = 0
         for key, (data, asked) in state.items():
             want = asked - len(data)
             if batch and total + want > BATCH_BYTES:
@@ -436,6 +437,69 @@ def _memory_shape(head: GGUFHead | None, candidate: _Candidate, vision_dirs: dic
     return shape
 
 
+def _display_names(models: list[_Candidate]) -> dict[str, str]:
+    """Each model's display name by key: the name inside its GGUF file; same-named models
+    are told apart by their file name, and by their whole key when those match too
+    (a.gguf and sub/a.gguf); a file without a name shows its own name."""
+    name_counts: dict[str, int] = {}
+    for candidate in models:
+        name = _clean_name(candidate.head, candidate.fallback_name)
+        if name is not None and candidate.error is None:
+            name_counts[name.casefold()] = name_counts.get(name.casefold(), 0) + 1
+
+    # Same-named models whose file names also match (a.gguf and sub/a.gguf) are told
+    # apart by their whole key, the path under the models directory.
+    basename_counts: dict[tuple[str, str], int] = {}
+    for candidate in models:
+        name = _clean_name(candidate.head, candidate.fallback_name)
+        if name is not None and candidate.error is None:
+            pair = (name.casefold(), posixpath.basename(candidate.key))
+            basename_counts[pair] = basename_counts.get(pair, 0) + 1
+
+    displays: dict[str, str] = {}
+    for candidate in models:
+        basename = posixpath.basename(candidate.key)
+        name = _clean_name(candidate.head, candidate.fallback_name)
+        if name is not None and basename_counts.get((name.casefold(), basename), 0) > 1:
+            basename = candidate.key
+        if candidate.error is not None:
+            display = basename
+        elif name is None:
+            display = candidate.fallback_name
+        elif name_counts[name.casefold()] > 1:
+            display = f"{name} ({basename})"
+        else:
+            display = name
+        displays[candidate.key] = display
+    return displays
+
+
+def _model_info(candidate: _Candidate, display: str, vision_dirs: dict[str, list[str]],
+                sizes: dict[str, int]) -> ModelInfo:
+    """What the picker and the catalogue know of one model, from its candidate file."""
+    head = candidate.head
+    return ModelInfo(
+        key=candidate.key,
+        display_name=display,
+        name=head.name if head else None,
+        architecture=head.architecture if head else None,
+        size_label=head.size_label if head else None,
+        quantization=head.quantization if head else None,
+        context_length=head.context_length if head else None,
+        file_size=candidate.file_size,
+        has_chat_template=head.has_chat_template if head else False,
+        has_mtp=head.has_mtp if head else False,
+        has_vision=candidate.directory in vision_dirs,
+        projector_key=min(vision_dirs[candidate.directory]) if candidate.directory in vision_dirs else None,
+        split_count=candidate.split_count,
+        missing_parts=candidate.missing_parts,
+        error=candidate.error,
+        sampling_defaults=head.sampling_defaults if head else {},
+        special_tokens=head.special_tokens if head else (),
+        memory_shape=_memory_shape(head, candidate, vision_dirs, sizes),
+    )
+
+
 def discover(
     files: list[tuple[str, int]],
     read_head: ReadHead | None = None,
@@ -465,7 +529,9 @@ def discover(
     files = list(files)
     sizes = dict(files)
     candidates, vision_dirs = _group(files)
-    reader = read_ranges or ranges_from(read_head)
+    if read_ranges is None and read_head is None:
+        raise TypeError("discover() needs read_head or read_ranges")
+    reader = read_ranges or ranges_from(read_head)  # type: ignore[arg-type]  # checked just above
     known = known or {}
     wanted = []
     for candidate in candidates:
@@ -477,9 +543,9 @@ def discover(
             wanted.append(candidate.key)
     fresh = read_model_heads(wanted, reader)
     if read is not None:
-        for key, head in fresh.items():
-            if isinstance(head, GGUFHead):
-                read(key, head)
+        for key, found in fresh.items():
+            if isinstance(found, GGUFHead):
+                read(key, found)
     heads: dict[str, GGUFHead | GGUFError | OSError] = {**known, **fresh}
     for candidate in candidates:
         _load(candidate, heads.get(candidate.key))
@@ -491,57 +557,7 @@ def discover(
         else:
             models.append(candidate)
 
-    name_counts: dict[str, int] = {}
-    for candidate in models:
-        name = _clean_name(candidate.head, candidate.fallback_name)
-        if name is not None and candidate.error is None:
-            name_counts[name.casefold()] = name_counts.get(name.casefold(), 0) + 1
-
-    # Same-named models whose file names also match (a.gguf and sub/a.gguf) are told
-    # apart by their whole key, the path under the models directory.
-    basename_counts: dict[tuple[str, str], int] = {}
-    for candidate in models:
-        name = _clean_name(candidate.head, candidate.fallback_name)
-        if name is not None and candidate.error is None:
-            pair = (name.casefold(), posixpath.basename(candidate.key))
-            basename_counts[pair] = basename_counts.get(pair, 0) + 1
-
-    result: list[ModelInfo] = []
-    for candidate in models:
-        head = candidate.head
-        basename = posixpath.basename(candidate.key)
-        name = _clean_name(head, candidate.fallback_name)
-        if name is not None and basename_counts.get((name.casefold(), basename), 0) > 1:
-            basename = candidate.key
-        if candidate.error is not None:
-            display = basename
-        elif name is None:
-            display = candidate.fallback_name
-        elif name_counts[name.casefold()] > 1:
-            display = f"{name} ({basename})"
-        else:
-            display = name
-        result.append(
-            ModelInfo(
-                key=candidate.key,
-                display_name=display,
-                name=head.name if head else None,
-                architecture=head.architecture if head else None,
-                size_label=head.size_label if head else None,
-                quantization=head.quantization if head else None,
-                context_length=head.context_length if head else None,
-                file_size=candidate.file_size,
-                has_chat_template=head.has_chat_template if head else False,
-                has_mtp=head.has_mtp if head else False,
-                has_vision=candidate.directory in vision_dirs,
-                projector_key=min(vision_dirs[candidate.directory]) if candidate.directory in vision_dirs else None,
-                split_count=candidate.split_count,
-                missing_parts=candidate.missing_parts,
-                error=candidate.error,
-                sampling_defaults=head.sampling_defaults if head else {},
-                special_tokens=head.special_tokens if head else (),
-                memory_shape=_memory_shape(head, candidate, vision_dirs, sizes),
-            )
-        )
+    displays = _display_names(models)
+    result = [_model_info(candidate, displays[candidate.key], vision_dirs, sizes) for candidate in models]
     result.sort(key=lambda m: (m.display_name.casefold(), m.key))
     return result

@@ -414,7 +414,7 @@ def parse_head(data: bytes | bytearray | memoryview) -> GGUFHead:
         if key in metadata:
             raise GGUFError(f"not a GGUF file or damaged: duplicate metadata key {key!r}")
         metadata[key] = value
-    specials = ()
+    specials: tuple[str, ...] = ()
     if _TOKENS in vocabulary and _TOKEN_TYPES in vocabulary:
         types = _array_ints(cur.data, *vocabulary[_TOKEN_TYPES])
         # Only the tokens of a type that can be special are decoded: a vocabulary has

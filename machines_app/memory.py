@@ -61,7 +61,7 @@ def _int(head: GGUFHead, key: str) -> int | None:
     if isinstance(value, int):
         return value
     if isinstance(value, tuple) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return max(value)  # a per-layer array (some files): the largest layer bounds the cache
+        return int(max(value))  # a per-layer array (some files): the largest layer bounds the cache
     return None
 
 

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import paramiko
 from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
@@ -173,7 +174,7 @@ class _RefuseUnknown(paramiko.RejectPolicy):
     """paramiko's RejectPolicy, raising a typed error that carries the offered key, so
     the admin sees its fingerprint. Never adds the key anywhere."""
 
-    def missing_host_key(self, client, hostname, key):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> NoReturn:
         raise HostKeyUnknown(hostname, key)
 
 
@@ -311,24 +312,33 @@ class SftpCounts:
     in_flight: int = 0
 
 
+# PRIVATE_SFTP: pipelined reads (many SFTP requests in flight over one round trip, see
+# :meth:`Link.read_ranges`) need paramiko's own request and answer hooks — ``_async_request``,
+# ``_read_response``, ``_convert_status``, ``_adjust_cwd``, ``SFTPAttributes._from_msg`` —
+# which paramiko's public API does not offer (its ``readv`` pipelines one file only).
+# requirements.txt therefore keeps paramiko below its next major version, and the SSH
+# tests against a real OpenSSH server (tests/test_ssh*.py, bench/discovery_ssh.py) run
+# every one of these paths.
 class _SFTP(paramiko.SFTPClient):
     """paramiko's SFTP client, counting into :class:`SftpCounts` (every request passes
     through ``_async_request``, every answer through ``_read_packet``)."""
 
     def __init__(self, channel: paramiko.Channel, counts: SftpCounts) -> None:
         self.counts = counts
+        self.link_channel = channel  # get_channel(), typed as never None
         super().__init__(channel)
 
-    def _async_request(self, fileobj, t, *args):
+    def _async_request(self, fileobj: object, t: int, *args: object) -> int:
         counts = self.counts
         counts.requests += 1
         if counts.in_flight == 0:
             counts.round_trips += 1
         counts.in_flight += 1
-        return super()._async_request(fileobj, t, *args)
+        request_id: int = super()._async_request(fileobj, t, *args)  # type: ignore[misc]  # PRIVATE_SFTP
+        return request_id
 
-    def _read_packet(self):
-        packet = super()._read_packet()
+    def _read_packet(self) -> tuple[int, bytes]:
+        packet: tuple[int, bytes] = super()._read_packet()  # type: ignore[misc]  # PRIVATE_SFTP
         self.counts.in_flight = max(self.counts.in_flight - 1, 0)
         return packet
 
@@ -337,7 +347,7 @@ def _expect(sftp: paramiko.SFTPClient, t: int, msg: paramiko.Message, wanted: in
     """Raise the OSError (EOFError at the end of a file) an SFTP status answer carries, or
     SFTPError for an answer of the wrong kind."""
     if t == CMD_STATUS:
-        sftp._convert_status(msg)  # raises for anything but OK
+        sftp._convert_status(msg)  # type: ignore[attr-defined]  # paramiko's private SFTP hooks: see PRIVATE_SFTP (raises for anything but OK)
     if t != wanted:
         raise paramiko.SFTPError(f"unexpected SFTP answer {t} (wanted {wanted})")
 
@@ -365,9 +375,9 @@ class _Pipe:
         while self.queue or self.waiting:
             while self.queue and len(self.waiting) < PIPELINE_REQUESTS:
                 t, args, took = self.queue.popleft()
-                self.waiting[self.sftp._async_request(self, t, *args)] = took
+                self.waiting[self.sftp._async_request(self, t, *args)] = took  # type: ignore[attr-defined]  # paramiko's private SFTP hooks: see PRIVATE_SFTP
             if self.waiting:
-                self.sftp._read_response()
+                self.sftp._read_response()  # type: ignore[attr-defined]  # paramiko's private SFTP hooks: see PRIVATE_SFTP
 
 
 class _RangeRead:
@@ -384,7 +394,7 @@ class _RangeRead:
 
     def open(self) -> None:
         sftp = self.pipe.sftp
-        self.pipe.send(CMD_OPEN, (sftp._adjust_cwd(self.path), SFTP_FLAG_READ, paramiko.SFTPAttributes()), self._opened)
+        self.pipe.send(CMD_OPEN, (sftp._adjust_cwd(self.path), SFTP_FLAG_READ, paramiko.SFTPAttributes()), self._opened)  # type: ignore[attr-defined]  # paramiko's private SFTP hooks: see PRIVATE_SFTP
 
     def _opened(self, t: int, msg: paramiko.Message) -> None:
         try:
@@ -488,9 +498,11 @@ class Link:
                 raise _Dropped(f"cannot reach {target.entry}: {reason}") from None
             raise LinkError(f"cannot reach {target.entry}: {reason}") from None
         self.client = client
-        self.transport: paramiko.Transport = client.get_transport()
+        transport = client.get_transport()
+        assert transport is not None  # connect() returned: the transport is there
+        self.transport: paramiko.Transport = transport
         self._home: str | None = None
-        self._sftp: paramiko.SFTPClient | None = None
+        self._sftp: _SFTP | None = None
         self._sftp_lock = threading.RLock()
         self._sessions = _Sessions(target.entry)
         self.sftp_counts = SftpCounts()
@@ -513,19 +525,19 @@ class Link:
         while self.active:
             time.sleep(HEARTBEAT_INTERVAL)
             answered = threading.Event()
-
-            def ask() -> None:
-                try:
-                    self.transport.global_request("keepalive@openssh.com", wait=True)
-                except Exception:  # noqa: BLE001 - a closed transport; the loop below sees it
-                    pass
-                answered.set()
-
-            threading.Thread(target=ask, daemon=True).start()
+            threading.Thread(target=self._ask_keepalive, args=(answered,), daemon=True).start()
             if not answered.wait(DEAD_AFTER) and self.active:
                 log.warning("ssh %s: no answer for %s s; closing the connection", self.target.entry, DEAD_AFTER)
                 self.close()
                 return
+
+    def _ask_keepalive(self, answered: threading.Event) -> None:
+        """One ``keepalive@openssh.com`` request; ``answered`` is set when it returns."""
+        try:
+            self.transport.global_request("keepalive@openssh.com", wait=True)
+        except Exception:  # noqa: BLE001 - a closed transport; the beat loop sees it
+            pass
+        answered.set()
 
     def lost(self, exc: BaseException | None = None) -> LinkError:
         """Close this link (it is no longer trusted) and say so in the machine's terms."""
@@ -647,9 +659,9 @@ class Link:
         (FileNotFoundError, PermissionError, OSError); a timeout or a broken link as
         LinkError, and the link is closed."""
         with self._sftp_lock:
-            if self._sftp is None or self._sftp.get_channel().closed:
+            if self._sftp is None or self._sftp.link_channel.closed:
                 if self._sftp is not None:
-                    self._sessions.release(self._sftp.get_channel())  # the closed one's room
+                    self._sessions.release(self._sftp.link_channel)  # the closed one's room
                     self._sftp = None
                 # A session like any command's (MaxSessions), with a window wide enough
                 # for pipelined reads across a slow link.
@@ -660,7 +672,7 @@ class Link:
                 except (paramiko.SSHException, OSError, EOFError) as exc:
                     self._closed(channel)
                     raise self.lost(exc) from None
-                self._sftp.get_channel().settimeout(IO_TIMEOUT)
+                self._sftp.link_channel.settimeout(IO_TIMEOUT)
             try:
                 yield self._sftp
             except TimeoutError:
@@ -696,11 +708,11 @@ class Link:
                 def took(t: int, msg: paramiko.Message, index: int = index) -> None:
                     try:
                         _expect(sftp, t, msg, CMD_ATTRS)
-                        results[index] = paramiko.SFTPAttributes._from_msg(msg)
+                        results[index] = paramiko.SFTPAttributes._from_msg(msg)  # type: ignore[attr-defined]  # paramiko's private SFTP hooks: see PRIVATE_SFTP
                     except OSError as exc:
                         results[index] = exc
 
-                pipe.send(CMD_STAT, (sftp._adjust_cwd(path),), took)
+                pipe.send(CMD_STAT, (sftp._adjust_cwd(path),), took)  # type: ignore[attr-defined]  # paramiko's private SFTP hooks: see PRIVATE_SFTP
             pipe.run()
         return results
 
@@ -882,7 +894,8 @@ def _pump(conn: socket.socket, channel: paramiko.Channel, link: Link) -> None:
     """Copy bytes both ways until either side closes or the link dies (checked every
     second, so a dead link never leaves this thread blocked)."""
     while link.active and not channel.closed:
-        readable, _, _ = select.select([conn, channel], [], [], 1.0)
+        waitables: list[Any] = [conn, channel]  # a socket and a paramiko Channel (it has fileno())
+        readable, _, _ = select.select(waitables, [], [], 1.0)
         try:
             if conn in readable:
                 data = conn.recv(65536)

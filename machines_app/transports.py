@@ -303,7 +303,7 @@ class Transport(ABC):
         """A directory on that machine, readable by its owner only, where Corral keeps a
         session's server log and key file (created on first use)."""
 
-    def release_port(self, port: int) -> None:
+    def release_port(self, port: int) -> None:  # noqa: B027 - a hook: most transports hold nothing per port
         """This backend no longer needs to reach ``port`` (its server was stopped)."""
 
     def run_command(

@@ -10,8 +10,8 @@ from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.core.exceptions import PermissionDenied, RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.http import HttpRequest, HttpResponse
 
-from sessions_app.actions import MAX_MESSAGE_CHARS
 from sessions_app.images import megabytes
+from sessions_app.rules import MAX_MESSAGE_CHARS
 from sessions_app.views import permission_denied
 
 

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import re
-import unicodedata
 
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
@@ -23,9 +22,9 @@ from machines_app.models import ServerRecord
 
 from . import dispatch, images, room, transcript, turns
 from .events import append, change_status, load_events, load_kinds, load_queue_events, locked, record_event
-from .lifecycle import start_live
 from .models import Access, AgentSession, TranscriptEvent
-from .rules import MAX_MESSAGE_CHARS  # its old home was here: callers still read actions.MAX_MESSAGE_CHARS
+from .rules import SessionError, check_message, check_title
+from .server_state import start_live
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -33,10 +32,6 @@ Status = AgentSession.Status
 
 #: What a message to a session without a server is told (docs/behaviour.md §4).
 SERVER_DOWN_SENTENCE = "llama-server is not running in this session: restart it to send messages."
-
-
-class SessionError(Exception):
-    """An action refused, with the reason in the user's terms."""
 
 
 class NotAllowed(PermissionDenied):
@@ -128,7 +123,7 @@ def do_restart(session: AgentSession, user) -> None:
     """Start the session's server again: after it exited (docs/behaviour.md §4: exited but
     restartable), or to apply changed server parameters. Refused mid-turn, and while a
     start is under way — but a ``loading`` session whose start was lost (no live start
-    claim: ``lifecycle.start_live``) may be restarted."""
+    claim: ``server_state.start_live``) may be restarted."""
     refusal = machine_refusal(user, session.machine)
     if refusal:
         raise SessionError(refusal)
@@ -228,86 +223,6 @@ def do_stop(session: AgentSession, user) -> None:
 
 # --- messages, interrupt and questions: the turn's rules live in sessions_app/turns.py ---------
 
-
-
-# Tab, newline and carriage return are text; every other control character (C0, DEL,
-# C1) is not something a person types, and PostgreSQL's jsonb cannot store NUL at all.
-_TEXT_CONTROLS = {"\t", "\n", "\r"}
-
-
-def _refuse_controls(text: str, what: str) -> None:
-    for index, char in enumerate(text):
-        if unicodedata.category(char) == "Cc" and char not in _TEXT_CONTROLS:
-            raise SessionError(
-                f"{what} contains a control character (U+{ord(char):04X} at character {index + 1:,}), "
-                "which cannot be sent; remove it and send again."
-            )
-
-
-#: The longest title a session may have (the column's length).
-MAX_TITLE_CHARS = 200
-
-
-def check_title(title: str) -> str:
-    """A session's title as stored, whichever way it comes (the new-session form, the
-    settings form, Rename, the admin): one line, as a heading and a tab title show it (runs
-    of white space, line breaks included, become one space); '' = "Session <id>". Raises
-    SessionError for a control character or more than :data:`MAX_TITLE_CHARS` characters."""
-    title = " ".join(title.split())
-    _refuse_controls(title, "The title")
-    if len(title) > MAX_TITLE_CHARS:
-        raise SessionError(f"A title can be at most {MAX_TITLE_CHARS} characters long; this one has {len(title)}.")
-    return title
-
-
-def check_system_prompt(text: str) -> str:
-    """A session's system prompt as stored: without surrounding white space ('' = the
-    model file's or the deployment's default, docs/behaviour.md §17). Raises SessionError
-    for a control character, as for a message."""
-    text = text.strip()
-    _refuse_controls(text, "The system prompt")
-    return text
-
-
-#: Characters that show nothing and are not white space to str.strip: the Hangul fillers
-#: and the braille blank; Unicode format characters (category Cf: U+200B, U+200D, U+2060,
-#: U+FEFF…) are found by their category.
-_BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
-
-
-def _invisible(char: str) -> bool:
-    return char.isspace() or char in _BLANK_LETTERS or unicodedata.category(char) == "Cf"
-
-
-def check_message(text: str, *, with_images: bool = False) -> str:
-    """The message as it will be sent: ``text`` without surrounding white space.
-
-    Raises SessionError with one sentence per reason: nothing typed (and no image
-    attached: ``with_images`` lets the text be empty), longer than
-    MAX_MESSAGE_CHARS characters, a control character (NUL and the like; tab and new
-    lines are fine), only invisible characters (zero-width spaces and the like), or a slash command (not supported for llama.cpp sessions).
-    """
-    text = text.strip()
-    if not text:
-        if with_images:
-            return ""
-        raise SessionError("Type a message first.")
-    if all(_invisible(char) for char in text):
-        # Zero-width spaces, joiners, a byte-order mark: nothing a person can read, yet
-        # tokens the model would answer, as if something had been asked.
-        if with_images:
-            return ""
-        raise SessionError("This message holds only invisible characters (zero-width spaces or the like): "
-                           "type something to send.")
-    if len(text) > MAX_MESSAGE_CHARS:
-        raise SessionError(
-            f"This message is {len(text):,} characters long; a message can be at most {MAX_MESSAGE_CHARS:,}."
-        )
-    _refuse_controls(text, "This message")
-    if text.startswith("/"):
-        command = text.split()[0]
-        raise SessionError(f"{command}: compact and slash commands are not supported for llama.cpp sessions.")
-    return text
 
 
 def check_images(session: AgentSession, uploads: list[images.Upload]) -> list[transcript.ImageRef]:

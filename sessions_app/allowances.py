@@ -175,8 +175,8 @@ def _in_folder(path: str, folder: str) -> bool:
 def definition_parts(entry: Mapping[str, Any]) -> dict[str, Any]:
     """What an MCP tool's allowance is bound to, from its catalogue entry
     (``ToolEntry.as_payload``): ``{"description", "input_schema", "annotations"}``."""
-    definition = entry.get("definition") if isinstance(entry.get("definition"), Mapping) else {}
-    function = definition.get("function") if isinstance(definition.get("function"), Mapping) else {}
+    definition = found if isinstance(found := entry.get("definition"), Mapping) else {}
+    function = found if isinstance(found := definition.get("function"), Mapping) else {}
     annotations = entry.get("annotations")
     return {
         "description": function.get("description") or "",

@@ -28,7 +28,7 @@ from markdown_it import MarkdownIt
 
 from . import callcard
 from .allowances import label as allowance_label
-from .transcript import Event, EventLike, InvalidEvent, Kind, actor, check_payload, image_refs
+from .transcript import Event, EventLike, ImageRef, InvalidEvent, Kind, actor, check_payload, image_refs
 
 __all__ = ["read_export", "read_jsonl", "to_jsonl", "to_markdown"]
 
@@ -44,7 +44,7 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 #: ``image_data(ref)`` → the stored bytes of an image reference, or None when they are gone.
-ImageData = Callable[[dict], "bytes | None"]
+ImageData = Callable[[ImageRef], "bytes | None"]
 
 
 def to_jsonl(events: Iterable[EventLike], *, image_data: ImageData | None = None) -> Iterator[str]:
@@ -56,7 +56,7 @@ def to_jsonl(events: Iterable[EventLike], *, image_data: ImageData | None = None
     one line each: ``{"image": {"sha256", "media_type", "size", "data": base64}}`` (an
     image whose file is gone is left out), so an import can attach them again
     (:func:`read_export`)."""
-    refs: dict[str, dict] = {}
+    refs: dict[str, ImageRef] = {}
     for event in events:
         line = {"seq": event.seq, "kind": event.kind, "payload": event.payload, "created_at": _created_at(event)}
         yield json.dumps(line, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
@@ -305,12 +305,61 @@ def _again(payload: dict, taken: dict[int, dict]) -> str:
     """The line above a message sent again (Regenerate, Edit): which message it replaced,
     so a reader can tell which reply the model no longer saw."""
     how = "Edited and sent again" if payload.get("edited") else "Sent again (Regenerate)"
-    replaced = taken.get(payload.get("replaces")) if isinstance(payload.get("replaces"), int) else None
+    replaced = taken.get(replaces) if isinstance(replaces := payload.get("replaces"), int) else None
     if replaced is None:
         return f"*{how}: the model no longer saw the message it replaces, its reply or anything after it.*"
     said = _plain(_excerpt(str(replaced.get("text") or ""))) or "a message with no text"
     return (f"*{how} in place of {_who(replaced, 'User')}'s message “{said}”: the model no longer saw that "
             "message, its reply or anything after it.*")
+
+
+def _markdown_block(kind: str, payload: dict, calls: dict[str, dict], taken: dict[int, dict],
+                    image_url: ImageLink | None) -> str | None:
+    """The Markdown of one event of a kind :func:`to_markdown` writes as a block of its own
+    (a message, a tool call or its output, an answer, an error, a note…), or None.
+    ``calls``: tool_start payloads by call id; ``taken``: message_taken payloads by seq."""
+    if kind == Kind.MESSAGE_TAKEN:
+        text = str(payload.get("text") or "")
+        refs = _image_refs(payload.get("images"), image_url)
+        body = "\n\n".join([_contained(text), *refs]) if refs else _contained(text)
+        again = f"{_again(payload, taken)}\n\n" if payload.get("replaces") is not None else ""
+        return f"{again}**{_who(payload, 'User')}:**\n\n{body}"
+    if kind == Kind.TOOL_START:
+        name = payload.get("display_name") or payload.get("tool") or "?"
+        return f"**Tool call** {_code(payload.get('tool', ''))} ({_plain(name)}):\n\n{_card(payload)}"
+    if kind == Kind.TOOL_END:
+        call = calls.get(str(payload.get("id")), {})
+        outcome = "output" if payload.get("ok", True) else "failed"
+        return (f"**Tool {outcome}** {_code(call.get('tool', payload.get('id', '')))}:\n\n"
+                f"{_fence(str(payload.get('output') or ''))}")
+    if kind == Kind.ANSWERED:
+        scope = payload.get("scope")
+        covers = f" ({_plain(allowance_label(payload.get('tool') or '', scope))})" if isinstance(scope, dict) else ""
+        return (f"*{_who(payload, 'Corral')} answered {_plain(payload.get('answer', ''))}{covers} for "
+                f"{_code(payload.get('tool') or '')}.*")
+    if kind == Kind.ALLOWANCE_REVOKED:
+        scope = found if isinstance(found := payload.get("scope"), dict) else {}
+        return (f"*{_who(payload, 'Someone')} revoked the allowance for "
+                f"{_plain(allowance_label(payload.get('tool') or '', scope))}.*")
+    if kind == Kind.ERROR:
+        return _quoted("Error", payload.get("message", ""))
+    if kind == Kind.NOTICE:
+        return _quoted("Note", payload.get("message", ""))
+    if kind == Kind.USAGE:
+        line = _usage_line(payload)
+        return f"*{line}*" if line else None
+    if kind == Kind.CLEARED:
+        return f"---\n\n*Conversation cleared by {_who(payload, 'someone')}; the model saw nothing above.*"
+    if kind == Kind.SERVER_READY:
+        return f"*llama-server ready with {_plain(payload.get('model', ''))}.*"
+    if kind == Kind.IMPORTED:
+        return f"---\n\n*{_plain(imported_text(payload))}*"
+    if kind == Kind.VERSION_CHOSEN:
+        chosen = taken.get(chosen_seq) if isinstance(chosen_seq := payload.get("seq"), int) else None
+        said = _plain(_excerpt(str((chosen or {}).get("text") or ""))) or "an earlier message"
+        return (f"*{_who(payload, 'Someone')} went back to the version “{said}”: from here the model sees "
+                "that message and its reply again, and not the versions sent after it.*")
+    return None
 
 
 def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: ImageLink | None = None) -> str:
@@ -376,45 +425,9 @@ def to_markdown(events: Iterable[EventLike], *, title: str = "", image_url: Imag
         reply_last = False
         if kind == Kind.MESSAGE_TAKEN:
             taken[event.seq] = payload
-            text = str(payload.get("text") or "")
-            refs = _image_refs(payload.get("images"), image_url)
-            body = "\n\n".join([_contained(text), *refs]) if refs else _contained(text)
-            again = f"{_again(payload, taken)}\n\n" if payload.get("replaces") is not None else ""
-            out.append(f"{again}**{_who(payload, 'User')}:**\n\n{body}")
         elif kind == Kind.TOOL_START:
             calls[str(payload.get("id"))] = payload
-            name = payload.get("display_name") or payload.get("tool") or "?"
-            out.append(f"**Tool call** {_code(payload.get('tool', ''))} ({_plain(name)}):\n\n{_card(payload)}")
-        elif kind == Kind.TOOL_END:
-            call = calls.get(str(payload.get("id")), {})
-            outcome = "output" if payload.get("ok", True) else "failed"
-            out.append(f"**Tool {outcome}** {_code(call.get('tool', payload.get('id', '')))}:\n\n"
-                       f"{_fence(str(payload.get('output') or ''))}")
-        elif kind == Kind.ANSWERED:
-            scope = payload.get("scope")
-            covers = f" ({_plain(allowance_label(payload.get('tool') or '', scope))})" if isinstance(scope, dict) else ""
-            out.append(f"*{_who(payload, 'Corral')} answered {_plain(payload.get('answer', ''))}{covers} for "
-                       f"{_code(payload.get('tool') or '')}.*")
-        elif kind == Kind.ALLOWANCE_REVOKED:
-            scope = payload.get("scope") if isinstance(payload.get("scope"), dict) else {}
-            out.append(f"*{_who(payload, 'Someone')} revoked the allowance for "
-                       f"{_plain(allowance_label(payload.get('tool') or '', scope))}.*")
-        elif kind == Kind.ERROR:
-            out.append(_quoted("Error", payload.get("message", "")))
-        elif kind == Kind.NOTICE:
-            out.append(_quoted("Note", payload.get("message", "")))
-        elif kind == Kind.USAGE and (line := _usage_line(payload)):
-            out.append(f"*{line}*")
-        elif kind == Kind.CLEARED:
-            out.append(f"---\n\n*Conversation cleared by {_who(payload, 'someone')}; the model saw nothing above.*")
-        elif kind == Kind.SERVER_READY:
-            out.append(f"*llama-server ready with {_plain(payload.get('model', ''))}.*")
-        elif kind == Kind.IMPORTED:
-            out.append(f"---\n\n*{_plain(imported_text(payload))}*")
-        elif kind == Kind.VERSION_CHOSEN:
-            chosen = taken.get(payload.get("seq")) if isinstance(payload.get("seq"), int) else None
-            said = _plain(_excerpt(str((chosen or {}).get("text") or ""))) or "an earlier message"
-            out.append(f"*{_who(payload, 'Someone')} went back to the version “{said}”: from here the model sees "
-                       "that message and its reply again, and not the versions sent after it.*")
+        if (block := _markdown_block(kind, payload, calls, taken, image_url)) is not None:
+            out.append(block)
     close_run()
     return "\n\n".join(out) + "\n"

@@ -13,8 +13,9 @@ from machines_app.transports import TransportError
 from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
 from . import room
-from .actions import SessionError, check_message, check_permission_mode, check_system_prompt, check_title, may_bypass
+from .actions import check_permission_mode, may_bypass
 from .models import AgentSession, DeploymentSettings
+from .rules import SessionError, check_message, check_system_prompt, check_title
 
 
 class NewSessionForm(forms.Form):
@@ -224,7 +225,7 @@ class MachineChoiceForm(forms.Form):
 
 
 class MessageForm(forms.Form):
-    """A message to the model; :func:`sessions_app.actions.check_message` owns what may be
+    """A message to the model; :func:`sessions_app.rules.check_message` owns what may be
     sent and says why not (a plain Field, so Django's own NUL message never speaks first)."""
 
     text = forms.Field(widget=forms.Textarea(attrs={"rows": 3}), required=False)

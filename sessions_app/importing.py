@@ -38,7 +38,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints, is_typeddic
 
 from django.db import transaction
 
-from . import actions, images, transcript
+from . import actions, images, rules, transcript
 from .events import append, locked
 from .export import read_export
 from .models import AgentSession
@@ -183,7 +183,7 @@ def _check_shape(kind: str, payload: Mapping[str, Any]) -> str | None:
                 return "question's offers must each carry a scope object"
     if kind in (Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED):
         text = payload.get("text") or ""
-        if len(text) > actions.MAX_MESSAGE_CHARS:
+        if len(text) > rules.MAX_MESSAGE_CHARS:
             return f"a message of {len(text):,} characters is longer than a person may send"
         if _MESSAGE_CONTROLS.search(text):
             return "a message holds a control character a person cannot send"
@@ -399,7 +399,7 @@ def do_import(owner, data: bytes, **create: Any) -> AgentSession:
     if not create.get("title"):
         titles = [e.payload["title"] for e in events if e.kind == Kind.SETTINGS and isinstance(e.payload.get("title"), str)]
         try:
-            create["title"] = actions.check_title(titles[-1]) if titles and titles[-1].strip() else ""
+            create["title"] = rules.check_title(titles[-1]) if titles and titles[-1].strip() else ""
         except actions.SessionError:
             create["title"] = ""
     with transaction.atomic():

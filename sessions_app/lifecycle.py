@@ -62,7 +62,7 @@ from machines_app.transports import (
 from . import dispatch, orphans, presenters, room, tools, turns
 from .events import append, change_status, locked, record_error, record_event, set_status
 from .models import AgentSession, McpServer
-from .server_state import idle_sessions, start_live  # noqa: F401 — callers still ask lifecycle.start_live
+from .server_state import idle_sessions
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status

@@ -29,7 +29,7 @@ This module must not import Django; a template filter wraps it elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import nh3
@@ -181,7 +181,7 @@ def _image_as_text(
     return escapeHtml(alt)
 
 
-def _fixed_tag(html: str):
+def _fixed_tag(html: str) -> Callable[..., str]:
     """A markdown-it render rule that always writes ``html``."""
 
     def rule(self: RendererProtocol, tokens: Sequence[Token], idx: int, options: OptionsDict, env: EnvType) -> str:

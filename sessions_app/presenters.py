@@ -12,8 +12,9 @@ fragments as plain text; when it closes it is replaced by its rendered Markdown.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
 
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -41,6 +42,58 @@ TOOL_KINDS = frozenset({Kind.TOOL_START, Kind.TOOL_RUNNING, Kind.TOOL_END, Kind.
 VERSION_KINDS = (Kind.MESSAGE_TAKEN, Kind.VERSION_CHOSEN, Kind.CLEARED)
 #: The kinds :func:`transcript.allowances` folds: the list of allowances follows them.
 ALLOWANCE_KINDS = (Kind.ANSWERED, Kind.ALLOWANCE_REVOKED)
+
+
+
+# --- live operations: what :class:`TranscriptView` sends a page (static/session.js applies them)
+
+
+class AppendOp(TypedDict):
+    op: Literal["append"]
+    target: str  # the dom id of the container
+    html: str
+
+
+class TextOp(TypedDict):
+    op: Literal["text"]  # more text for an open reply block
+    id: str
+    text: str
+
+
+class ReplaceOp(TypedDict):
+    op: Literal["replace"]
+    id: str
+    html: str
+
+
+class RemoveOp(TypedDict):
+    op: Literal["remove"]
+    id: str
+
+
+class StatusOp(TypedDict):
+    op: Literal["status"]
+    status: str
+    html: str
+
+
+class ValueOp(TypedDict):
+    op: Literal["value"]  # a control that follows a setting changed elsewhere
+    id: str
+    value: str
+
+
+class ExchangeOp(TypedDict):
+    op: Literal["exchange"]  # every item of one exchange shown or hidden (versions)
+    seq: int
+    hidden: bool
+
+
+class ReloadOp(TypedDict):
+    op: Literal["reload"]  # the viewer's rights changed: the page reloads
+
+
+LiveOp = AppendOp | TextOp | ReplaceOp | RemoveOp | StatusOp | ValueOp | ExchangeOp | ReloadOp
 
 
 @dataclass(frozen=True)
@@ -599,13 +652,11 @@ class TranscriptView:
     page(events) for every k).
 
     One per websocket connection, or one per first paint. :meth:`prime` feeds events
-    the page already has, without operations. Operations (JSON-able dicts):
-    ``{"op": "append", "target": id, "html": …}``, ``{"op": "text", "id": id, "text": …}``,
-    ``{"op": "replace", "id": id, "html": …}``, ``{"op": "remove", "id": id}``,
-    ``{"op": "status", "status": …, "html": …}``, ``{"op": "value", "id": id, "value": …}``
-    (a control that follows a setting changed elsewhere), ``{"op": "reload"}`` (added by
-    the consumer when the viewer's rights changed). Buttons are rendered for ``viewer``,
-    the same on first paint and live. The queue (``#queue``), the status badge, the tool
+    the page already has, without operations. Operations are :data:`LiveOp` (JSON-able
+    dicts: append, text, replace, remove, status, value, exchange; ``reload`` is added by
+    the consumer when the viewer's rights changed); each kind of event has its handler in
+    ``_HANDLERS``, every other kind is an item of its own. Buttons are rendered for
+    ``viewer``, the same on first paint and live. The queue (``#queue``), the status badge, the tool
     list and the header are drawn from the session on first paint; only their live
     operations come from here.
 
@@ -678,7 +729,7 @@ class TranscriptView:
         return {"seq": seq, "session_id": self.session_id, "can_act": self.viewer.can_act,
                 **(self.versions.pager(seq) or {})}
 
-    def _version_ops(self, change: tuple[int, int] | None, render: bool) -> list[dict]:
+    def _version_ops(self, change: tuple[int, int] | None, render: bool) -> list[LiveOp]:
         if change is None or not render:
             return []
         hidden, shown = change
@@ -705,7 +756,7 @@ class TranscriptView:
             return True
         return False
 
-    def _show(self, item: dict | Block, ops: list[dict], render: bool, *, known: bool | None = None) -> None:
+    def _show(self, item: dict | Block, ops: list[LiveOp], render: bool, *, known: bool | None = None) -> None:
         """Put ``item`` on the page: a new one at the end, a known one in its place.
         ``known`` overrides what the view saw (a page primed after the item appeared)."""
         dom_id = item.dom_id if isinstance(item, Block) else item["dom_id"]
@@ -720,107 +771,127 @@ class TranscriptView:
             else:
                 ops.append({"op": "append", "target": "transcript", "html": html})
 
-    def _close(self, ops: list[dict], render: bool) -> None:
+    def _close(self, ops: list[LiveOp], render: bool) -> None:
         if self.block is None:
             return
         self.block.open = False
         self._show(self.block, ops, render)
         self.block = None
 
-    def feed(self, event, *, render: bool = True) -> list[dict]:
+    def feed(self, event, *, render: bool = True) -> list[LiveOp]:
         ops = self._feed(event, render)
         if self._follow_context(event.kind, event.payload) and render:
             ops.append({"op": "replace", "id": "context-gauge", "html": render_gauge(self.gauge())})
         return ops
 
-    def _allowances_op(self, event) -> dict:
+    def _allowances_op(self, event) -> ReplaceOp:
         events = (self.allowance_events(event.seq) if self.allowance_events is not None
                   else self.allowance_seen)
         in_force = transcript_allowances(events)
         return {"op": "replace", "id": "allowances",
                 "html": render_allowances(allowance_items(in_force, self.session_id, self.viewer))}
 
-    def _feed(self, event, render: bool) -> list[dict]:
-        ops: list[dict] = []
-        kind, payload = event.kind, event.payload
-        if kind in ALLOWANCE_KINDS:
-            self.allowance_seen.append(event)
-            if render and (kind == Kind.ALLOWANCE_REVOKED or payload.get("scope")):
-                ops.append(self._allowances_op(event))
-            if kind == Kind.ALLOWANCE_REVOKED:
-                self._show(event_item(event, self.session_id), ops, render)
-                return ops
-        if kind == Kind.STATUS:
-            if render:
-                ops.append({"op": "status", Kind.STATUS: payload.get("status"), "html": render_status(payload["status"])})
-            if is_restart(payload):  # the one status event that shows: a note, like a stop's
-                self._close(ops, render)
-                self._show(event_item(event, self.session_id), ops, render)
-            return ops
-        if kind == Kind.SERVER_READY:
-            self.ready = dict(payload)
-        if kind == Kind.CATALOGUE:
-            if render:
-                html = render_to_string("sessions_app/_tool_list.html",
-                                        {"tools": payload.get("tools", []), "machine_name": self.machine_name,
-                                         "template": template_info(self.ready)})
-                ops.append({"op": "replace", "id": "tool-list", "html": html})
-            return ops
-        if kind in SILENT_KINDS:
-            return ops
-        if kind in CLOSING_KINDS:
+    def _feed(self, event, render: bool) -> list[LiveOp]:
+        ops: list[LiveOp] = []
+        handler = self._HANDLERS.get(event.kind, TranscriptView._on_item)
+        handler(self, event, render, ops)
+        return ops
+
+    # --- one handler per kind (``_HANDLERS``); each appends its operations to ``ops`` ---
+
+    def _on_allowance_revoked(self, event, render: bool, ops: list[LiveOp]) -> None:
+        self.allowance_seen.append(event)
+        if render:
+            ops.append(self._allowances_op(event))
+        self._show(event_item(event, self.session_id), ops, render)
+
+    def _on_answered(self, event, render: bool, ops: list[LiveOp]) -> None:
+        # An answer may grant an allowance (its scope): the list follows; the answer itself
+        # belongs to its call's row.
+        self.allowance_seen.append(event)
+        if render and event.payload.get("scope"):
+            ops.append(self._allowances_op(event))
+        self._on_tool(event, render, ops)
+
+    def _on_status(self, event, render: bool, ops: list[LiveOp]) -> None:
+        payload = event.payload
+        if render:
+            ops.append({"op": "status", "status": payload.get("status"), "html": render_status(payload["status"])})
+        if is_restart(payload):  # the one status event that shows: a note, like a stop's
             self._close(ops, render)
-            return ops
-        if kind == Kind.MESSAGE_QUEUED:
-            if render:
-                html = render_queued(self.session_id, payload, self.viewer)
-                ops.append({"op": "append", "target": "queue", "html": html})
-            return ops
-        if kind == Kind.MESSAGE_DROPPED:
-            return [{"op": "remove", "id": f"q-{payload.get('id')}"}] if render else []
-        if kind in TOOL_KINDS:
-            if kind == Kind.TOOL_START:
-                self._close(ops, render)
-            call_id = payload.get("id", "")
-            if call_id not in self.calls:
-                # A call begins with its tool_start: only a view that missed it asks for the rest.
-                missed = kind != Kind.TOOL_START and self.call_events is not None
-                self.calls[call_id] = list(self.call_events(call_id, event.seq)) if missed else []
-            self.calls[call_id].append(event)
-            if any(e.kind == Kind.TOOL_START for e in self.calls[call_id]):
-                # A call's row appears with its tool_start and is redrawn in place after.
-                item = {**tool_item(self.calls[call_id]), "session_id": self.session_id,
-                        "can_act": self.viewer.can_act, "can_grant": self.viewer.can_grant}
-                self._show(item, ops, render, known=kind != Kind.TOOL_START)
-            return ops
-        if kind == Kind.SETTINGS and payload.get("permission_mode") and render:
-            ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
-        if kind == Kind.SETTINGS and payload.get("visibility") and render:
-            ops.append({"op": "value", "id": "visibility", "value": payload["visibility"]})
-        if kind == Kind.SETTINGS and "takes_images" in payload and render:
-            # The composer offers attachments only while the model takes images.
-            ops.append({"op": "replace", "id": "attach",
-                        "html": render_to_string("sessions_app/_attach.html",
-                                                 attach_context(bool(payload["takes_images"])))})
-        if kind == Kind.SETTINGS and "title" in payload and render:
-            # A rename: the heading (and, through it, the tab title: session.js) follows.
-            title = payload["title"] or f"Session {self.session_id}"
-            ops.append({"op": "replace", "id": "session-title",
-                        "html": render_to_string("sessions_app/_title.html", {"title": title})})
-            # The title fields (Rename, Settings) follow, so saving one never puts the old title back.
-            ops.append({"op": "value", "id": "rename-title", "value": payload["title"]})
-            ops.append({"op": "value", "id": "id_title", "value": payload["title"]})
-        if kind == Kind.SETTINGS and payload.get("model") and render:
-            ops.append({"op": "replace", "id": "model-name",
-                        "html": render_to_string("sessions_app/_model_name.html", {"name": payload["model"],
-                                                                                   "key": payload.get("model_key", "")})})
-        if kind in NOTE_KINDS:
-            # Shown after the open block (if any) without closing it.
             self._show(event_item(event, self.session_id), ops, render)
-            return ops
-        block_type = BLOCK_KINDS.get(kind)
-        text = payload.get("text", "")
-        if block_type and self.block is not None and self.block.type == block_type:
+
+    def _on_catalogue(self, event, render: bool, ops: list[LiveOp]) -> None:
+        if render:
+            html = render_to_string("sessions_app/_tool_list.html",
+                                    {"tools": event.payload.get("tools", []), "machine_name": self.machine_name,
+                                     "template": template_info(self.ready)})
+            ops.append({"op": "replace", "id": "tool-list", "html": html})
+
+    def _on_turn_end(self, event, render: bool, ops: list[LiveOp]) -> None:
+        self._close(ops, render)  # shows nothing but ends the reply block
+
+    def _on_queued(self, event, render: bool, ops: list[LiveOp]) -> None:
+        if render:
+            ops.append({"op": "append", "target": "queue",
+                        "html": render_queued(self.session_id, event.payload, self.viewer)})
+
+    def _on_dropped(self, event, render: bool, ops: list[LiveOp]) -> None:
+        if render:
+            ops.append({"op": "remove", "id": f"q-{event.payload.get('id')}"})
+
+    def _on_tool(self, event, render: bool, ops: list[LiveOp]) -> None:
+        kind = event.kind
+        if kind == Kind.TOOL_START:
+            self._close(ops, render)
+        call_id = event.payload.get("id", "")
+        if call_id not in self.calls:
+            # A call begins with its tool_start: only a view that missed it asks for the rest.
+            missed = kind != Kind.TOOL_START and self.call_events is not None
+            self.calls[call_id] = list(self.call_events(call_id, event.seq)) if missed else []
+        self.calls[call_id].append(event)
+        if any(e.kind == Kind.TOOL_START for e in self.calls[call_id]):
+            # A call's row appears with its tool_start and is redrawn in place after.
+            item = {**tool_item(self.calls[call_id]), "session_id": self.session_id,
+                    "can_act": self.viewer.can_act, "can_grant": self.viewer.can_grant}
+            self._show(item, ops, render, known=kind != Kind.TOOL_START)
+
+    def _on_settings(self, event, render: bool, ops: list[LiveOp]) -> None:
+        payload = event.payload
+        if render:
+            # The controls that show a setting follow a change made elsewhere.
+            if payload.get("permission_mode"):
+                ops.append({"op": "value", "id": "permission-mode", "value": payload["permission_mode"]})
+            if payload.get("visibility"):
+                ops.append({"op": "value", "id": "visibility", "value": payload["visibility"]})
+            if "takes_images" in payload:
+                # The composer offers attachments only while the model takes images.
+                ops.append({"op": "replace", "id": "attach",
+                            "html": render_to_string("sessions_app/_attach.html",
+                                                     attach_context(bool(payload["takes_images"])))})
+            if "title" in payload:
+                # A rename: the heading (and, through it, the tab title: session.js) follows,
+                # and so do the title fields (Rename, Settings): saving one never puts the old
+                # title back.
+                title = payload["title"] or f"Session {self.session_id}"
+                ops.append({"op": "replace", "id": "session-title",
+                            "html": render_to_string("sessions_app/_title.html", {"title": title})})
+                ops.append({"op": "value", "id": "rename-title", "value": payload["title"]})
+                ops.append({"op": "value", "id": "id_title", "value": payload["title"]})
+            if payload.get("model"):
+                ops.append({"op": "replace", "id": "model-name",
+                            "html": render_to_string("sessions_app/_model_name.html",
+                                                     {"name": payload["model"], "key": payload.get("model_key", "")})})
+        self._on_item(event, render, ops)
+
+    def _on_note(self, event, render: bool, ops: list[LiveOp]) -> None:
+        # Shown after the open block (if any) without closing it.
+        self._show(event_item(event, self.session_id), ops, render)
+
+    def _on_block_text(self, event, render: bool, ops: list[LiveOp]) -> None:
+        block_type = BLOCK_KINDS[event.kind]
+        text = event.payload.get("text", "")
+        if self.block is not None and self.block.type == block_type:
             self.block.parts.append(text)
             found = self.block.new_formulas()
             if render:
@@ -829,24 +900,38 @@ class TranscriptView:
                     ops.append({"op": "append", "target": f"{self.block.dom_id}-math",
                                 "html": render_to_string("sessions_app/_formulas.html",
                                                          {"formulas": formula_items(found)})})
-            return ops
+            return
         self._close(ops, render)
-        if block_type:
-            self.block = Block(block_type, event.seq, [text])
-            self.block.new_formulas()
-            self._show(self.block, ops, render)
-            return ops
-        if kind == Kind.VERSION_CHOSEN:
-            ops.extend(self._version_ops(self.versions.feed(event), render))
-            return ops
+        self.block = Block(block_type, event.seq, [text])
+        self.block.new_formulas()
+        self._show(self.block, ops, render)
+
+    def _on_version_chosen(self, event, render: bool, ops: list[LiveOp]) -> None:
+        self._close(ops, render)
+        ops.extend(self._version_ops(self.versions.feed(event), render))
+
+    def _on_server_ready(self, event, render: bool, ops: list[LiveOp]) -> None:
+        self.ready = dict(event.payload)
+        self._on_item(event, render, ops)
+        if render:  # the header says what the new server's model can do
+            payload = event.payload
+            ops.append({"op": "replace", "id": "model-details",
+                        "html": render_model_details(payload.get("model", ""), payload.get("model_key", ""),
+                                                     payload.get("model_facts") or {}, template_info(self.ready),
+                                                     context_size(payload, None))})
+
+    def _on_item(self, event, render: bool, ops: list[LiveOp]) -> None:
+        """Every other kind: it closes the open block and shows as an item of its own."""
+        kind, payload = event.kind, event.payload
+        self._close(ops, render)
         change = None
         if kind == Kind.MESSAGE_TAKEN:
             self.exchange = event.seq
             change = self.versions.feed(event)
+            if payload.get("queued_id") and render:
+                ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
         elif kind == Kind.CLEARED:
             self.versions.feed(event)
-        if kind == Kind.MESSAGE_TAKEN and payload.get("queued_id") and render:
-            ops.append({"op": "remove", "id": f"q-{payload['queued_id']}"})
         item = event_item(event, self.session_id)
         if item is not None and item.get("context_exceeded"):
             # The Clear it offers is drawn for this viewer (only whom may clear sees it).
@@ -854,9 +939,24 @@ class TranscriptView:
         if item is not None:
             self._show(item, ops, render)
         ops.extend(self._version_ops(change, render))
-        if kind == Kind.SERVER_READY and render:  # the header says what the new server's model can do
-            ops.append({"op": "replace", "id": "model-details",
-                        "html": render_model_details(payload.get("model", ""), payload.get("model_key", ""),
-                                                     payload.get("model_facts") or {}, template_info(self.ready),
-                                                     context_size(payload, None))})
-        return ops
+
+    _HANDLERS: dict[Kind, Callable[[TranscriptView, Any, bool, list[LiveOp]], None]] = {
+        Kind.ALLOWANCE_REVOKED: _on_allowance_revoked,
+        Kind.ANSWERED: _on_answered,
+        Kind.STATUS: _on_status,
+        Kind.CATALOGUE: _on_catalogue,
+        Kind.TURN_END: _on_turn_end,
+        Kind.MESSAGE_QUEUED: _on_queued,
+        Kind.MESSAGE_DROPPED: _on_dropped,
+        Kind.TOOL_START: _on_tool,
+        Kind.TOOL_RUNNING: _on_tool,
+        Kind.TOOL_END: _on_tool,
+        Kind.QUESTION: _on_tool,
+        Kind.SETTINGS: _on_settings,
+        Kind.INTERRUPTED: _on_note,
+        Kind.SERVER_STOPPED: _on_note,
+        Kind.ASSISTANT_TEXT: _on_block_text,
+        Kind.REASONING: _on_block_text,
+        Kind.VERSION_CHOSEN: _on_version_chosen,
+        Kind.SERVER_READY: _on_server_ready,
+    }

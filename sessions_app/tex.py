@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 from latex2mathml.converter import convert
 from markdown_it import MarkdownIt
@@ -156,12 +157,12 @@ def _math_block(state: StateBlock, start_line: int, end_line: int, silent: bool)
     return True
 
 
-def _render_inline(self, tokens: Sequence[Token], idx: int, options, env) -> str:
+def _render_inline(self: Any, tokens: Sequence[Token], idx: int, options: Any, env: Any) -> str:
     token = tokens[idx]
     return to_mathml(token.content, bool(token.meta.get("display")))
 
 
-def _render_block(self, tokens: Sequence[Token], idx: int, options, env) -> str:
+def _render_block(self: Any, tokens: Sequence[Token], idx: int, options: Any, env: Any) -> str:
     return to_mathml(tokens[idx].content, True) + "\n"
 
 

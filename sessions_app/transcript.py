@@ -247,11 +247,11 @@ class _ToolStartPayloadRequired(TypedDict):
 
 class ToolStartPayload(_ToolStartPayloadRequired, total=False):
     raw_arguments: str | None
-    arguments_error: str  # why the received arguments are not one JSON object: the call is not run
+    # Why the received arguments are not one JSON object, in words: the call is not run.
+    arguments_error: str
     input: dict
     # Parsed once when the call is recorded (sessions_app/callcard.py, docs/behaviour.md §8):
     duplicate_keys: list  # keys named more than once in the arguments (the last value counts)
-    arguments_error: str  # why the arguments are not a JSON object, in words
     file_before: dict  # a file write or edit: the file as it was then ({"path", "state", ...})
     origin: str | None
     server: str | None
@@ -356,7 +356,7 @@ class ImportedPayload(TypedDict):
     first_seq: int  # the seq the first of them had in the file's session
 
 
-PAYLOADS: dict[Kind, type] = {
+PAYLOADS: dict[Kind, Any] = {  # Kind → its payload TypedDict
     Kind.SETTINGS: SettingsPayload,
     Kind.STATUS: StatusPayload,
     Kind.SERVER_READY: ServerReadyPayload,
@@ -611,7 +611,7 @@ class _Fold:
         self.run_open = False
         # seq of each message_taken → how the messages stood just before it: their number
         # and, when it joined an unanswered user message, that message's content then.
-        self.marks: dict[int, tuple[int, str | None]] = {}
+        self.marks: dict[int, tuple[int, tuple[str, list[ImageRef]] | None]] = {}
         # The exchange in force (the seq of its message_taken), and what each exchange the
         # fold has left produced: where its messages start, the messages, its last user
         # message — so a version chosen again (``version_chosen``) is put back as it was.

@@ -24,6 +24,7 @@ from . import (
     markdown,
     presence,
     room,
+    rules,
     tex,
     text_files,
     transcript,
@@ -421,7 +422,7 @@ def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     try:
         text = form.cleaned_data["text"]
         if files:  # each file after the text, as a fenced block; then the message's own checks
-            text = actions.check_message(text_files.attach(text, files), with_images=bool(uploads))
+            text = rules.check_message(text_files.attach(text, files), with_images=bool(uploads))
         if request.POST.get("edit") == "last":  # the composer's "Edit last message"
             actions.do_send_again(session, request.user, text)
         else:

@@ -25,7 +25,7 @@ from sessions_app import actions, agent, lifecycle, transcript
 from sessions_app.models import Access, AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, grant_bypass, model_key, wait_for
-from .test_browser import log_in
+from .helpers import log_in, payloads
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -217,10 +217,6 @@ def shared_session(fake_machine, alice, bob, shepherds, tmp_path, steps_run_here
     lifecycle.start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     return session
-
-
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
 
 
 def model_requests(session) -> int:

@@ -27,8 +27,8 @@ from sessions_app import actions, lifecycle
 from sessions_app.models import AgentSession, McpServer, TranscriptEvent
 
 from .conftest import model_key, wait_for
-from .test_browser import log_in
-from .test_lifecycle import fresh, idle_session
+from .helpers import fresh, log_in
+from .test_lifecycle import idle_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -10,26 +10,12 @@ from __future__ import annotations
 import pytest
 
 from sessions_app import actions, agent, lifecycle
-from sessions_app.completions import CompletionClient
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession
 
 from .conftest import grant_bypass, model_key
-from .scripted_server import chunk, sse
+from .helpers import events_of, step, text_reply, tool_call_reply
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
-
-
-def tool_call_reply(*calls: tuple[str, str]) -> list[bytes]:
-    pieces = [
-        sse(chunk({"tool_calls": [{"index": i, "id": f"call_{name}_{i}", "type": "function",
-                                   "function": {"name": name, "arguments": args}}]}))
-        for i, (name, args) in enumerate(calls)
-    ]
-    return [*pieces, sse(chunk({}, finish_reason="tool_calls")), b"data: [DONE]\n\n"]
-
-
-def text_reply(text: str) -> list[bytes]:
-    return [sse(chunk({"content": text})), sse(chunk({}, finish_reason="stop")), b"data: [DONE]\n\n"]
 
 
 @pytest.fixture
@@ -43,15 +29,6 @@ def real_session(local_machine, alice, tmp_path):
     lifecycle.start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     return session
-
-
-def step(session, model_side):
-    agent.run_turn_step(session.pk, client_factory=lambda _url, **kw: CompletionClient(model_side.url, **kw))
-
-
-def events_of(session, *kinds):
-    qs = TranscriptEvent.objects.filter(session=session).order_by("seq")
-    return [e for e in qs if not kinds or e.kind in kinds]
 
 
 def test_it_reads_the_catalogue_from_the_real_server_and_runs_a_call_in_the_working_dir(real_session, alice, model_side):

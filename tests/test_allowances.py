@@ -132,7 +132,7 @@ def test_offers_for_a_shell_command(command, expected):
 @pytest.mark.parametrize(("path", "expected"), [
     ("notes.txt", "notes.txt"), ("./notes.txt", "notes.txt"), ("src//a.py", "src/a.py"),
     (f"{WD}/src/a.py", "src/a.py"), (WD, "."), (".", "."),
-    # `..` is never folded: through a symlink it leads elsewhere (tests/test_breaker_gate.py).
+    # `..` is never folded: through a symlink it leads elsewhere (tests/test_gate_holes.py).
     ("src/../notes.txt", None), ("../proj/notes.txt", None),
     ("..", None), ("../other/x", None), ("src/../../x", None), ("/etc/passwd", None), ("/srv/work/proj2/x", None),
     ("~/x", None), ("", None), (None, None), ("a\x00b", None), ("a\nb", None), (3, None),

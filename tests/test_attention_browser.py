@@ -28,9 +28,8 @@ from sessions_app.events import record_event
 from sessions_app.models import AgentSession
 
 from .conftest import CHROMIUM, ROOT, wait_for
+from .helpers import log_in, open_session, send, start_session
 from .push_service import PushService, b64url
-from .test_browser import log_in
-from .test_page_browser import open_session, send, start_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -15,7 +15,7 @@ from django.test import Client
 from machines_app import catalog
 from machines_app.discovery import discover
 from machines_app.models import Machine, ModelFile
-from sessions_app import actions
+from sessions_app import actions, rules
 from sessions_app.models import AgentSession, TranscriptEvent
 
 HUGE = "9" * 30  # beyond any database integer
@@ -139,7 +139,7 @@ def test_it_answers_odd_settings_with_form_errors(alice, session, field, value):
     [
         ("", "Type a message first."),
         (" \n\t ", "Type a message first."),
-        ("x" * (actions.MAX_MESSAGE_CHARS + 1), "This message is 200,001 characters long; a message can be at most 200,000."),
+        ("x" * (rules.MAX_MESSAGE_CHARS + 1), "This message is 200,001 characters long; a message can be at most 200,000."),
         ("hello\x00world", "This message contains a control character (U+0000 at character 6)"),
         ("colour \x1b[31mred", "control character (U+001B at character 8)"),
         ("bell\x07", "control character (U+0007"),
@@ -150,13 +150,13 @@ def test_it_answers_odd_settings_with_form_errors(alice, session, field, value):
 )
 def test_check_message_gives_each_reason_its_own_sentence(text, reason):
     with pytest.raises(actions.SessionError) as refused:
-        actions.check_message(text)
+        rules.check_message(text)
     assert reason in str(refused.value)
 
 
-@pytest.mark.parametrize("text", ["tab\tand\nnew line\r\n", "x" * actions.MAX_MESSAGE_CHARS, "zero\u200bwidth é 日本 🐑"])
+@pytest.mark.parametrize("text", ["tab\tand\nnew line\r\n", "x" * rules.MAX_MESSAGE_CHARS, "zero\u200bwidth é 日本 🐑"])
 def test_check_message_accepts_text(text):
-    assert actions.check_message(f"  {text}  ") == text.strip()
+    assert rules.check_message(f"  {text}  ") == text.strip()
 
 
 @pytest.mark.django_db

@@ -15,6 +15,7 @@ from django.db import connection
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import wait_for
+from .helpers import log_in, open_menu, pick_machine
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -22,32 +23,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 def words(text: str) -> list[str]:
     """The words of a text, Markdown punctuation and list numbers aside."""
     return re.findall(r"[A-Za-z']+", text)
-
-
-def log_in(page, stack, username: str, password: str) -> None:
-    page.set_default_timeout(30_000)
-    page.goto(stack.base_url + "/")
-    assert "/login/" in page.url
-    page.fill("#id_username", username)
-    page.fill("#id_password", password)
-    page.click("button[type=submit]")
-    page.wait_for_url(stack.base_url + "/")
-
-
-def open_menu(page) -> None:
-    """Open the session page's Menu (a <details>: Rename, sharing, tool calls, the server
-    buttons, downloads, Settings) unless it is open already."""
-    if page.get_attribute("#session-menu", "open") is None:
-        page.click("#session-menu > summary")
-
-
-def pick_machine(page, machine) -> None:
-    """Choose ``machine`` in the new-session form and wait until htmx has drawn its model
-    picker (its own Refresh button). Waiting for a model's option is not enough: the
-    machine shown first may list the same model, and a model chosen in that picker is lost
-    when this one replaces it (the form then went off with another model)."""
-    page.select_option("#id_machine", str(machine.pk))
-    page.wait_for_selector(f"#model-picker button[hx-post='/machines/{machine.pk}/refresh/']", state="attached")
 
 
 def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page, local_machine, alice, tmp_path):

@@ -15,7 +15,7 @@ from machines_app.models import Machine
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import grant_bypass, wait_for
-from .test_browser import log_in
+from .helpers import log_in
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -23,9 +23,8 @@ from sessions_app.export import read_jsonl
 from sessions_app.models import TranscriptEvent
 
 from .conftest import ROOT, fake_server, make_ssh_machine
-from .test_browser import log_in
+from .helpers import log_in, open_session, send, start_session
 from .test_call_card import DUPLICATE, EXPECTED_DIFFS, LONG_COMMAND, SIX_KB, TOOL_OF, write_edit_calls
-from .test_page_browser import open_session, send, start_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -33,17 +33,13 @@ from sessions_app import actions, lifecycle
 from sessions_app.models import AgentSession
 
 from .conftest import grant_bypass, make_ssh_machine, model_key, wait_for
-from .test_agent_loop import events_of, step, text_reply, tool_call_reply
+from .helpers import events_of, fresh, step, text_reply, tool_call_reply
 
 #: A loopback client for Redis's protocol in the system's Python (a tool has no redis-cli).
 REDIS_PROBE = (
     "python3 -c 'import socket,sys,time; s=socket.create_connection((\"127.0.0.1\",int(sys.argv[1])),3); "
     "s.sendall(b\"PING\\r\\nKEYS *\\r\\n\"); time.sleep(0.5); print(s.recv(4096))' {port}"
 )
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def start(machine, user, workdir: Path, **fields) -> AgentSession:

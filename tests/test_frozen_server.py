@@ -17,7 +17,8 @@ from sessions_app import lifecycle
 from sessions_app.completions import CompletionClient, CompletionError
 
 from .conftest import wait_for
-from .test_sleep import converse, fresh, idle_session
+from .helpers import fresh
+from .test_sleep import converse, idle_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -32,8 +32,7 @@ from sessions_app.images import as_png
 from sessions_app.models import TranscriptEvent
 
 from .conftest import fake_server, wait_for
-from .test_browser import open_menu
-from .test_sharing_browser import log_in
+from .helpers import log_in, open_menu
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

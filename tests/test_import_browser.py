@@ -15,7 +15,7 @@ from machines_app.models import ServerRecord
 from sessions_app.models import AgentSession
 
 from .conftest import wait_for
-from .test_sharing_browser import log_in
+from .helpers import log_in
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

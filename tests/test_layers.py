@@ -1,4 +1,5 @@
-"""Issue 7: the project's modules import one way only.
+"""The project's modules import one way only: no circle, and no import up the layers of
+docs/architecture.md.
 
 Every import of a project module counts — at module level, inside a function, or under
 ``TYPE_CHECKING`` — because a function-local import that closes a circle hides the circle
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "api_app")
+PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "search_app", "api_app")
 
 
 def module_name(path: Path) -> str:
@@ -93,3 +94,159 @@ def test_no_import_circle_among_the_projects_modules():
         for name, path in modules.items()
     }
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
+
+
+# The layers of docs/architecture.md, lowest first. A module imports only modules of its
+# own layer or of a layer below it. Every project module is in exactly one layer (a new
+# module must be placed here, deliberately): the first layer whose pattern it matches.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # Pure cores: no Django, no Celery, no Channels; only other pure cores.
+    ("pure", (
+        "project.broker", "project.channel_layer", "project.data_dir", "project.heap",
+        "project.log_filters", "project.queues",
+        "machines_app", "machines_app.gguf", "machines_app.memory", "machines_app.discovery",
+        "machines_app.sandbox", "machines_app.ssh", "machines_app.demo_models",
+        "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
+        "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
+        "sessions_app.export", "sessions_app.tool_results",
+        "attention_app", "attention_app.make_icons", "search_app", "api_app",
+    )),
+    # Settings and process wiring read from the environment.
+    ("config", (
+        # The package itself loads the Celery app (Celery's pattern for Django projects).
+        "project", "project.env", "project.settings", "project.celery", "project.beat", "project.launcher",
+        "project.websocket_security", "project.login_throttle",
+    )),
+    # Rows and what reaches a machine: models, transports, the llama-server client, reads
+    # and renderers of stored events; pushes and task hand-offs by name.
+    ("models", (
+        "*.models", "machines_app.access", "machines_app.transports", "machines_app.llama_server",
+        "machines_app.workspaces", "machines_app.template_files", "machines_app.catalog",
+        "sessions_app.completions", "sessions_app.tools", "sessions_app.machine_tools",
+        "sessions_app.server_state", "sessions_app.presence", "sessions_app.dispatch",
+        "sessions_app.broadcast", "sessions_app.liveness", "sessions_app.images", "sessions_app.text_files",
+        "sessions_app.presenters", "sessions_app.templatetags*",
+    )),
+    # Writes: each change with its event and its push (Zulip's do_*).
+    ("actions", (
+        "*.actions", "sessions_app.events", "sessions_app.turns", "sessions_app.room", "sessions_app.orphans",
+        "sessions_app.access_changes", "sessions_app.importing", "sessions_app.machine_use",
+        "sessions_app.first_run", "attention_app.waiting", "attention_app.push", "search_app.search",
+        "api_app.keys",
+    )),
+    # The work run by Celery: a session's server, the turn loop, and the tasks themselves.
+    # api_app.serving: the API's server for a model file, started and kept through the lifecycle.
+    ("work", ("sessions_app.lifecycle", "sessions_app.agent", "sessions_app.signals", "*.tasks", "api_app.serving")),
+    # What a person or a process reaches: views, forms, admin, sockets, URLs, commands.
+    ("interface", (
+        "*.views", "*.forms", "*.admin", "*.consumers", "*.urls", "*.routing", "*.apps",
+        "*.context_processors", "*.management*", "project.asgi", "project.middleware", "project.metrics",
+    )),
+]
+LAYER_NAMES = [name for name, _patterns in LAYERS]
+
+
+def layer_of(module: str) -> str | None:
+    """The first layer with a pattern matching ``module`` (``fnmatch``), or None."""
+    from fnmatch import fnmatchcase
+
+    for name, patterns in LAYERS:
+        if any(fnmatchcase(module, pattern) for pattern in patterns):
+            return name
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {
+        name: imports_of(name, path.read_text(), set(modules), is_package=path.name == "__init__.py")
+        for name, path in modules.items()
+    }
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(name for name in project_modules() if layer_of(name) is None)
+    assert not unplaced, f"place these modules in a layer of tests/test_layers.py: {unplaced}"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module in a higher layer, as ``"a (layer) → b (layer)"``."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        rank = LAYER_NAMES.index(layer_of(name))
+        for target in sorted(targets):
+            if LAYER_NAMES.index(layer_of(target)) > rank:
+                found.append(f"{name} ({layer_of(name)}) → {target} ({layer_of(target)})")
+    return found
+
+
+def test_the_layer_checker_finds_an_import_going_up():
+    assert upward_imports({"sessions_app.transcript": {"sessions_app.models"}}) == [
+        "sessions_app.transcript (pure) → sessions_app.models (models)"
+    ]
+    assert upward_imports({"sessions_app.views": {"sessions_app.models"}}) == []
+
+
+def test_each_layer_imports_only_its_own_layer_or_those_below():
+    graph = import_graph()
+    assert [name for name in graph if layer_of(name) is None] == []
+    assert upward_imports(graph) == []
+
+
+#: What a pure core never imports: the web and task frameworks (a client library such as
+#: redis-py parsing a URL is fine).
+FRAMEWORKS = ("django", "celery", "channels", "daphne", "kombu")
+
+
+def test_the_pure_cores_import_no_django():
+    """Anywhere in the module, function-local and TYPE_CHECKING imports included."""
+    offending = []
+    for name, path in sorted(project_modules().items()):
+        if layer_of(name) != "pure":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            offending += [f"{name} imports {root}" for root in roots if root in FRAMEWORKS]
+    assert offending == []
+
+
+#: Functions still longer than LONGEST_FUNCTION, to be cut into named phases. The list only
+#: shrinks: a function that gets short must leave it (the test says so).
+LONG_FUNCTIONS_LEFT = {
+    "sessions_app.agent:Step.complete",
+    "sessions_app.lifecycle:_spawn",
+    "machines_app.transports:SSHTransport._run_command",
+}
+LONGEST_FUNCTION = 80  # lines, decorators and docstring included
+
+
+def long_functions() -> dict[str, int]:
+    """``"module:Class.function"`` → its length in lines, for every function of the project
+    (outside tests and bench) longer than LONGEST_FUNCTION."""
+    found: dict[str, int] = {}
+
+    def walk(module: str, node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                qualified = f"{prefix}{child.name}"
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                if child.end_lineno - first + 1 > LONGEST_FUNCTION:
+                    found[f"{module}:{qualified}"] = child.end_lineno - first + 1
+                walk(module, child, f"{qualified}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(module, child, f"{prefix}{child.name}.")
+
+    for name, path in project_modules().items():
+        walk(name, ast.parse(path.read_text()), "")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    found = long_functions()
+    assert sorted(set(found) - LONG_FUNCTIONS_LEFT) == [], "cut these into named phases"
+    assert sorted(LONG_FUNCTIONS_LEFT - set(found)) == [], "short now: take them out of LONG_FUNCTIONS_LEFT"

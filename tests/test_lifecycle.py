@@ -18,16 +18,9 @@ from sessions_app.events import load_events
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, model_key, wait_for
+from .helpers import fresh, payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def idle_session(machine, user, tmp_path, arch="llama", **sampling) -> AgentSession:

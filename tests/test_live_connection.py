@@ -33,7 +33,7 @@ from sessions_app.consumers import CloseCode
 from sessions_app.models import AgentSession
 
 from .conftest import Stack, WSRecorder, wait_for
-from .test_browser import log_in
+from .helpers import log_in
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

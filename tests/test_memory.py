@@ -19,24 +19,17 @@ from machines_app.models import MachineSample, MemoryClaim, ModelFile, ServerRec
 from machines_app.transports import LocalTransport, ProcessId
 from sessions_app import actions, lifecycle, room
 from sessions_app.forms import NewSessionForm
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession
 
 from .conftest import make_ssh_machine, model_key, wait_for
+from .helpers import fresh, payloads
 from .test_csp import _InlineCode
 
 SMALL = {"contextSize": 2048}
 
 
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
-
-
 def notices(session) -> list[str]:
     return [p["message"] for p in payloads(session, "notice")]
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def create(machine, user, tmp_path, arch="llama", params=SMALL) -> AgentSession:

@@ -15,9 +15,10 @@ from machines_app.models import Machine, ServerRecord
 from project import queues
 from sessions_app import actions, agent, broadcast, liveness, turns
 from sessions_app.events import record_event
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession
 
 from .conftest import WSRecorder, model_key, wait_for
+from .helpers import payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -29,10 +30,6 @@ def start_session(machine, user, tmp_path) -> AgentSession:
     )
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 30, what="idle")
     return AgentSession.objects.get(pk=session.pk)
-
-
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
 
 
 @pytest.fixture

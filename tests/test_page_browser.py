@@ -8,57 +8,13 @@ the start failure and the context gauge run the real llama-server with real GGUF
 
 from __future__ import annotations
 
-import threading
-
-import httpx
 import pytest
-from django.db import connection
 
-from machines_app.models import ServerRecord
-from sessions_app import actions
 from sessions_app.models import AgentSession, TranscriptEvent
 
-from .conftest import model_key
-from .test_browser import log_in, open_menu, pick_machine
+from .helpers import log_in, open_menu, open_session, pick_machine, requests_seen, send, start_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def start_session(owner, machine, working_dir, *, key: str | None = None, **fields) -> AgentSession:
-    """Create a session (and start its server) off the thread where Playwright runs its loop."""
-    created = []
-
-    def create() -> None:
-        created.append(actions.do_create_session(
-            owner, machine=machine, model_key=key or model_key(machine, "llama"), working_dir=str(working_dir),
-            server_params=fields.get("server_params", {}), sampling=fields.get("sampling", {}),
-            permission_mode="manual", title=fields.get("title", ""),
-        ))
-        connection.close()
-
-    worker = threading.Thread(target=create)
-    worker.start()
-    worker.join()
-    return created[0]
-
-
-def open_session(page, stack, session, *, status: str = "idle") -> None:
-    page.goto(f"{stack.base_url}/sessions/{session.pk}/")
-    page.wait_for_selector(f"#status-badge[data-status={status}]", timeout=120_000)
-    page.wait_for_selector("#conn-state[data-state=live]")
-
-
-def send(page, text: str) -> None:
-    page.fill("#id_text", text)
-    page.press("#id_text", "Enter")
-
-
-def requests_seen(session) -> list[dict]:
-    """The chat requests the stand-in received (it keeps them; it wants the server's key)."""
-    record = ServerRecord.objects.get(session=session)
-    answer = httpx.get(f"http://127.0.0.1:{record.port}/requests",
-                       headers={"Authorization": f"Bearer {record.api_key}"}, timeout=5)
-    return answer.json()
 
 
 # --- item 2 ----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from sessions_app.presenters import (
 from sessions_app.transcript import Event, build_messages
 
 from .conftest import model_key
+from .helpers import fresh
 
 Status = AgentSession.Status
 
@@ -45,10 +46,6 @@ def session(local_machine, alice, tmp_path):
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         status=Status.IDLE,
     )
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 # --- item 2: stopped is not exited; one map of status words ------------------------------

@@ -1,7 +1,7 @@
 """Issue 25, point 8: progress a person can see — llama-server's ``prompt_progress`` (asked
 with ``return_progress``), the reply's live token count, and the speculative-decoding
 acceptance rate in the usage line. Against the real llama-server with a long prompt;
-the browser side is tests/test_issue25_browser.py. Case C60 (a long prompt with no byte
+the browser side is tests/test_search_versions_browser.py. Case C60 (a long prompt with no byte
 for minutes): ``return_progress`` is asked (tests/test_completions.py checks the body) and
 the server's progress arrives while it reads, before the first token."""
 

@@ -17,18 +17,9 @@ from playwright.sync_api import expect
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import wait_for
-from .test_browser import open_menu
+from .helpers import log_in, open_menu
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def log_in(page, stack, username: str, password: str) -> None:
-    page.set_default_timeout(30_000)
-    page.goto(stack.base_url + "/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", password)
-    page.click("button[type=submit]")
-    page.wait_for_url(stack.base_url + "/")
 
 
 def test_a_teammate_watches_live_then_acts_when_allowed(stack, page, fake_machine, alice, bob, tmp_path):

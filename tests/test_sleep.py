@@ -16,20 +16,12 @@ from django.db import connection
 
 from machines_app.models import ServerRecord, SlotSave
 from sessions_app import actions, lifecycle
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession
 
 from .conftest import model_key, wait_for
-from .test_browser import log_in
+from .helpers import fresh, log_in, payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def alive(pid: int) -> bool:

@@ -20,9 +20,9 @@ from sessions_app.forms import NewSessionForm
 from sessions_app.models import AgentSession
 
 from .conftest import grant_bypass, make_ssh_machine, model_key, wait_for
+from .helpers import events_of, fresh, payloads, step, text_reply, tool_call_reply
 from .sshd import SshServer
-from .test_agent_loop import events_of, step, text_reply, tool_call_reply
-from .test_lifecycle import fresh, idle_session, llama_servers_on, payloads, turns_ended
+from .test_lifecycle import idle_session, llama_servers_on, turns_ended
 
 HOSTILE_DIRS = ["$(touch /tmp/pwned)", "'; rm -rf ~ #"]
 

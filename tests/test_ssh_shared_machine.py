@@ -30,9 +30,9 @@ from sessions_app.forms import NewSessionForm
 from sessions_app.models import AgentSession
 
 from .conftest import make_ssh_machine, model_key, wait_for
+from .helpers import fresh, payloads
 from .sshd import SshServer
 from .test_gguf_discovery import model
-from .test_lifecycle import fresh, payloads
 
 
 def alive_here(proc: ProcessId) -> bool:

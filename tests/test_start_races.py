@@ -15,16 +15,13 @@ from django.db import connection
 from django.utils import timezone
 
 from machines_app.models import ServerRecord
-from sessions_app import actions, lifecycle
+from sessions_app import actions, lifecycle, server_state
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import model_key, wait_for
+from .helpers import fresh
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def servers_of(session, private_dir=None) -> list[int]:
@@ -88,12 +85,12 @@ def test_a_start_that_holds_the_claim_makes_a_second_one_leave(fake_machine, ali
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
                                           working_dir=str(tmp_path), status="loading")
     with lifecycle.StartClaim(session.pk) as first:
-        assert first.held and lifecycle.start_live(fresh(session))
+        assert first.held and server_state.start_live(fresh(session))
         lifecycle.start_server(session.pk)  # a second task: finds the claim held, does nothing
         assert servers_of(session) == [] and not ServerRecord.objects.filter(session=session).exists()
         with pytest.raises(actions.SessionError, match="already starting"):
             actions.do_restart(fresh(session), alice)
-    assert not lifecycle.start_live(fresh(session))
+    assert not server_state.start_live(fresh(session))
 
 
 def test_a_lost_start_can_be_restarted_and_the_beat_starts_it_by_itself(stack, local_machine, alice, tmp_path):
@@ -102,7 +99,7 @@ def test_a_lost_start_can_be_restarted_and_the_beat_starts_it_by_itself(stack, l
     session = AgentSession.objects.create(owner=alice, machine=local_machine,
                                           model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
                                           status="loading", server_params={"contextSize": 2048})
-    assert not lifecycle.start_live(session)
+    assert not server_state.start_live(session)
     # Restart is not refused with "already starting": no start is alive.
     actions.do_restart(fresh(session), alice)
     wait_for(lambda: fresh(session).status == "idle", 120, what="the restarted server")

@@ -25,9 +25,10 @@ import pytest
 from machines_app.models import ServerRecord
 from project import launcher as launcher_module
 from sessions_app import actions, agent, dispatch, turns
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession
 
 from .conftest import ROOT, _database_url, model_key, wait_for
+from .helpers import payloads
 
 PROGRAMS = {"web", "worker-turns", "worker-servers", "worker-housekeeping", "beat"}
 
@@ -254,10 +255,6 @@ def test_the_url_is_said_only_once_it_answers(tmp_path):
     finally:
         server.kill()
         server.wait()
-
-
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
 
 
 @pytest.mark.django_db(transaction=True)

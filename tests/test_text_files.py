@@ -1,6 +1,6 @@
 """Issue 25, point 7 (server side): text files attach to any model as text, with a size
 limit and a refusal in words; an image for a model that cannot take images is refused in
-words. The browser side (paste, drop) is tests/test_issue25_browser.py."""
+words. The browser side (paste, drop) is tests/test_search_versions_browser.py."""
 
 from __future__ import annotations
 

@@ -29,12 +29,8 @@ from sessions_app.models import AgentSession, McpServer, TranscriptEvent
 
 from .bulk_mcp import BIG_MCP_BYTES
 from .conftest import ROOT, grant_bypass, model_key, wait_for
-from .test_agent_loop import events_of, step, text_reply, tool_call_reply
+from .helpers import events_of, fresh, step, text_reply, tool_call_reply
 from .test_tools import free_port, port_open, stop_process, wait_until
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def bypass_session(alice, machine, workdir: Path, **fields) -> AgentSession:

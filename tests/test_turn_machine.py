@@ -22,6 +22,8 @@ from sessions_app.events import load_events
 from sessions_app.models import AgentSession
 from sessions_app.transcript import TurnEnd
 
+from .helpers import fresh
+
 pytestmark = pytest.mark.django_db
 
 Status = AgentSession.Status
@@ -45,10 +47,6 @@ def session(alice, tmp_path) -> AgentSession:
     machine = Machine.objects.create(name="m", models_dir=str(tmp_path))
     return AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
                                        status=Status.IDLE)
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def kinds(session) -> list[str]:

@@ -18,19 +18,12 @@ from machines_app.llama_server import ServerSpec, build_argv, parse_props, slot_
 from machines_app.models import ServerRecord, SlotSave
 from machines_app.transports import LocalTransport, TransportError
 from sessions_app import actions, lifecycle
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession
 
 from .conftest import model_key, wait_for
+from .helpers import fresh, payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
 
 
 def idle_session(machine, user, tmp_path, arch="llama") -> AgentSession:
@@ -55,7 +48,7 @@ def converse(session, user, texts) -> None:
     for text in texts:
         ended = len(payloads(session, "turn_end"))
         actions.do_send_message(fresh(session), user, text)
-        wait_for(lambda: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
+        wait_for(lambda ended=ended: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
                  what="the turn to end")
 
 

@@ -19,8 +19,8 @@ from sessions_app.models import AgentSession
 
 from . import test_agent_loop
 from .conftest import grant_bypass
+from .helpers import events_of, step, text_reply, tool_call_reply
 from .scripted_server import chunk, sse
-from .test_agent_loop import events_of, step, text_reply, tool_call_reply
 
 real_session = test_agent_loop.real_session  # the fixture: a session on the real llama-server
 

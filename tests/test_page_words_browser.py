@@ -1,4 +1,4 @@
-"""Issue 25, points 1, 2, 3, 10, 11 and 12: what a new team still tripped over, in a real
+"""What a new team still tripped over, in a real
 browser (Playwright + Debian's Chromium) against the real stack (daphne, Celery worker,
 Redis) — model names, one compact header, controls that can do nothing, the admin, the
 first-run checklist, and the small noise (console errors, odd words).
@@ -24,8 +24,7 @@ from machines_app.models import Machine, ModelFile
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import ROOT, fake_server, model_key, wait_for
-from .test_browser import log_in, open_menu, pick_machine
-from .test_page_browser import open_session, send, start_session
+from .helpers import log_in, open_menu, open_session, pick_machine, send, start_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -1,5 +1,5 @@
 """Attacks on a session's title: one rule whichever door it comes through — the new-session
-form, the settings form, Rename, the admin (sessions_app.actions.check_title): one line, no
+form, the settings form, Rename, the admin (sessions_app.rules.check_title): one line, no
 control character, at most 200 characters."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 26: the transcript tells the whole story — reasoning whose opening tag was in the
+"""The transcript tells the whole story — reasoning whose opening tag was in the
 prompt, a person's stop said as a stop, a cut-off non-streamed reply, exports that leave
 nothing out, and import.
 
@@ -39,6 +39,7 @@ from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.transcript import Event
 
 from .conftest import model_key, wait_for
+from .helpers import fresh, payloads
 from .scripted_server import ScriptedServer, chunk, sse
 from .test_turn_endings import DONE, KEY, run_message, text_of
 
@@ -63,14 +64,6 @@ def session(alice, server, tmp_path):
                                 start_time=LocalTransport()._stat(me)[1],
                                 port=int(server.url.rsplit(":", 1)[1]), log_path="/dev/null", api_key=KEY)
     return session
-
-
-def fresh(session) -> AgentSession:
-    return AgentSession.objects.get(pk=session.pk)
-
-
-def payloads(session, kind) -> list[dict]:
-    return [e.payload for e in TranscriptEvent.objects.filter(session_id=session.pk, kind=kind).order_by("seq")]
 
 
 # --- 1. reasoning whose opening tag was in the prompt -------------------------------------------

@@ -1,4 +1,4 @@
-"""Breaker round 3: hostile probes against import, attention, machines, search, metrics,
+"""Hostile probes against import, attention, machines, search, metrics,
 versions, TeX and text files. Each test states what must hold; a failing one is a finding."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from django.test import Client
 
 from attention_app.views import endpoint_refusal
 from machines_app.models import Machine
-from sessions_app import actions, transcript
+from sessions_app import rules, transcript
 from sessions_app.events import load_events, record_event
 from sessions_app.models import AgentSession, TranscriptEvent
 
@@ -100,7 +100,7 @@ def test_import_nesting_just_under_the_parser_limit_inside_a_dict_field(alice, f
 ], ids=["NUL", "C0 controls"])
 def test_import_text_a_person_could_not_send_is_refused(alice, fake_machine, tmp_path, settings, line):
     """PostgreSQL's jsonb cannot store NUL (a DataError, a 500 there); a message typed here
-    refuses control characters (actions._refuse_controls). An import must refuse them, or
+    refuses control characters (rules._refuse_controls). An import must refuse them, or
     store them as a message sent here would be (events.storable turns NUL into U+FFFD)."""
     settings.DATA_DIR = str(tmp_path / "data")
     client = logged_in(alice)
@@ -111,7 +111,7 @@ def test_import_text_a_person_could_not_send_is_refused(alice, fake_machine, tmp
     session = AgentSession.objects.get(owner=alice)
     texts = [e.payload["text"] for e in load_events(session.pk) if e.kind == "message_taken"]
     for text in texts:
-        actions._refuse_controls(text, "The imported message")  # what a person's own message must pass
+        rules._refuse_controls(text, "The imported message")  # what a person's own message must pass
 
 
 @pytest.mark.django_db
@@ -849,7 +849,7 @@ def test_import_with_the_gate_off_needs_the_bypass_permission(alice, fake_machin
 @pytest.mark.django_db
 @pytest.mark.usefixtures("steps_run_here")
 def test_import_a_message_longer_than_a_person_may_send_is_refused(alice, fake_machine, tmp_path, settings):
-    """actions.MAX_MESSAGE_CHARS (200,000) bounds what a person sends; an import carrying a
+    """rules.MAX_MESSAGE_CHARS (200,000) bounds what a person sends; an import carrying a
     5,000,000-character message is sent whole with every later request of the session."""
     settings.DATA_DIR = str(tmp_path / "data")
     line = {**MSG, "payload": {"text": "y" * 5_000_000, "queued_id": None}}

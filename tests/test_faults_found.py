@@ -16,19 +16,11 @@ from machines_app.models import Machine, ModelFile, ServerRecord
 from sessions_app import actions, agent, lifecycle, transcript
 from sessions_app.completions import CompletionClient
 from sessions_app.events import load_events, record_event
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession
 
 from .conftest import grant_bypass, model_key, wait_for
+from .helpers import fresh, payloads, text_reply, tool_call_reply
 from .scripted_server import chunk, sse
-from .test_agent_loop import text_reply, tool_call_reply
-
-
-def payloads(session, kind):
-    return [e.payload for e in TranscriptEvent.objects.filter(session=session, kind=kind).order_by("seq")]
-
-
-def fresh(session):
-    return AgentSession.objects.get(pk=session.pk)
 
 
 @pytest.fixture

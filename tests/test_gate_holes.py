@@ -1,4 +1,4 @@
-"""Breaking the gate built for issues 20 and 21 (docs/behaviour.md §8, §9; docs/security.md).
+"""Holes found by trying to get past the gate (docs/behaviour.md §8, §9; docs/security.md).
 
 Each test here is a hole found by trying to get past the gate, the card or the bounds:
 it failed before its fix.

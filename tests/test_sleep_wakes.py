@@ -12,7 +12,8 @@ from sessions_app import lifecycle
 from sessions_app.models import TranscriptEvent
 
 from .conftest import wait_for
-from .test_sleep import converse, fresh, idle_session, payloads
+from .helpers import fresh, payloads
+from .test_sleep import converse, idle_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -1,4 +1,4 @@
-"""Issue 25, points 4–9, in Debian's Chromium: search over what was said, versions of a
+"""In Debian's Chromium: search over what was said, versions of a
 reply, math, images and text files, progress, and every page clean under axe-core in
 light and dark mode. Screenshots at 1366×900 and 390×844, both modes, are kept in
 CORRAL_TEST_ARTEFACTS (default ``data/test-artefacts/``); no test may leave an error on
@@ -20,8 +20,7 @@ import pytest
 from sessions_app.models import TranscriptEvent
 
 from .conftest import ROOT
-from .test_browser import log_in
-from .test_page_browser import open_session, requests_seen, send, start_session
+from .helpers import log_in, open_session, requests_seen, send, start_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -1,5 +1,5 @@
-"""Issue 25, points 1, 2, 3, 10, 11 and 12, at the level of the functions that decide the
-words (the browser shows them: tests/test_second_round_browser.py): the header's model
+"""Words a new team tripped over (points 1–3 and 10–12 of that round), at the level of the functions that decide the
+words (the browser shows them: tests/test_page_words_browser.py): the header's model
 details, the notes, the message check, "just now", the first-run checklist, the admin."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from django.test import Client
 from django.utils import timezone
 
 from machines_app.models import Machine
-from sessions_app import actions, first_run
+from sessions_app import actions, first_run, rules
 from sessions_app.models import AgentSession
 from sessions_app.presenters import event_item, model_details, model_facts, settings_text, template_info
 from sessions_app.templatetags.corral import ago
@@ -72,13 +72,13 @@ def test_a_sharing_change_and_a_wake_are_sentences():
 @pytest.mark.parametrize("text", ["\u200b", "\u200b\u200c\u200d", " \ufeff\u2060 \n", "\u3164", "\u2800\u200b"])
 def test_a_message_of_only_invisible_characters_is_refused(text):
     with pytest.raises(actions.SessionError, match="only invisible characters"):
-        actions.check_message(text)
-    assert actions.check_message(text, with_images=True) == ""  # the images are the message
+        rules.check_message(text)
+    assert rules.check_message(text, with_images=True) == ""  # the images are the message
 
 
 @pytest.mark.parametrize("text", ["a\u200b", "\u200bhello", "👍", "\u0301e"])
 def test_a_message_with_something_to_read_is_sent_as_it_is(text):
-    assert actions.check_message(text) == text
+    assert rules.check_message(text) == text
 
 
 def test_last_activity_under_a_minute_is_just_now():

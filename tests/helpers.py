@@ -1,0 +1,123 @@
+"""Small helpers the test modules share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+from django.db import connection
+
+from machines_app.models import ServerRecord
+from sessions_app import actions, agent
+from sessions_app.completions import CompletionClient
+from sessions_app.models import AgentSession, TranscriptEvent
+
+from .conftest import model_key
+from .scripted_server import chunk, sse
+
+
+def fresh(session) -> AgentSession:
+    """The session row as the database holds it now (``session`` may be stale)."""
+    return AgentSession.objects.get(pk=session.pk)
+
+
+def payloads(session, kind: str) -> list[dict]:
+    """The payloads of ``session``'s events of ``kind``, in ``seq`` order."""
+    return [e.payload for e in TranscriptEvent.objects.filter(session_id=session.pk, kind=kind).order_by("seq")]
+
+
+# --- the browser (Playwright pages) ---
+
+
+def log_in(page, stack, username: str, password: str) -> None:
+    """Log in through the login page in Playwright's ``page`` and wait for the sessions list."""
+    page.set_default_timeout(30_000)
+    page.goto(stack.base_url + "/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("button[type=submit]")
+    page.wait_for_url(stack.base_url + "/")
+
+
+def open_menu(page) -> None:
+    """Open the session page's Menu (a <details>: Rename, sharing, tool calls, the server
+    buttons, downloads, Settings) unless it is open already."""
+    if page.get_attribute("#session-menu", "open") is None:
+        page.click("#session-menu > summary")
+
+
+def pick_machine(page, machine) -> None:
+    """Choose ``machine`` in the new-session form and wait until htmx has drawn its model
+    picker (its own Refresh button). Waiting for a model's option is not enough: the
+    machine shown first may list the same model, and a model chosen in that picker is lost
+    when this one replaces it (the form then went off with another model)."""
+    page.select_option("#id_machine", str(machine.pk))
+    page.wait_for_selector(f"#model-picker button[hx-post='/machines/{machine.pk}/refresh/']", state="attached")
+
+
+def start_session(owner, machine, working_dir, *, key: str | None = None, **fields) -> AgentSession:
+    """Create a session (and start its server) off the thread where Playwright runs its loop."""
+    created = []
+
+    def create() -> None:
+        created.append(actions.do_create_session(
+            owner, machine=machine, model_key=key or model_key(machine, "llama"), working_dir=str(working_dir),
+            server_params=fields.get("server_params", {}), sampling=fields.get("sampling", {}),
+            permission_mode="manual", title=fields.get("title", ""),
+        ))
+        connection.close()
+
+    worker = threading.Thread(target=create)
+    worker.start()
+    worker.join()
+    return created[0]
+
+
+def open_session(page, stack, session, *, status: str = "idle") -> None:
+    """Open the session page and wait for ``status`` and a live connection."""
+    page.goto(f"{stack.base_url}/sessions/{session.pk}/")
+    page.wait_for_selector(f"#status-badge[data-status={status}]", timeout=120_000)
+    page.wait_for_selector("#conn-state[data-state=live]")
+
+
+def send(page, text: str) -> None:
+    """Type ``text`` in the message box and press Enter."""
+    page.fill("#id_text", text)
+    page.press("#id_text", "Enter")
+
+
+def requests_seen(session) -> list[dict]:
+    """The chat requests the stand-in received (it keeps them; it wants the server's key)."""
+    record = ServerRecord.objects.get(session=session)
+    answer = httpx.get(f"http://127.0.0.1:{record.port}/requests",
+                       headers={"Authorization": f"Bearer {record.api_key}"}, timeout=5)
+    return answer.json()
+
+
+# --- the scripted model side (tests/scripted_server.py) ---
+
+
+def tool_call_reply(*calls: tuple[str, str]) -> list[bytes]:
+    """A scripted completion asking for ``calls`` (name, JSON arguments), as SSE frames."""
+    pieces = [
+        sse(chunk({"tool_calls": [{"index": i, "id": f"call_{name}_{i}", "type": "function",
+                                   "function": {"name": name, "arguments": args}}]}))
+        for i, (name, args) in enumerate(calls)
+    ]
+    return [*pieces, sse(chunk({}, finish_reason="tool_calls")), b"data: [DONE]\n\n"]
+
+
+def text_reply(text: str) -> list[bytes]:
+    """A scripted completion answering ``text``, as SSE frames."""
+    return [sse(chunk({"content": text})), sse(chunk({}, finish_reason="stop")), b"data: [DONE]\n\n"]
+
+
+def step(session, model_side):
+    """Run one turn step in this process against the scripted model side ``model_side``."""
+    agent.run_turn_step(session.pk, client_factory=lambda _url, **kw: CompletionClient(model_side.url, **kw))
+
+
+def events_of(session, *kinds):
+    """``session``'s events (of ``kinds``, when given), in ``seq`` order."""
+    qs = TranscriptEvent.objects.filter(session=session).order_by("seq")
+    return [e for e in qs if not kinds or e.kind in kinds]
