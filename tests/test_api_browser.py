@@ -7,8 +7,8 @@ import pytest
 
 from api_app.models import ApiKey
 
-from .test_browser import log_in
-from .test_issue25_browser import browser_page, check_views, console_errors  # noqa: F401 — a fixture
+from .helpers import log_in
+from .test_search_versions_browser import browser_page, check_views, console_errors  # noqa: F401 — a fixture
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
