@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "attention_app",
     "search_app",
     "usage_app",
+    "api_app",
 ]
 
 MIDDLEWARE = [
@@ -290,6 +291,9 @@ CORRAL_HEALTH_TIMEOUT = env_float("CORRAL_HEALTH_TIMEOUT", 10.0, minimum=0.5)
 # A bearer token that may read /metrics (Prometheus' scrape, project/metrics.py); staff may
 # always. Unset: only staff.
 CORRAL_METRICS_TOKEN = env_str("CORRAL_METRICS_TOKEN", "")
+# Seconds an API request (api_app, docs/api.md) waits for its model's server to start,
+# waiting for memory on its machine included, before it is answered 503 with the reason.
+CORRAL_API_WAIT_SECONDS = env_float("CORRAL_API_WAIT_SECONDS", 300.0, minimum=1.0)
 CORRAL_TOOL_RESULT_MAX_CHARS = env_int("CORRAL_TOOL_RESULT_MAX_CHARS", 20_000, minimum=1_000, maximum=10_000_000)
 
 LOGGING = {

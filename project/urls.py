@@ -15,6 +15,7 @@ urlpatterns = [
     path("metrics", metrics.metrics, name="metrics"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", include("api_app.urls")),
     path("", include("attention_app.urls")),
     path("", include("machines_app.urls")),
     path("", include("sessions_app.urls")),

@@ -42,7 +42,7 @@ class AgentSessionForm(forms.ModelForm):
 class AgentSessionAdmin(admin.ModelAdmin):
     form = AgentSessionForm
     list_display = ("__str__", "owner", "machine", "model_key", "status", "visibility", "last_activity_at")
-    list_filter = ("status", "visibility", "machine")
+    list_filter = ("status", "visibility", "purpose", "machine")
     search_fields = ("title", "model_key", "owner__username")
 
     class Media:

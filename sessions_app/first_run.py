@@ -42,7 +42,7 @@ def steps() -> list[Step]:
              machine_list,
              ModelFile.objects.filter(machine__enabled=True, error="", missing_parts=[]).exists()),
         Step("session", "Start a session", "New session: pick the machine, a model and a working directory.",
-             reverse("session_new"), AgentSession.objects.exists()),
+             reverse("session_new"), AgentSession.objects.filter(purpose=AgentSession.Purpose.CHAT).exists()),
     ]
 
 

@@ -462,7 +462,8 @@ def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bo
     if warm:
         ready["warm_tokens"] = warm
     record_event(session.pk, Kind.SERVER_READY, ready)
-    record_catalogue(session.pk, endpoint)
+    if session.purpose != AgentSession.Purpose.API:  # the API runs no tools (docs/api.md)
+        record_catalogue(session.pk, endpoint)
     set_status(session.pk, Status.IDLE, only_from=(Status.LOADING, Status.UNKNOWN))
     _go_on(session.pk)
 
@@ -777,6 +778,8 @@ def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict
         session = locked(session_id)
         if session.turn_active or session.status != Status.IDLE:
             return False
+        if session.api_busy_until is not None and session.api_busy_until > timezone.now():
+            return False  # an API server serving a request (api_app.serving)
         if idle_for is not None and session.last_activity_at > timezone.now() - idle_for:
             return False
         if not ServerRecord.objects.filter(session_id=session_id, ready_at__isnull=False, stopping=False).update(

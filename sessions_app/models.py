@@ -41,9 +41,9 @@ class AgentSessionQuerySet(models.QuerySet):
         if not (user.is_authenticated and user.is_active):
             return self.none()
         if user.is_staff:
-            return self.all()
+            return self.filter(purpose=AgentSession.Purpose.CHAT)
         shared = [AgentSession.Visibility.TEAM_WATCH, AgentSession.Visibility.TEAM_ACT]
-        return self.filter(Q(owner=user) | Q(visibility__in=shared))
+        return self.filter(Q(owner=user) | Q(visibility__in=shared), purpose=AgentSession.Purpose.CHAT)
 
     def with_model_name(self) -> AgentSessionQuerySet:
         """Each session with ``model_name``: its model file's display name (None when the
@@ -111,6 +111,15 @@ class AgentSession(models.Model):
         MANUAL = "manual", "Ask before each tool call"
         BYPASS = "bypassPermissions", "Run tools without asking"
 
+    class Purpose(models.TextChoices):
+        """What the session is for. ``api``: the hidden session that holds the server of one
+        model file for the OpenAI-compatible API (api_app, docs/api.md): no transcript page,
+        listed nowhere, owned by Corral's system account; its server starts, sleeps and
+        makes room like any session's."""
+
+        CHAT = "chat", "Chat"
+        API = "api", "API"
+
     class Visibility(models.TextChoices):
         """Who besides its owner and staff may see the session (docs/sharing.md)."""
 
@@ -153,12 +162,24 @@ class AgentSession(models.Model):
     start_owner = models.CharField(max_length=64, blank=True)
     start_expires = models.DateTimeField(null=True, blank=True)
 
+    purpose = models.CharField(max_length=10, choices=Purpose.choices, default=Purpose.CHAT)
+    # An API session's server is serving a request until then (renewed while a reply
+    # streams): neither its idle time nor a start making room puts it to sleep meanwhile
+    # (server_state.idle_sessions, lifecycle.sleep_server). A lease, so a request lost
+    # with its web process frees it by itself.
+    api_busy_until = models.DateTimeField(null=True, blank=True)
+
     objects = AgentSessionQuerySet.as_manager()
 
     class Meta:
         ordering = ["-last_activity_at"]
         # Granted by an admin (staff hold it without a grant): sessions_app.actions.may_bypass.
         permissions = [("bypass_permissions", "Can turn the permission gate off (run tools without asking)")]
+        constraints = [
+            # One API session per model file (api_app.serving): every API request for it shares one server.
+            models.UniqueConstraint(fields=["machine", "model_key"], condition=Q(purpose="api"),
+                                    name="one_api_session_per_model_file"),
+        ]
 
     def __str__(self) -> str:
         return self.title or f"Session {self.pk}"

@@ -27,7 +27,7 @@ def idle_sessions(machine: Machine | None = None) -> list[int]:
     ``machine``, every idle one of that machine, for its "stop all idle"), oldest first."""
     rows = ServerRecord.objects.filter(
         ready_at__isnull=False, stopping=False, session__status=Status.IDLE, session__turn_active=False
-    )
+    ).exclude(session__api_busy_until__gt=timezone.now())  # an API server serving a request (api_app)
     if machine is not None:
         rows = rows.filter(machine=machine)
     else:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "search_app", "usage_app")
+PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "search_app", "usage_app", "api_app")
 
 
 def module_name(path: Path) -> str:
@@ -109,7 +109,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
         "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
         "sessions_app.export", "sessions_app.tool_results",
-        "attention_app", "attention_app.make_icons", "search_app", "usage_app",
+        "attention_app", "attention_app.make_icons", "search_app", "usage_app", "api_app",
     )),
     # Settings and process wiring read from the environment.
     ("config", (
@@ -132,10 +132,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "*.actions", "sessions_app.events", "sessions_app.turns", "sessions_app.room", "sessions_app.orphans",
         "sessions_app.access_changes", "sessions_app.importing", "sessions_app.machine_use",
         "sessions_app.first_run", "attention_app.waiting", "attention_app.push", "search_app.search",
-        "usage_app.recording", "sessions_app.metering",
+        "usage_app.recording", "sessions_app.metering", "api_app.keys",
     )),
     # The work run by Celery: a session's server, the turn loop, and the tasks themselves.
-    ("work", ("sessions_app.lifecycle", "sessions_app.agent", "sessions_app.signals", "*.tasks")),
+    # api_app.serving: the API's server for a model file, started and kept through the lifecycle.
+    ("work", ("sessions_app.lifecycle", "sessions_app.agent", "sessions_app.signals", "*.tasks", "api_app.serving")),
     # What a person or a process reaches: views, forms, admin, sockets, URLs, commands.
     ("interface", (
         "*.views", "*.forms", "*.admin", "*.consumers", "*.urls", "*.routing", "*.apps",

@@ -1,0 +1,381 @@
+"""The OpenAI-compatible API (``/v1/models``, ``/v1/chat/completions``) and the page where a
+member makes and revokes their keys (docs/api.md).
+
+The API views are async: a reply streams from llama-server to the client through
+``httpx.AsyncClient`` on daphne's event loop, so a long stream holds no thread. The
+database and the lifecycle are reached through ``sync_to_async`` (api_app.serving).
+Every refusal is OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.contrib.auth.decorators import login_not_required
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_http_methods, require_POST
+
+from machines_app.llama_server import Endpoint, auth_headers, tls_context
+from machines_app.models import ModelFile
+from usage_app.quota import refusal as quota_refusal
+from usage_app.recording import record_usage
+
+from . import keys, serving
+from .models import ApiKey
+from .serving import ApiError
+
+log = logging.getLogger(__name__)
+
+#: Request fields that ask the model to call tools: refused (docs/api.md "No tools").
+TOOL_FIELDS = ("tools", "functions")
+TOOLS_REFUSED = ("Corral's API runs no tools and passes none to the model: send the request without '{field}'. "
+                 "Sessions in Corral's web page are where models call tools, each call approved by a person.")
+#: Seconds between two polls of a server that is starting.
+POLL_SECONDS = 0.25
+
+
+def _request_finished(user, model_file: ModelFile, usage: dict, seconds: float, timings: dict | None = None) -> None:
+    """Called once per finished chat completion (streamed or not, ended by the server or
+    broken off), with llama-server's reported ``usage`` (``prompt_tokens``,
+    ``completion_tokens``, ``total_tokens``; {} when it reported none), its ``timings`` when
+    it sent them, and the request's wall time in seconds from the server being ready. A
+    stream whose client did not ask for ``usage`` gets it counted from the ``timings``
+    (:func:`usage_from_timings`). Recorded as the key owner's usage (docs/usage.md), like a
+    session's reply."""
+    log.debug("API request of %s on %s/%s: usage %s, timings %s, %.2f s", user.get_username(),
+              model_file.machine.name, model_file.key, usage, timings, seconds)
+    record_usage(member=user, machine=model_file.machine, model_file=model_file, usage=usage, timings=timings,
+                 source="api")
+
+
+def _error(exc: ApiError) -> JsonResponse:
+    response = JsonResponse(exc.body(), status=exc.status)
+    if exc.status == 401:
+        response["WWW-Authenticate"] = 'Bearer realm="corral"'
+    return response
+
+
+async def _user(request: HttpRequest):
+    """The member whose key the request carries. Raises ApiError 401."""
+    user, _key, refusal = await sync_to_async(keys.authenticate)(keys.bearer(request.headers.get("Authorization", "")))
+    if refusal is not None:
+        raise ApiError(401, refusal.code, refusal.message)
+    return user
+
+
+def _entry(model: ModelFile) -> dict:
+    return {"id": serving.model_id(model.machine.name, model.key), "object": "model", "created": 0,
+            "owned_by": model.machine.name, "name": model.display_name}
+
+
+@csrf_exempt
+@login_not_required
+async def model_list(request: HttpRequest) -> HttpResponse:
+    """``GET /v1/models``: every model file the key's owner may use, by id (serving.model_id)."""
+    if request.method != "GET":
+        return _error(ApiError(405, "method_not_allowed", "Use GET for /v1/models."))
+    try:
+        user = await _user(request)
+    except ApiError as exc:
+        return _error(exc)
+    entries = await sync_to_async(lambda: [_entry(m) for m in serving.listed_models(user)])()
+    return JsonResponse({"object": "list", "data": entries})
+
+
+@csrf_exempt
+@login_not_required
+async def model_detail(request: HttpRequest, model: str) -> HttpResponse:
+    """``GET /v1/models/<id>``: one model file, or 404/403 as a completion would answer."""
+    if request.method != "GET":
+        return _error(ApiError(405, "method_not_allowed", "Use GET for /v1/models/<id>."))
+    try:
+        user = await _user(request)
+        found = await sync_to_async(serving.resolve)(user, model)
+    except ApiError as exc:
+        return _error(exc)
+    return JsonResponse(_entry(found))
+
+
+@csrf_exempt
+@login_not_required
+async def not_served(request: HttpRequest, rest: str) -> HttpResponse:
+    """Any other ``/v1/…`` path: 404 in OpenAI's shape, naming what is served."""
+    return _error(ApiError(404, "unknown_endpoint", f"Corral's API has no /v1/{rest}: it answers GET /v1/models and "
+                           "POST /v1/chat/completions."))
+
+
+def _check_body(raw: bytes) -> dict:
+    """The request's JSON object, checked before any server is started. Raises ApiError 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"The request body is not JSON: {exc}.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_request", "The request body must be a JSON object.")
+    for field in TOOL_FIELDS:
+        if body.get(field):
+            raise ApiError(400, "tools_not_supported", TOOLS_REFUSED.format(field=field), param=field)
+    for field in ("tool_choice", "function_call"):
+        if body.get(field) not in (None, "none"):
+            raise ApiError(400, "tools_not_supported", TOOLS_REFUSED.format(field=field), param=field)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "invalid_request", "'messages' must be a non-empty list of chat messages.",
+                       param="messages")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ApiError(400, "invalid_request", "'stream' must be true or false.", param="stream")
+    return body
+
+
+async def _wait_for_server(session_id: int, after: int, wanted: str) -> Endpoint:
+    """The ready server's endpoint, waiting while it starts (and while it waits for
+    memory) for up to ``CORRAL_API_WAIT_SECONDS``. Raises ApiError 503 with why."""
+    deadline = time.monotonic() + settings.CORRAL_API_WAIT_SECONDS
+    state = serving.ServerState()
+    while time.monotonic() < deadline:
+        state = await sync_to_async(serving.server_state)(session_id, after)
+        if state.endpoint is not None:
+            return state.endpoint
+        if state.failed:
+            raise ApiError(503, "server_unavailable", f"The server for {wanted} could not start: {state.failed}",
+                           type="server_error")
+        await asyncio.sleep(POLL_SECONDS)
+    waited = f"{settings.CORRAL_API_WAIT_SECONDS:g} seconds"
+    if state.waiting:
+        raise ApiError(503, "no_room", f"{state.waiting} This request waited {waited}; ask again later.",
+                       type="server_error")
+    raise ApiError(503, "server_starting", f"The server for {wanted} is still starting after {waited}; ask again "
+                   "later.", type="server_error")
+
+
+class Usage:
+    """Reads ``usage`` and ``timings`` out of llama-server's SSE frames as they pass,
+    without changing a byte of them."""
+
+    LIMIT = 4 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.usage: dict = {}
+        self.timings: dict | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        *frames, self.buffer = self.buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        if len(self.buffer) > self.LIMIT:
+            self.buffer = b""  # a frame this long carries no usage worth the memory
+        for frame in frames:
+            for line in frame.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self.take(line[5:].strip())
+
+    def take(self, data: bytes) -> None:
+        if not data or data == b"[DONE]":
+            return
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(payload, dict):
+            if isinstance(payload.get("usage"), dict):
+                self.usage = payload["usage"]
+            if isinstance(payload.get("timings"), dict):
+                self.timings = payload["timings"]
+
+
+def usage_from_timings(timings: dict | None) -> dict:
+    """OpenAI's ``usage`` counted from llama-server's ``timings`` (which every reply's last
+    frame carries): a stream sends ``usage`` only when the client asked for it
+    (``stream_options.include_usage``), and Corral does not change the request to ask.
+    The prompt is the tokens read from the cache (``cache_n``) and the ones computed
+    (``prompt_n``), as llama-server counts ``prompt_tokens``. {} without timings."""
+    if not timings:
+        return {}
+    try:
+        prompt = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
+        completion = int(timings.get("predicted_n", 0))
+    except (TypeError, ValueError):
+        return {}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@contextlib.asynccontextmanager
+async def _held(session_id: int):
+    """Keep the request's lease on its server (serving.renew) for as long as the block
+    runs, whether or not the server sends anything meanwhile (a long prompt is read in
+    silence): a task renews it every ``RENEW_SECONDS``."""
+
+    async def renew() -> None:
+        while True:
+            await asyncio.sleep(serving.RENEW_SECONDS)
+            await sync_to_async(serving.renew)(session_id)
+
+    task = asyncio.create_task(renew())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _whole_usage(content: bytes) -> tuple[dict, dict | None]:
+    """``(usage, timings)`` of a whole (unstreamed) answer; usage counted from the timings
+    when the answer has none."""
+    try:
+        answer = json.loads(content)
+    except ValueError:
+        return {}, None
+    if not isinstance(answer, dict):
+        return {}, None
+    usage, timings = answer.get("usage"), answer.get("timings")
+    timings = timings if isinstance(timings, dict) else None
+    return (usage if isinstance(usage, dict) and usage else usage_from_timings(timings)), timings
+
+
+def _client() -> httpx.AsyncClient:
+    timeout = httpx.Timeout(connect=10.0, read=settings.CORRAL_STREAM_IDLE_SECONDS, write=60.0, pool=10.0)
+    return httpx.AsyncClient(timeout=timeout, verify=tls_context())
+
+
+@csrf_exempt
+@login_not_required
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
+    """``POST /v1/chat/completions``: the request goes, byte for byte, to the llama-server of
+    the model file it names (started on demand, shared by every API request for that file:
+    api_app.serving), and its answer comes back unchanged — streamed as llama-server's own
+    SSE frames with ``"stream": true``, usage included."""
+    if request.method != "POST":
+        return _error(ApiError(405, "method_not_allowed", "Use POST for /v1/chat/completions."))
+    try:
+        user = await _user(request)
+        try:
+            raw = request.body
+        except RequestDataTooBig:
+            raise ApiError(413, "request_too_large", "The request is too large: Corral takes at most "
+                           f"{settings.DATA_UPLOAD_MAX_MEMORY_SIZE / 1024 / 1024:g} MB in one request.") from None
+        body = _check_body(raw)
+        model = await sync_to_async(serving.resolve)(user, body.get("model"))
+        # A member whose daily token quota is spent is refused before any server starts
+        # (docs/usage.md); OpenAI says the same with 429 insufficient_quota.
+        if (spent := await sync_to_async(quota_refusal)(user)) is not None:
+            raise ApiError(429, "insufficient_quota", spent, type="insufficient_quota")
+        wanted = serving.model_id(model.machine.name, model.key)
+        session_id, after = await sync_to_async(serving.claim)(user, model)
+        try:
+            endpoint = await _wait_for_server(session_id, after, wanted)
+        except ApiError:
+            await sync_to_async(serving.finished)(session_id)
+            raise
+    except ApiError as exc:
+        return _error(exc)
+    return await _relay(request, user, model, session_id, endpoint, stream=bool(body.get("stream")))
+
+
+async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, endpoint: Endpoint, *,
+                 stream: bool) -> HttpResponseBase:
+    started = time.monotonic()
+    client = _client()
+    upstream_request = client.build_request(
+        "POST", f"{endpoint.url}/v1/chat/completions", content=request.body,
+        headers={"Content-Type": "application/json", **auth_headers(endpoint.api_key)},
+    )
+
+    async def done(usage: dict, timings: dict | None) -> None:
+        await sync_to_async(serving.finished)(session_id)
+        await sync_to_async(_request_finished)(user, model, usage, time.monotonic() - started, timings)
+
+    try:
+        upstream = await client.send(upstream_request, stream=True)
+    except httpx.HTTPError as exc:
+        await client.aclose()
+        why = await sync_to_async(serving.server_went_away)(session_id)
+        await done({}, None)
+        return _error(ApiError(503, "server_unavailable", why or f"The model's server did not answer: {exc}.",
+                               type="server_error"))
+    content_type = upstream.headers.get("content-type", "application/json")
+    if not stream or upstream.status_code != 200:
+        failure: httpx.HTTPError | None = None
+        try:
+            async with _held(session_id):
+                content = await upstream.aread()
+        except httpx.HTTPError as exc:
+            content, failure = b"", exc
+        finally:
+            await upstream.aclose()
+            await client.aclose()
+        usage, timings = _whole_usage(content) if failure is None and upstream.status_code == 200 else ({}, None)
+        await done(usage, timings)
+        if failure is not None:
+            why = await sync_to_async(serving.server_went_away)(session_id)
+            return _error(ApiError(503, "server_unavailable", why or f"The model's server broke off: {failure}.",
+                                   type="server_error"))
+        return HttpResponse(content, status=upstream.status_code, content_type=content_type)
+
+    async def frames() -> AsyncIterator[bytes]:
+        seen = Usage()
+        try:
+            async with _held(session_id):
+                async for chunk in upstream.aiter_raw():
+                    seen.feed(chunk)
+                    yield chunk
+        except httpx.HTTPError as exc:
+            why = await sync_to_async(serving.server_went_away)(session_id)
+            error = ApiError(503, "server_unavailable", why or f"The model's server broke off the reply: {exc}.",
+                             type="server_error")
+            yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+        finally:
+            await upstream.aclose()
+            await client.aclose()
+            await done(seen.usage or usage_from_timings(seen.timings), seen.timings)
+
+    response = StreamingHttpResponse(frames(), status=200, content_type=content_type)
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # a proxy in front must pass each frame on at once
+    return response
+
+
+# --- the member's page: their keys ---------------------------------------------------------------
+
+
+@require_http_methods(["GET", "POST"])
+def api_keys(request: HttpRequest) -> HttpResponse:
+    """The member's API keys: name, start of the key, made, last used, revoked; a form to
+    make one. A key just made is shown once, on the answer to that POST, and never again."""
+    user = request.user
+    if not user.is_authenticated:  # the login middleware sends them to log in first
+        return redirect("login")
+    made, error = None, ""
+    if request.method == "POST":
+        try:
+            key, token = keys.create_key(user, request.POST.get("name", ""))
+        except keys.KeyRefused as exc:
+            error = str(exc)
+        else:
+            made = {"key": key, "token": token}
+    response = render(request, "api_app/keys.html", {
+        "keys": ApiKey.objects.filter(user=user), "made": made, "error": error,
+        "base_url": request.build_absolute_uri("/v1"),
+        "models": [serving.model_id(m.machine.name, m.key) for m in serving.listed_models(user)],
+    }, status=400 if error else 200)
+    if made:
+        response["Cache-Control"] = "no-store"  # the key must not stay in a cache
+    return response
+
+
+@require_POST
+def revoke_key(request: HttpRequest, key_id: int) -> HttpResponse:
+    """Revoke one of the member's keys at once (requests with it are refused from now on)."""
+    keys.revoke_key(request.user, key_id)
+    return redirect("api_keys")

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible API (docs/api.md), through the official ``openai`` client against
+daphne, a real Celery worker and the real llama-server on SmolLM2: keys made and revoked on
+the member's page, the refusals in OpenAI's error shape, non-streamed and streamed replies
+(llama-server's own SSE frames, usage included), and one shared server per model file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import timedelta
+
+import httpx
+import openai
+import pytest
+from django.contrib.auth.models import Group
+from django.test import Client
+from django.utils import timezone
+
+from api_app import keys, serving
+from api_app.models import ApiKey
+from api_app.views import Usage, usage_from_timings
+from machines_app.models import Machine, ServerRecord
+from sessions_app.models import AgentSession
+from sessions_app.server_state import idle_sessions
+from usage_app.models import Quota, UsageRecord
+
+from .conftest import model_key, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+def make_key(user, name: str = "tests") -> str:
+    return keys.create_key(user, name)[1]
+
+
+def smol_id(machine: Machine) -> str:
+    return serving.model_id(machine.name, model_key(machine, "llama"))
+
+
+def client_for(stack, token: str) -> openai.OpenAI:
+    # max_retries=0: a refusal must come back as it is, not retried.
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=token, max_retries=0, timeout=300)
+
+
+# --- the member's page -------------------------------------------------------------------------
+
+
+def test_a_key_is_shown_once_stored_hashed_and_revoked_on_the_members_page(alice, bob):
+    page = Client()
+    page.force_login(alice)
+    made = page.post("/settings/api-keys/", {"name": "laptop editor"})
+    assert made.status_code == 200
+    assert made["Cache-Control"] == "no-store"
+    key = ApiKey.objects.get(user=alice)
+    html = made.content.decode()
+    start = html.index('id="new-key-value"')
+    token = html[start:].split('value="', 1)[1].split('"', 1)[0]
+    assert token.startswith("corral-") and len(token) > 40
+    assert key.digest == hashlib.sha256(token.encode()).hexdigest()
+    assert token not in str(ApiKey.objects.filter(pk=key.pk).values().get()), "the key itself is never stored"
+    assert key.prefix == token[: len(key.prefix)] and len(key.prefix) < len(token) // 2
+
+    again = page.get("/settings/api-keys/").content.decode()
+    assert token not in again, "a key is shown only on the answer that made it"
+    assert "laptop editor" in again and key.prefix in again and "never" in again
+
+    assert page.post("/settings/api-keys/", {"name": "  "}).status_code == 400
+
+    # bob cannot revoke alice's key
+    other = Client()
+    other.force_login(bob)
+    other.post(f"/settings/api-keys/{key.pk}/revoke/")
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is None
+
+    assert page.post(f"/settings/api-keys/{key.pk}/revoke/").status_code == 302
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is not None
+    listed = page.get("/settings/api-keys/").content.decode()
+    assert "revoked" in listed and f"/settings/api-keys/{key.pk}/revoke/" not in listed
+
+
+def test_the_usage_reader_takes_usage_and_timings_from_frames_cut_anywhere():
+    stream = (b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+              b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,'
+              b'"completion_tokens":2,"total_tokens":7},"timings":{"predicted_n":2}}\n\ndata: [DONE]\n\n')
+    for cut in range(1, len(stream), 7):
+        seen = Usage()
+        seen.feed(stream[:cut])
+        seen.feed(stream[cut:])
+        assert seen.usage == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+        assert seen.timings == {"predicted_n": 2}
+    assert usage_from_timings({"cache_n": 30, "prompt_n": 1, "predicted_n": 4}) == {
+        "prompt_tokens": 31, "completion_tokens": 4, "total_tokens": 35}
+    assert usage_from_timings(None) == {} and usage_from_timings({"prompt_n": "x"}) == {}
+
+
+# --- refusals, in OpenAI's shape ------------------------------------------------------------------
+
+
+def test_refusals_come_in_openais_error_shape_with_their_status(stack, local_machine, alice):
+    smol = smol_id(local_machine)
+    message = [{"role": "user", "content": "Hello"}]
+
+    # The openai client will not send a request without a key: a bare HTTP one then.
+    no_key = httpx.post(f"{stack.base_url}/v1/chat/completions", json={"model": smol, "messages": message})
+    assert no_key.status_code == 401 and no_key.headers["WWW-Authenticate"].startswith("Bearer")
+    assert no_key.json()["error"]["code"] == "missing_api_key" and "API keys page" in no_key.json()["error"]["message"]
+    assert set(no_key.json()["error"]) == {"message", "type", "param", "code"}
+
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        client_for(stack, "corral-not-a-key").models.list()
+    assert wrong.value.code == "invalid_api_key"
+
+    token = make_key(alice)
+    ApiKey.objects.filter(user=alice).update(revoked_at="2026-01-02T03:04:00Z")
+    with pytest.raises(openai.AuthenticationError) as revoked:
+        client_for(stack, token).chat.completions.create(model=smol, messages=message)
+    assert "was revoked on 2026-01-02 03:04" in revoked.value.message
+
+    token = make_key(alice)
+    api = client_for(stack, token)
+    locked = Machine.objects.create(name="locked", models_dir=local_machine.models_dir,
+                                    llama_server_path=local_machine.llama_server_path, workspace_roots="")
+    locked.allowed_groups.add(Group.objects.create(name="shepherds"))
+    with pytest.raises(openai.PermissionDeniedError) as forbidden:
+        api.chat.completions.create(model="locked/SmolLM2-135M-Instruct.Q4_1", messages=message)
+    assert forbidden.value.status_code == 403 and forbidden.value.code == "machine_not_allowed"
+    assert "limited to some groups" in forbidden.value.message
+    assert not [m.id for m in api.models.list() if m.id.startswith("locked/")], "a key lists only its owner's machines"
+
+    with pytest.raises(openai.NotFoundError) as unknown:
+        api.chat.completions.create(model=f"{local_machine.name}/no-such-model", messages=message)
+    assert unknown.value.code == "model_not_found" and "GET /v1/models" in unknown.value.message
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.create(model="nowhere/x", messages=message)
+
+    with pytest.raises(openai.BadRequestError) as tools:
+        api.chat.completions.create(model=smol, messages=message, tools=[{"type": "function", "function": {
+            "name": "ls", "parameters": {"type": "object", "properties": {}}}}])
+    assert tools.value.code == "tools_not_supported" and "runs no tools" in tools.value.message
+
+    assert httpx.get(f"{stack.base_url}/v1/models").status_code == 401
+    assert not AgentSession.objects.filter(purpose="api").exists(), "no refused request starts a server"
+
+
+def test_a_model_too_big_for_its_machine_is_refused_with_the_numbers(stack, local_machine, alice):
+    Machine.objects.filter(pk=local_machine.pk).update(memory_budget_mib=1)
+    api = client_for(stack, make_key(alice))
+    with pytest.raises(openai.InternalServerError) as too_big:
+        api.chat.completions.create(model=smol_id(local_machine), messages=[{"role": "user", "content": "Hi"}])
+    assert too_big.value.status_code == 503 and too_big.value.code == "server_unavailable"
+    assert "cannot start on local" in too_big.value.message and "Choose a smaller" in too_big.value.message
+    assert not ServerRecord.objects.exists()
+
+
+# --- real replies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_replies_stream_or_not_from_one_shared_server(stack, local_machine, alice, bob):
+    smol = smol_id(local_machine)
+    api = client_for(stack, make_key(alice))
+    assert smol in [m.id for m in api.models.list()]
+    assert api.models.retrieve(smol).owned_by == local_machine.name
+
+    reply = api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Say hello."}],
+                                        max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content.strip()
+    assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
+    first = ServerRecord.objects.get()
+    session = AgentSession.objects.get(purpose="api")
+    assert (first.session_id, session.machine_id, session.model_key) == (session.pk, local_machine.pk,
+                                                                          model_key(local_machine, "llama"))
+    assert ApiKey.objects.get(user=alice).last_used_at is not None
+    # The key owner's usage, as the server reported it (docs/usage.md).
+    wait_for(lambda: UsageRecord.objects.filter(member=alice, source="api").exists(), 30, what="alice's usage row")
+    row = UsageRecord.objects.get(member=alice, source="api")
+    assert (row.prompt_tokens, row.completion_tokens) == (reply.usage.prompt_tokens, reply.usage.completion_tokens)
+    assert (row.machine_id, row.model_key) == (local_machine.pk, model_key(local_machine, "llama"))
+
+    # Streamed, by another member: the same server (same pid), llama-server's frames as they are.
+    bob_api = client_for(stack, make_key(bob))
+    chunks = list(bob_api.chat.completions.create(
+        model=smol, messages=[{"role": "user", "content": "Count to three."}], max_tokens=16, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() and len(chunks) > 2
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens > 0
+    assert ServerRecord.objects.get().pid == first.pid
+    wait_for(lambda: UsageRecord.objects.filter(member=bob, source="api").exists(), 30, what="bob's usage row")
+    row = UsageRecord.objects.get(member=bob, source="api")
+    assert (row.prompt_tokens, row.completion_tokens) == (usage[-1].prompt_tokens, usage[-1].completion_tokens)
+
+    # A spent daily quota refuses the next request with OpenAI's 429, before the server is asked.
+    Quota.objects.create(user=bob, tokens_per_day=1)
+    with pytest.raises(openai.RateLimitError) as refused:
+        bob_api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Again?"}], max_tokens=4)
+    assert refused.value.status_code == 429 and "tokens for today" in refused.value.message
+    assert UsageRecord.objects.filter(member=bob).count() == 1
+    assert AgentSession.objects.filter(purpose="api").count() == 1
+
+    # The raw stream: SSE frames ending in [DONE], usage and timings in them.
+    token = make_key(alice, "raw")
+    seen = Usage()
+    body = b""
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", timeout=120,
+                      headers={"Authorization": f"Bearer {token}"},
+                      json={"model": smol, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                            "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for chunk in response.iter_raw():
+            body += chunk
+            seen.feed(chunk)
+    frames = [f for f in body.split(b"\n\n") if f.strip()]
+    assert all(f.startswith(b"data: ") for f in frames) and frames[-1] == b"data: [DONE]"
+    assert json.loads(frames[0][6:])["object"] == "chat.completion.chunk"
+    # Not asked for, usage is not in the stream (it is passed on as llama-server sent it);
+    # Corral counts it from the timings of the last frame.
+    assert not seen.usage and seen.timings
+    counted = usage_from_timings(seen.timings)
+    assert counted["prompt_tokens"] > 0 and 0 < counted["completion_tokens"] <= 8
+    assert ServerRecord.objects.get().pid == first.pid
+
+    # Hidden from every page: not in the staff's session list, listed as Corral's own on the machines page.
+    assert not AgentSession.objects.visible_to(alice).filter(purpose="api").exists()
+    assert serving.SYSTEM_USERNAME == AgentSession.objects.get(purpose="api").owner.username
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_sleeping_api_server_is_woken_by_the_next_request(stack, local_machine, alice):
+    from sessions_app import lifecycle
+
+    smol = smol_id(local_machine)
+    api = client_for(stack, make_key(alice))
+    api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    session = AgentSession.objects.get(purpose="api")
+    first = ServerRecord.objects.get().pid
+    # A server serving a request (its lease held) is neither idle nor put to sleep.
+    AgentSession.objects.filter(pk=session.pk).update(api_busy_until=timezone.now() + timedelta(hours=1))
+    assert session.pk not in idle_sessions(local_machine)
+    assert not lifecycle.sleep_server(session.pk)
+    AgentSession.objects.filter(pk=session.pk).update(api_busy_until=None)
+    assert idle_sessions(local_machine) == [session.pk]
+    assert lifecycle.sleep_server(session.pk)
+    assert AgentSession.objects.get(pk=session.pk).status == "sleeping" and not ServerRecord.objects.exists()
+    reply = api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert reply.choices[0].message.content is not None
+    assert ServerRecord.objects.get().pid != first
+    assert AgentSession.objects.filter(purpose="api").count() == 1
