@@ -37,6 +37,7 @@ from . import broadcast, presence
 from .actions import find_session, may_grant_always
 from .events import load_kinds
 from .models import Access, AgentSession, TranscriptEvent
+from .presence_board import board
 from .presenters import (
     ALLOWANCE_KINDS,
     BLOCK_KINDS,
@@ -47,7 +48,6 @@ from .presenters import (
     context_size,
     prime_window,
     progress_text,
-    render_presence,
 )
 from .transcript import Kind
 
@@ -101,6 +101,7 @@ class RefusedConsumer(AsyncWebsocketConsumer):
 class SessionConsumer(AsyncJsonWebsocketConsumer):
     cut_off = False  # set when the user lost access mid-connection: send nothing more
     heartbeat: asyncio.Task | None = None
+    presence_shown: list[str] | None = None  # the who-is-watching list this page shows
 
     async def connect(self) -> None:
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
@@ -137,6 +138,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(group, self.channel_name)
         self.joined = []
         if self.heartbeat is not None:
+            board().discard(self.session_id, self)
             self.heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.heartbeat
@@ -167,7 +169,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
     async def _join(self) -> None:
         user_id = self.scope["user"].pk
         await database_sync_to_async(presence.join)(self.session_id, user_id, self.channel_name)
+        board().add(self.session_id, self)
         self.heartbeat = asyncio.create_task(self._beat(user_id))
+        # This process's sockets learn of it at once, the others' through the group.
+        board().changed(self.session_id)
         await broadcast.push_presence(self.session_id)
 
     async def _beat(self, user_id: int) -> None:
@@ -188,13 +193,19 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
                 # watcher would vanish from the list while still watching): try next beat.
                 logger.warning("presence heartbeat of session %s failed", self.session_id, exc_info=True)
 
-    async def presence_changed(self, message: dict) -> None:
-        if self.cut_off:
+    def presence_changed(self, message: dict) -> None:
+        """Who watches may have changed: this process's board reads the list once for all
+        its sockets of the session, and sends it to those whose page shows another
+        (sessions_app.presence_board: one read per change, not one per socket)."""
+        if not self.cut_off:
+            board().changed(self.session_id)
+
+    async def show_presence(self, names: list[str], html: str) -> None:
+        """Send the who-is-watching list (``html``: its rendering), unless the page shows it already."""
+        if self.cut_off or names == self.presence_shown:
             return
-        names = await database_sync_to_async(presence.watching)(self.session_id)
-        await self.send_json(
-            {"presence": names, "ops": [{"op": "replace", "id": "presence", "html": render_presence(names)}]}
-        )
+        self.presence_shown = names
+        await self.send_json({"presence": names, "ops": [{"op": "replace", "id": "presence", "html": html}]})
 
     async def dispatch(self, message: dict) -> None:
         """Channels' own dispatch, without its hop to the database thread before each
@@ -208,6 +219,8 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             await self.transcript_tail(message)
         elif message.get("type") == "transcript.progress":
             await self.transcript_progress(message)
+        elif message.get("type") == "presence.changed":
+            self.presence_changed(message)  # no database here either: the board reads, once
         else:
             await super().dispatch(message)
 
