@@ -13,6 +13,7 @@ that adds round trips shows as a number (bench/many_sessions.py, bench/many_watc
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -55,9 +56,11 @@ class Tally:
         self.sql: Counter = Counter()
 
     def start(self) -> None:
+        time.sleep(1)  # the processes' last counts written (every 0.5 s)
         self._redis, self._sql = redis_commands(), sql_statements(self.sql_dir)
 
     def stop(self) -> None:
+        time.sleep(1)
         self.redis = redis_commands() - self._redis
         self.redis["info"] -= 1  # the bench's own read
         self.redis = +self.redis

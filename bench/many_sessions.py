@@ -54,12 +54,14 @@ TOKEN = re.compile(r"(\d+)@(\d+(?:\.\d+)?) ")
 RAW = re.compile(r'<div class="body plain raw">(.*?)(?:<span class="tail"></span>)?</div>', re.S)
 
 
-async def watch(url: str, cookie: str, origin: str, tokens: int, connected: asyncio.Event) -> dict:
+async def watch(url: str, cookie: str, origin: str, tokens: int, connected: asyncio.Event,
+                opening: asyncio.Semaphore) -> dict:
     """Follow one session page's socket until its reply is over (the session idle again):
     the reply's text as the page counts it (stored text only, by seq) and, for each token,
     when it was first shown (in a tail or in stored text), as a delay in ms after the
     stand-in wrote it."""
     from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidHandshake
 
     text, first_seen = [], {}
 
@@ -67,7 +69,16 @@ async def watch(url: str, cookie: str, origin: str, tokens: int, connected: asyn
         for match in TOKEN.finditer(piece):  # only whole tokens: a tail or a piece may end mid-token
             first_seen.setdefault(int(match.group(1)), now - float(match.group(2)))
 
-    async with connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, max_size=None) as ws:
+    async with opening:  # as many pages opening at once as a burst of browsers would
+        for attempt in range(5):  # a handshake daphne dropped is tried again, as the page does
+            try:
+                ws = await connect(url, additional_headers={"Cookie": cookie, "Origin": origin}, max_size=None)
+                break
+            except (OSError, InvalidHandshake):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
+    async with ws:
         connected.set()
         started = False
         async for raw in ws:
@@ -127,7 +138,7 @@ def main() -> None:
                                           server_params={}, sampling={"max_tokens": tokens}, permission_mode="manual")
                 for _ in range(n)
             ]
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 900  # 64 stand-ins start slowly on a loaded machine
             while AgentSession.objects.filter(pk__in=[s.pk for s in sessions], status="idle").count() < n:
                 if time.monotonic() > deadline:
                     raise SystemExit("timed out waiting for the stand-ins to start")
@@ -137,10 +148,11 @@ def main() -> None:
             async def run_all(sessions, n=n):
                 followed = followed_sessions(sessions, args.watchers)
                 connected = [asyncio.Event() for _ in followed]
+                opening = asyncio.Semaphore(20)
                 watchers = [
                     asyncio.ensure_future(watch(
                         f"ws://127.0.0.1:{port}/ws/sessions/{s.pk}/?after={AgentSession.objects.get(pk=s.pk).last_seq}",
-                        cookie, f"http://127.0.0.1:{port}", tokens, c))
+                        cookie, f"http://127.0.0.1:{port}", tokens, c, opening))
                     for s, c in zip(followed, connected, strict=True)
                 ]
                 await asyncio.wait_for(asyncio.gather(*(c.wait() for c in connected)), 120)
@@ -148,13 +160,13 @@ def main() -> None:
                 profiles = (Profiles({"daphne": stack.procs["web"].pid, "turns": stack.procs["worker-turns"].pid},
                                      args.profile / f"N{n}", args.seconds) if args.profile else None)
                 before = stack.cpu_seconds()
-                tally.start()
+                await asyncio.to_thread(tally.start)
                 started = time.monotonic()
                 for s in sessions:
                     await asyncio.to_thread(actions.do_send_message, AgentSession.objects.get(pk=s.pk), user, "go")
                 results = await asyncio.wait_for(asyncio.gather(*watchers), args.seconds * 10 + 120)
                 spent = cpu_spent(before, stack.cpu_seconds())
-                tally.stop()
+                await asyncio.to_thread(tally.stop)
                 if profiles is not None:
                     print("\n".join(profiles.summaries()), flush=True)
                 return results, spent, time.monotonic() - started

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from django.test import Client
+from websockets.exceptions import InvalidHandshake
 
 from machines_app.models import Machine
 from sessions_app.models import AgentSession, Watcher
@@ -14,7 +15,7 @@ from .conftest import WSRecorder, wait_for
 pytestmark = pytest.mark.django_db(transaction=True)
 
 #: Sockets of one person opened on one session, one after another.
-TABS = 25
+TABS = 12
 
 
 def cookie_of(user) -> str:
@@ -23,10 +24,21 @@ def cookie_of(user) -> str:
     return f"sessionid={client.cookies['sessionid'].value}"
 
 
+def opened(url: str, cookie: str, origin: str) -> WSRecorder:
+    """A socket opened as the page opens it: a handshake daphne dropped (one not accepted
+    within its 5 s, on a machine busy with other work) is tried again."""
+    for _ in range(2):
+        try:
+            return WSRecorder(url, cookie=cookie, origin=origin)
+        except (InvalidHandshake, OSError):
+            continue
+    return WSRecorder(url, cookie=cookie, origin=origin)
+
+
 def test_each_join_sends_the_list_to_the_joiner_and_only_a_change_of_names_to_everyone(stack, alice, bob, tmp_path):
     """TABS sockets of alice join one after another, then one of bob. Each socket gets the
     list once when it joins and once more when bob's name is added: 2 × TABS + 1 lists in
-    all. (Every socket told of every join was TABS × (TABS + 1) / 2 + TABS + 1 = 351.)"""
+    all. (Every socket told of every join was TABS × (TABS + 1) / 2 + TABS + 1 = 91.)"""
     machine = Machine.objects.create(name="m1", models_dir=str(tmp_path))
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf",
                                           working_dir=str(tmp_path), status="idle",
@@ -35,11 +47,11 @@ def test_each_join_sends_the_list_to_the_joiner_and_only_a_change_of_names_to_ev
     sockets: list[WSRecorder] = []
     try:
         for n in range(TABS):
-            ws = WSRecorder(stack.ws_url(session.pk), cookie=alices_cookie, origin=stack.base_url)
+            ws = opened(stack.ws_url(session.pk), alices_cookie, stack.base_url)
             sockets.append(ws)
             wait_for(lambda ws=ws: ws.presence, 15, what=f"tab {n + 1}'s first list")
             assert ws.presence == [["alice"]]
-        bobs = WSRecorder(stack.ws_url(session.pk), cookie=cookie_of(bob), origin=stack.base_url)
+        bobs = opened(stack.ws_url(session.pk), cookie_of(bob), stack.base_url)
         sockets.append(bobs)
         for ws in sockets:
             wait_for(lambda ws=ws: ws.presence and ws.presence[-1] == ["alice", "bob"], 15, what="bob's name")

@@ -5,7 +5,8 @@ interpreter start through ``PYTHONPATH`` by bench/_setup.py's Stack when
 Every Django database connection the process opens gets an execute wrapper that counts
 its statements by their first word (``INSERT``, ``UPDATE``, ``DELETE``, ``SELECT``, …)
 and the transactions it commits; a daemon thread writes the counts to
-``<dir>/<pid>.json`` every 0.2 s, so the bench reads them while the process runs.
+``<dir>/<pid>.json`` every 0.5 s when they changed, so the bench reads them while the
+process runs (it waits a second before reading).
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ if DIRECTORY:
 
     def dump():
         path = os.path.join(DIRECTORY, f"{os.getpid()}.json")
+        written = None
         while True:
-            time.sleep(0.2)
+            time.sleep(0.5)
             with lock:
                 text = json.dumps(counts)
+            if text == written:
+                continue
+            written = text
             with open(path + ".tmp", "w") as out:
                 out.write(text)
             os.replace(path + ".tmp", path)
