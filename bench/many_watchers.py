@@ -77,9 +77,10 @@ class Socket:
     async def run(self) -> None:
         """Open the socket and read until told to stop; a handshake that fails (daphne
         drops one its application has not accepted within 5 s) is tried again, as the
-        page does (after 0.5 s), and counted."""
+        page does (after 0.5 s, doubling up to 5 s), and counted."""
         from websockets.asyncio.client import connect
 
+        backoff = 0.5
         while not self.stop.is_set():
             try:
                 async with connect(self.url, additional_headers=self.headers, max_size=None) as ws:
@@ -89,7 +90,8 @@ class Socket:
                     return
             except (OSError, InvalidHandshake):
                 self.failed_handshakes += 1
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     async def _read(self, ws) -> None:
         started = False
