@@ -201,6 +201,8 @@ def main() -> None:
                 lifecycle.stop_server(s.pk)
     finally:
         stack.stop()
+        for session_id in AgentSession.objects.values_list("pk", flat=True):  # servers outlive a stack
+            lifecycle.stop_server(session_id)
 
 
 if __name__ == "__main__":
