@@ -46,14 +46,21 @@ class Stack:
     :meth:`cpu_seconds` is the CPU time (user + system, from ``/proc/<pid>/stat``) that
     Corral's own processes have spent so far: these, plus the embedded Redis. Not
     llama-server, which the servers worker starts but which is the model's, not Corral's.
+    With ``sql_counts``, each process counts its SQL statements there (bench/counts.py).
     """
 
-    def __init__(self, data: Path, port: int, *, turn_workers: int = 8) -> None:
+    def __init__(self, data: Path, port: int, *, turn_workers: int = 8, sql_counts: Path | None = None) -> None:
         from django.conf import settings
 
         from project import launcher, queues
 
         env = {**os.environ, "REDIS_URL": settings.REDIS_URL, "SECRET_KEY": settings.SECRET_KEY}
+        if sql_counts is not None:  # bench/counts.py: each process counts its SQL statements
+            from counts import COUNTING_PATH, SQL_COUNTS_ENV
+
+            sql_counts.mkdir(exist_ok=True)
+            env[SQL_COUNTS_ENV] = str(sql_counts)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COUNTING_PATH), env.get("PYTHONPATH")]))
         bin_dir = Path(sys.executable).parent
         celery = [str(bin_dir / "celery"), "-A", "project"]
         quiet = launcher.QUIET_WORKER.split()  # as ./corral run starts them

@@ -18,13 +18,19 @@
    (without slot save/restore ≈ 0).
 5. Page size: server time for a session page holding 10,000 events (goal <= 150 ms) and
    how many transcript rows it draws (older turns are paged: docs/live-page.md).
+6. The live page at scale (bench/live_scale.py): 64 sessions × 50 tokens/s × 2 watchers
+   each (goal: all delivered in order, p95 token delay <= 100 ms); 200 watchers joining
+   one streaming session (goal: no live token delayed above 100 ms while they join,
+   who-is-watching messages O(watchers)); and the Redis commands and database writes per
+   100 tokens and per join, counted.
 Also: prompt cache: on turn N+1, cached prompt tokens / turn N's prompt tokens, from the
    server's own timings. Goal: >= 0.95.
 
 It runs the real stack (daphne, the Celery workers, beat, llama-server on SmolLM2) in a
 throwaway data directory with SQLite and an embedded Redis, unless DATABASE_URL /
 REDIS_URL are set. Numbers are noisy on a shared machine: ``uptime`` is printed first.
-``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 alone.
+``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 alone;
+``--live-only`` runs item 6 alone.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import sys
 import threading
 import time
 
+import live_scale
 from _setup import ROOT, Stack, boot, cpu_spent  # bench/ is the script's own directory
 
 DATA = boot("corral-bench-")
@@ -129,7 +136,11 @@ def main() -> None:
     if page_only:
         page_size(user, machine, smol.name, client)
         return
+    if "--live-only" in sys.argv[1:]:
+        print("\n".join(live_scale.lines()))
+        return
     many = many_sessions() if not (cpu_only or warm_only) else []
+    scale = live_scale.lines() if not (cpu_only or warm_only) else []
     port = 18000 + os.getpid() % 1000
     stack = Stack(DATA, port)
     try:
@@ -226,6 +237,7 @@ def main() -> None:
               f"{statistics.median(r['own'] for r in alone):.3f} (what the pipeline adds; the rest is CPU "
               "that Corral's processes take from llama-server)")
         print("\n".join(many))
+        print("\n".join(scale))
         prompt_cache_and_warm_restart(session, machine, user, smol.name)
     finally:
         stack.stop()

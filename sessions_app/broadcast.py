@@ -197,9 +197,10 @@ def push_progress(session_id: int, state: dict) -> None:
 
 async def push_presence(session_id: int) -> None:
     """Tell every watcher of the session that who is watching changed. The message
-    carries no list: each consumer reads the list when the message arrives, so the last
-    message after several changes always shows the last state (two lists computed by
-    two processes could arrive in either order)."""
+    carries no list: each daphne's board reads the list once when the message arrives
+    (sessions_app.presence_board), so the last list sent after several changes always
+    shows the last state (two lists computed by two processes could arrive in either
+    order)."""
     layer = get_channel_layer()
     if layer is None:
         return

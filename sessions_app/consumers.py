@@ -37,6 +37,7 @@ from . import broadcast, presence
 from .actions import find_session, may_grant_always
 from .events import load_kinds
 from .models import Access, AgentSession, TranscriptEvent
+from .presence_board import board
 from .presenters import (
     ALLOWANCE_KINDS,
     BLOCK_KINDS,
@@ -47,7 +48,6 @@ from .presenters import (
     context_size,
     prime_window,
     progress_text,
-    render_presence,
 )
 from .transcript import Kind
 
@@ -101,22 +101,20 @@ class RefusedConsumer(AsyncWebsocketConsumer):
 class SessionConsumer(AsyncJsonWebsocketConsumer):
     cut_off = False  # set when the user lost access mid-connection: send nothing more
     heartbeat: asyncio.Task | None = None
+    presence_shown: list[str] | None = None  # the who-is-watching list this page shows
 
     async def connect(self) -> None:
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
         self.group = broadcast.group_name(self.session_id)
         self.joined: list[str] = []
-        refusal = await self._refusal()
+        # Two trips to the database thread in all (each one a connection opened and
+        # closed): many pages opening at once each wait behind every other's trips, and
+        # daphne drops a handshake not accepted within 5 s (docs/live-page.md).
+        refusal = await database_sync_to_async(self._open)()
         if refusal is not None:
             await self.accept()
             await self.close(code=refusal.value)
             return
-        self.last_sent = _after(self.scope)
-        self.renderer = TranscriptView(
-            self.session_id, call_events=self._call_events, machine_name=await self._machine_name(),
-            viewer=Viewer(self.scope["user"].pk, self.access, await self._may_grant()), n_ctx=await self._n_ctx(),
-            allowance_events=self._allowance_events,
-        )
         await self.accept()
         # The account's and the machine's groups: a change to either (a deactivation, a
         # new password, a group left, the machine disabled) asks this socket again at once.
@@ -127,9 +125,30 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         for group in groups:
             await self.channel_layer.group_add(group, self.channel_name)
             self.joined.append(group)
-        await self._join()
-        await database_sync_to_async(self._prime)()
-        await self._catch_up()
+        missed = await database_sync_to_async(self._start)()  # after the groups: nothing falls between
+        self._join()
+        await broadcast.push_presence(self.session_id)
+        await self._send_events(missed)
+
+    def _open(self) -> CloseCode | None:
+        """Whether this socket can be served (:meth:`_refusal`); when it can, the page's
+        renderer is made (database thread)."""
+        refusal = self._refusal()
+        if refusal is None:
+            self.last_sent = _after(self.scope)
+            self.renderer = TranscriptView(
+                self.session_id, call_events=self._call_events, machine_name=self._machine_name(),
+                viewer=Viewer(self.scope["user"].pk, self.access, self._may_grant()), n_ctx=self._n_ctx(),
+                allowance_events=self._allowance_events,
+            )
+        return refusal
+
+    def _start(self) -> list[TranscriptEvent]:
+        """Count this connection as watching, learn what the page holds open, and read
+        the events it missed (database thread)."""
+        presence.join(self.session_id, self.scope["user"].pk, self.channel_name)
+        self._prime()
+        return self._events_after(self.last_sent)
 
     async def disconnect(self, code: int) -> None:
         # Leave at once: the last of this daphne's consumers in a group unsubscribes it.
@@ -137,6 +156,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_discard(group, self.channel_name)
         self.joined = []
         if self.heartbeat is not None:
+            board().discard(self.session_id, self)
             self.heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.heartbeat
@@ -164,37 +184,46 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     # --- who is watching (docs/sharing.md)
 
-    async def _join(self) -> None:
-        user_id = self.scope["user"].pk
-        await database_sync_to_async(presence.join)(self.session_id, user_id, self.channel_name)
-        self.heartbeat = asyncio.create_task(self._beat(user_id))
-        await broadcast.push_presence(self.session_id)
+    def _join(self) -> None:
+        """Start the heartbeat and tell this process's board (the row is written by
+        :meth:`_start`); the caller announces the change to the other daphnes."""
+        board().add(self.session_id, self)
+        self.heartbeat = asyncio.create_task(self._beat(self.scope["user"].pk))
+        board().changed(self.session_id)  # this process's sockets learn of it without Redis
 
     async def _beat(self, user_id: int) -> None:
         while True:
             await asyncio.sleep(presence.heartbeat_seconds())
             try:
-                if await database_sync_to_async(presence.beat)(self.session_id, user_id, self.channel_name):
+                # One trip to the database thread for the whole beat (W pages: W trips a beat).
+                changed, holds, access, missed = await database_sync_to_async(self._beat_reads)(user_id)
+                if changed:
                     await broadcast.push_presence(self.session_id)
                 # Rights can also change without a sharing event (an account deactivated,
                 # staff status taken away): ask again on every beat.
-                if await self._recheck():
+                if await self._recheck(holds, access):
                     return
                 # A lost push is caught up at the next event's gap; when the lost one was
                 # the last (a turn's end, a status) no gap ever shows: look every beat.
-                await self._catch_up()
+                await self._send_events(missed)
             except Exception:
                 # A busy database or Redis now and then must not end the heartbeat (the
                 # watcher would vanish from the list while still watching): try next beat.
                 logger.warning("presence heartbeat of session %s failed", self.session_id, exc_info=True)
 
-    async def presence_changed(self, message: dict) -> None:
-        if self.cut_off:
+    def presence_changed(self, message: dict) -> None:
+        """Who watches may have changed: this process's board reads the list once for all
+        its sockets of the session, and sends it to those whose page shows another
+        (sessions_app.presence_board: one read per change, not one per socket)."""
+        if not self.cut_off:
+            board().changed(self.session_id)
+
+    async def show_presence(self, names: list[str], html: str) -> None:
+        """Send the who-is-watching list (``html``: its rendering), unless the page shows it already."""
+        if self.cut_off or names == self.presence_shown:
             return
-        names = await database_sync_to_async(presence.watching)(self.session_id)
-        await self.send_json(
-            {"presence": names, "ops": [{"op": "replace", "id": "presence", "html": render_presence(names)}]}
-        )
+        self.presence_shown = names
+        await self.send_json({"presence": names, "ops": [{"op": "replace", "id": "presence", "html": html}]})
 
     async def dispatch(self, message: dict) -> None:
         """Channels' own dispatch, without its hop to the database thread before each
@@ -208,6 +237,8 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             await self.transcript_tail(message)
         elif message.get("type") == "transcript.progress":
             await self.transcript_progress(message)
+        elif message.get("type") == "presence.changed":
+            self.presence_changed(message)  # no database here either: the board reads, once
         else:
             await super().dispatch(message)
 
@@ -244,18 +275,26 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             return
         await self._send(seq, message["kind"], message["payload"])
 
-    async def _recheck(self) -> bool:
+    def _beat_reads(self, user_id: int) -> tuple[bool, bool, Access, list[TranscriptEvent]]:
+        """A heartbeat's database work (database thread): refresh this connection's row
+        (whether the list may have changed), whether the login holds, what the user may
+        do now, and the events after the last one sent."""
+        changed = presence.beat(self.session_id, user_id, self.channel_name)
+        return changed, self._login_holds(), self._access_now(), self._events_after(self.last_sent)
+
+    async def _recheck(self, holds: bool | None = None, access: Access | None = None) -> bool:
         """Ask again whether this browser's login stands and what ``access_for`` answers.
         True when the page may follow the session no more: a login that ended (account
         turned off, password changed, logged out) closes the socket with LOGGED_OUT
         (4401), lost access with NOT_SHARED (4403), and nothing more is sent. When the
         rights changed otherwise (less or more than before: the machine's groups, the
         sharing), the page is told to reload (its buttons were drawn for the old ones)."""
-        if not await database_sync_to_async(self._login_holds)():
+        if holds is None:
+            holds, access = await database_sync_to_async(lambda: (self._login_holds(), self._access_now()))()
+        if not holds:
             self.cut_off = True
             await self.close(code=CloseCode.LOGGED_OUT.value)
             return True
-        access = await self._access()
         if access == Access.NONE:
             self.cut_off = True
             await self.close(code=CloseCode.NOT_SHARED.value)
@@ -283,7 +322,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             await self._recheck()
 
     async def _catch_up(self) -> None:
-        events = await database_sync_to_async(self._events_after)(self.last_sent)
+        await self._send_events(await database_sync_to_async(self._events_after)(self.last_sent))
+
+    async def _send_events(self, events: list[TranscriptEvent]) -> None:
+        """Send the events read from the database that the page has not had yet."""
         for event in events:
             if event.seq > self.last_sent and not self.cut_off:
                 await self._send(event.seq, event.kind, event.payload)
@@ -299,11 +341,6 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         current = get_user_model().objects.filter(pk=user.pk).first()
         return session.access_for(current) if current is not None else Access.NONE
 
-    @database_sync_to_async
-    def _access(self) -> Access:
-        return self._access_now()
-
-    @database_sync_to_async
     def _refusal(self) -> CloseCode | None:
         """Why this socket cannot be served, checked in this order: nobody logged in, no
         such session for this user (a private session of someone else included), a
@@ -352,14 +389,12 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         """What the list of allowances folds from, up to seq ``upto`` (sync thread of feed())."""
         return load_kinds(self.session_id, [*ALLOWANCE_KINDS, Kind.IMPORTED], upto=upto)
 
-    @database_sync_to_async
     def _may_grant(self) -> bool:
         """Whether this user is offered "always" (actions.may_grant_always), read at connect."""
         session = find_session(self.session_id)
         user = get_user_model().objects.filter(pk=self.scope["user"].pk).first()
         return session is not None and user is not None and may_grant_always(session, user)
 
-    @database_sync_to_async
     def _n_ctx(self) -> int | None:
         """The context size the page's gauge shows now (presenters.context_size: the last
         ``server_ready``'s, else the session's contextSize; the view takes later ones from
@@ -369,7 +404,6 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         params = AgentSession.objects.filter(pk=self.session_id).values_list("server_params", flat=True).first()
         return context_size(ready if isinstance(ready, dict) else None, (params or {}).get("contextSize"))
 
-    @database_sync_to_async
     def _machine_name(self) -> str:
         return AgentSession.objects.filter(pk=self.session_id).values_list("machine__name", flat=True).first() or ""
 
