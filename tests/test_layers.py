@@ -123,7 +123,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "*.models", "machines_app.access", "machines_app.transports", "machines_app.llama_server",
         "machines_app.workspaces", "machines_app.template_files", "machines_app.catalog",
         "sessions_app.completions", "sessions_app.tools", "sessions_app.machine_tools",
-        "sessions_app.server_state", "sessions_app.presence", "sessions_app.dispatch",
+        "sessions_app.server_state", "sessions_app.presence", "sessions_app.presence_board", "sessions_app.dispatch",
         "sessions_app.broadcast", "sessions_app.liveness", "sessions_app.images", "sessions_app.text_files",
         "sessions_app.presenters", "sessions_app.templatetags*", "usage_app.quota", "usage_app.figures",
     )),
