@@ -342,7 +342,8 @@ class Request:
     """What one completion of a turn sends (:func:`request_for`): the chat ``messages``, the
     tool ``definitions``, the ``sampling`` body keys with the ``seed`` they use, and what
     its usage line reports (``in_force``, ``sources``: :func:`sampling_in_force`). Also the
-    tool ``catalogue`` and the last ``ready`` event's payload it was read from."""
+    tool ``catalogue`` and the last ``ready`` event's payload it was read from, and the
+    session's ``model_key`` and its ``model`` file row (None when the machine lists none)."""
 
     catalogue: tools.Catalogue
     messages: list[dict]
@@ -352,6 +353,8 @@ class Request:
     in_force: dict
     sources: dict
     ready: dict
+    model_key: str
+    model: ModelFile | None
 
 
 def request_for(session: AgentSession, events) -> Request:
@@ -388,7 +391,7 @@ def request_for(session: AgentSession, events) -> Request:
     # The template writes the tools' descriptions and schemas (an MCP server's words) into
     # the prompt too: they are text of the request like any message.
     definitions = control_tokens.neutralise_tools(definitions, specials)
-    return Request(catalogue, messages, definitions, sampling, seed, in_force, sources, ready)
+    return Request(catalogue, messages, definitions, sampling, seed, in_force, sources, ready, fresh.model_key, model)
 
 
 class Step:
@@ -611,8 +614,9 @@ class Step:
             payload.update({"seed": seed, "finish_reason": finish_reason, "sampling": in_force,
                             "sampling_from": sources})
             # The usage row (usage_app) goes with the event, in its transaction.
-            metering.record_completion(self.session_id, self.owner, payload, usage, model,
-                                       model_key=fresh.model_key, model_name=ready.get("model") or fresh.model_key)
+            metering.record_completion(self.session_id, self.owner, payload, usage, request.model,
+                                       model_key=request.model_key,
+                                       model_name=ready.get("model") or request.model_key)
         if interrupted.is_set():
             return self.cut_by_stop(produced) if self.server_stop_asked() else TurnEnd.INTERRUPTED
         calls = assembler.calls()
