@@ -25,12 +25,21 @@
    100 tokens and per join, counted.
 Also: prompt cache: on turn N+1, cached prompt tokens / turn N's prompt tokens, from the
    server's own timings. Goal: >= 0.95.
+Goals of the turn's own cost (``turn_goals``; printed after item 1, or alone with ``--turn-only``):
+ goal 1. time to first token: from the POST of a message to the first reply text on a page's
+   websocket, against a client sending the same request (agent.request_for) to the same
+   llama-server itself, to its first content chunk; 10 turns each, same conversation
+   (cleared before each turn), warm cache, in separate phases (each would evict the other's
+   prefix from the server's one slot). Goal: Corral adds <= 30 ms p50, <= 60 ms p95.
+ goal 2. the idle stack with two session pages open: <= 3 ms CPU per second, all processes.
+ goal 3. Corral's CPU per streamed token, idle cost included, with one and with two
+   watchers: <= 0.3 ms at the box's llama-server token rate (printed beside it).
 
 It runs the real stack (daphne, the Celery workers, beat, llama-server on SmolLM2) in a
 throwaway data directory with SQLite and an embedded Redis, unless DATABASE_URL /
 REDIS_URL are set. Numbers are noisy on a shared machine: ``uptime`` is printed first.
-``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 alone;
-``--live-only`` runs item 6 alone.
+``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 and the
+goals alone; ``--turn-only`` the goals alone; ``--live-only`` runs item 6 alone.
 """
 
 from __future__ import annotations
@@ -113,6 +122,7 @@ def main() -> None:
     page_only = "--page-only" in sys.argv[1:]  # item 5 alone: no model, no stack
     cpu_only = "--cpu-only" in sys.argv[1:]  # item 1 alone
     warm_only = "--warm-only" in sys.argv[1:]  # item 4 (and the prompt cache) alone, then item 5
+    turn_only = "--turn-only" in sys.argv[1:]  # goals 1-3 alone (the turn's own cost)
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     call_command("migrate", verbosity=0)
     from machines_app import catalog
@@ -127,7 +137,10 @@ def main() -> None:
     smol = packaged_model_paths()["smollm2"]
     (models / smol.name).symlink_to(smol)
     machine = Machine.objects.create(name="bench", models_dir=str(models), llama_server_path=packaged_llama_server())
-    stand_in = Machine.objects.create(name="stand-in", models_dir=str(models), llama_server_path=rate_server_script())
+    # The stand-in runs this checkout's bench/rate_server.py, which the sandbox hides (it
+    # hides Corral's code and data directory): started without one, as a test stand-in.
+    stand_in = Machine.objects.create(name="stand-in", models_dir=str(models), llama_server_path=rate_server_script(),
+                                      bwrap_path="")
     catalog.refresh_models(machine)
     catalog.refresh_models(stand_in)
     user = get_user_model().objects.create_user("bench", password="bench-password-1")
@@ -139,8 +152,8 @@ def main() -> None:
     if "--live-only" in sys.argv[1:]:
         print("\n".join(live_scale.lines()))
         return
-    many = many_sessions() if not (cpu_only or warm_only) else []
-    scale = live_scale.lines() if not (cpu_only or warm_only) else []
+    many = many_sessions() if not (cpu_only or warm_only or turn_only) else []
+    scale = live_scale.lines() if not (cpu_only or warm_only or turn_only) else []
     port = 18000 + os.getpid() % 1000
     stack = Stack(DATA, port)
     try:
@@ -148,11 +161,11 @@ def main() -> None:
             user, machine=machine, model_key=smol.name, working_dir=str(DATA), server_params={"contextSize": 4096},
             sampling={"temperature": 0, "seed": SEED, "max_tokens": MAX_TOKENS}, permission_mode="manual",
         )
-        second = actions.do_create_session(
+        second = None if turn_only else actions.do_create_session(
             user, machine=stand_in, model_key=smol.name, working_dir=str(DATA), server_params={},
             sampling={"max_tokens": 100_000}, permission_mode="manual",
         )
-        for s in (session, second):
+        for s in (session, second) if second else (session,):
             wait_for(lambda s=s: AgentSession.objects.get(pk=s.pk).status == "idle", 180, "the model to load",
                      lambda s=s: turn_state(s.pk))
         if warm_only:
@@ -162,6 +175,9 @@ def main() -> None:
         base_url = f"http://127.0.0.1:{record.port}"
         client.force_login(user)
         cookie = f"sessionid={client.cookies['sessionid'].value}"
+        if turn_only:
+            turn_goals(stack, session, user, port, cookie, base_url, record.api_key)
+            return
 
         from websockets.sync.client import connect
 
@@ -218,6 +234,7 @@ def main() -> None:
         print("   by process: " + ", ".join(f"{k} {v / median['tokens'] * 1000:.2f}" for k, v in median["cpu"].items())
               + f" ms/token; idle stack {idle * 1000:.0f} ms CPU per second "
               f"(= {idle * median['wall'] / median['tokens'] * 1000:.2f} ms/token of the figure above)")
+        turn_goals(stack, session, user, port, cookie, base_url, record.api_key)
         if cpu_only:
             return
 
@@ -365,6 +382,200 @@ def warm_restart(machine, user, model_key: str) -> None:
     print(f"4. warm restart: turn 5 prompt {previous_prompt}, after stop+start cached {warm} "
           f"(ratio {warm / previous_prompt:.3f}, goal >= 0.95); restart to ready {ready_s:.1f} s")
     actions.do_stop(fresh(), user)
+
+
+# --- goals of the turn's own cost: first token, idle stack, CPU per token --------------------------
+
+TTFT_RUNS = 10
+TTFT_PROMPT = "Say hello in one short sentence."
+TTFT_MAX_TOKENS = 8
+IDLE_SECONDS = 20
+
+
+class Page:
+    """An open session page's websockets: the session's (its messages, with the time each
+    came, in :attr:`messages`) and the attention socket every page opens."""
+
+    def __init__(self, port: int, session_id: int, cookie: str, after: int) -> None:
+        import queue
+
+        from websockets.sync.client import connect
+
+        headers = {"Cookie": cookie, "Origin": f"http://127.0.0.1:{port}"}
+        self.messages: queue.Queue = queue.Queue()
+        self.socket = connect(f"ws://127.0.0.1:{port}/ws/sessions/{session_id}/?after={after}",
+                              additional_headers=headers)
+        self.attention = connect(f"ws://127.0.0.1:{port}/ws/attention/", additional_headers=headers)
+        self.threads = [threading.Thread(target=self._read, args=(ws, ws is self.socket), daemon=True)
+                        for ws in (self.socket, self.attention)]
+        for thread in self.threads:
+            thread.start()
+
+    def _read(self, ws, keep: bool) -> None:
+        try:
+            for raw in ws:
+                if keep:
+                    self.messages.put((time.perf_counter(), json.loads(raw)))
+        except Exception:  # closed
+            return
+
+    def drain(self) -> None:
+        while not self.messages.empty():
+            self.messages.get_nowait()
+
+    def wait(self, found, timeout: float = 300.0) -> float:
+        """The time the first message for which ``found(message)`` holds came."""
+        deadline = time.monotonic() + timeout
+        while True:
+            at, message = self.messages.get(timeout=max(0.1, deadline - time.monotonic()))
+            if found(message):
+                return at
+
+    def close(self) -> None:
+        self.socket.close()
+        self.attention.close()
+
+
+def reply_text_shown(message: dict) -> bool:
+    """Whether a page message shows an assistant block's text (its id ``a-<seq>``)."""
+    return any(op.get("op") in ("text", "tail", "append")
+               and (str(op.get("id", "")).startswith("a-") or 'id="a-' in op.get("html", "")[:200])
+               for op in message.get("ops", []))
+
+
+def turn_ended(message: dict) -> bool:
+    return any(op.get("op") == "status" and op.get("status") == "idle" for op in message.get("ops", []))
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def idle_goal(stack: Stack, session, port: int, cookie: str) -> list[str]:
+    """2. The stack's CPU while nothing streams and two session pages are open (their
+    sockets: the session's and the attention socket each), per second."""
+    from sessions_app.models import AgentSession
+
+    after = AgentSession.objects.get(pk=session.pk).last_seq
+    pages = [Page(port, session.pk, cookie, after) for _ in range(2)]
+    try:
+        stack.settle()
+        before = stack.cpu_seconds()
+        time.sleep(IDLE_SECONDS)
+        spent = cpu_spent(before, stack.cpu_seconds())
+    finally:
+        for page in pages:
+            page.close()
+    total = sum(spent.values()) / IDLE_SECONDS * 1000
+    return [f"goal 2. idle stack, 2 pages open, {IDLE_SECONDS} s: {total:.1f} ms CPU per second  (goal <= 3)",
+            "   by process: " + ", ".join(f"{k} {v / IDLE_SECONDS * 1000:.1f}" for k, v in spent.items())]
+
+
+def first_token_goal(session, user, port: int, cookie: str, base_url: str, api_key: str) -> list[str]:
+    """1. Time to first token: from the POST of a message to the page showing the reply's
+    first text, against a client sending the same request to the same llama-server itself
+    (to its first ``content`` chunk). Same conversation each time (cleared before each
+    turn), warm prompt cache; the two run in separate phases, since each would evict the
+    other's prefix from the server's one slot. TTFT_RUNS each, after one unmeasured."""
+    import re
+
+    from sessions_app import actions, agent
+    from sessions_app.completions import CompletionClient
+    from sessions_app.events import load_events
+    from sessions_app.models import AgentSession
+
+    AgentSession.objects.filter(pk=session.pk).update(
+        sampling={"temperature": 0, "seed": SEED, "max_tokens": TTFT_MAX_TOKENS})
+    name, _, value = cookie.partition("=")
+    web = httpx.Client(base_url=f"http://127.0.0.1:{port}", cookies={name: value}, timeout=60)  # + csrftoken
+    page_html = web.get(f"/sessions/{session.pk}/").text
+    csrf = re.search(r'"X-CSRFToken": "([^"]+)"', page_html).group(1)
+    headers = {"X-CSRFToken": csrf, "HX-Request": "true", "Origin": f"http://127.0.0.1:{port}",
+               "Referer": f"http://127.0.0.1:{port}/sessions/{session.pk}/"}
+    page = Page(port, session.pk, cookie, AgentSession.objects.get(pk=session.pk).last_seq)
+    corral = []
+    try:
+        for run in range(TTFT_RUNS + 1):
+            actions.do_clear(AgentSession.objects.get(pk=session.pk), user)
+            time.sleep(0.3)
+            page.drain()
+            started = time.perf_counter()
+            answer = web.post(f"/sessions/{session.pk}/send/", data={"text": TTFT_PROMPT}, headers=headers)
+            assert answer.status_code == 200, answer.status_code
+            shown = page.wait(reply_text_shown)
+            page.wait(turn_ended)
+            if run:
+                corral.append((shown - started) * 1000)
+    finally:
+        page.close()
+    # The same request, as the step built it for the last turn (its events up to its message).
+    events = load_events(session.pk)
+    taken = max(i for i, e in enumerate(events) if e.kind == "message_taken")
+    request = agent.request_for(AgentSession.objects.select_related("machine").get(pk=session.pk),
+                                events[:taken + 1])
+    body = CompletionClient(base_url).request_body(request.messages, tools=request.definitions,
+                                                   sampling=request.sampling)
+    direct = []
+    for run in range(TTFT_RUNS + 1):
+        started = time.perf_counter()
+        first = None
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {api_key}"}) as response:
+            for line in response.iter_lines():
+                if first is None and line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        first = time.perf_counter()
+        if run:
+            direct.append((first - started) * 1000)
+    p50 = statistics.median(corral) - statistics.median(direct)
+    p95 = percentile(corral, 95) - percentile(direct, 95)
+    return [f"goal 1. time to first token, {TTFT_RUNS} turns each: Corral p50 {statistics.median(corral):.0f} ms, "
+            f"p95 {percentile(corral, 95):.0f} ms; direct p50 {statistics.median(direct):.0f} ms, "
+            f"p95 {percentile(direct, 95):.0f} ms",
+            f"   Corral adds p50 {p50:.0f} ms  (goal <= 30), p95 {p95:.0f} ms  (goal <= 60)"]
+
+
+def cpu_per_token_goal(stack: Stack, session, user, port: int, cookie: str, watchers: int) -> str:
+    """3. Corral's CPU per streamed token (all its processes, idle cost included) over a
+    MAX_TOKENS reply watched by ``watchers`` pages; median of RUNS."""
+    from sessions_app import actions
+    from sessions_app.models import AgentSession, TranscriptEvent
+
+    AgentSession.objects.filter(pk=session.pk).update(
+        sampling={"temperature": 0, "seed": SEED, "max_tokens": MAX_TOKENS})
+    results = []
+    for _run in range(RUNS):
+        actions.do_clear(AgentSession.objects.get(pk=session.pk), user)
+        after = AgentSession.objects.get(pk=session.pk).last_seq
+        pages = [Page(port, session.pk, cookie, after) for _ in range(watchers)]
+        try:
+            stack.settle()
+            before = stack.cpu_seconds()
+            actions.do_send_message(AgentSession.objects.get(pk=session.pk), user, PROMPT)
+            for page in pages:
+                page.wait(turn_ended, timeout=1200)
+            cpu = cpu_spent(before, stack.cpu_seconds())
+        finally:
+            for page in pages:
+                page.close()
+        usage = TranscriptEvent.objects.filter(session=session, kind="usage").last().payload
+        results.append((sum(cpu.values()) / usage["completion_tokens"] * 1000, cpu, usage))
+    results.sort(key=lambda r: r[0])
+    ms, cpu, usage = results[len(results) // 2]
+    tokens = usage["completion_tokens"]
+    return (f"goal 3. CPU per streamed token, {watchers} watcher{'s' if watchers > 1 else ''}: {ms:.2f} ms  "
+            f"(goal <= 0.3; llama-server at {usage.get('predicted_per_second', 0):.0f} tok/s, {tokens} tokens; "
+            + ", ".join(f"{k} {v / tokens * 1000:.2f}" for k, v in cpu.items()) + ")")
+
+
+def turn_goals(stack, session, user, port, cookie, base_url, api_key) -> None:
+    """Print goals 1-3 (the turn's own cost), each measured against its goal."""
+    print(*idle_goal(stack, session, port, cookie), sep="\n", flush=True)
+    print(*first_token_goal(session, user, port, cookie, base_url, api_key), sep="\n", flush=True)
+    for watchers in (1, 2):
+        print(cpu_per_token_goal(stack, session, user, port, cookie, watchers), flush=True)
 
 
 if __name__ == "__main__":

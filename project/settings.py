@@ -227,6 +227,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {**_BROKER.transport_options, "visibility_time
 # by keys in Redis: sessions_app/liveness.py), so workers do not listen for them.
 CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Celery's Django fixup closes the database connections around every task unless this is
+# set; the workers keep theirs instead, Django's CONN_MAX_AGE deciding (project/celery.py).
+CELERY_DB_REUSE_MAX = 1_000_000
 # One queue per kind of work, each with workers of its own (project/queues.py).
 CELERY_TASK_ROUTES = queues.ROUTES
 CELERY_TASK_DEFAULT_QUEUE = queues.HOUSEKEEPING

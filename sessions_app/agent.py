@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 from django.conf import settings
@@ -217,6 +218,7 @@ class Fragments:
         self.oldest = 0.0  # time.monotonic() of the first part not stored
         self.unshown: float | None = None  # … of the first part no watcher was shown
         self.stored_seq: int | None = None  # the last event stored of this block
+        self.started = False  # whether the reply has begun (any text, call or usage)
         self.failed: Exception | None = None
 
     def add(self, kind: str, text: str) -> None:
@@ -224,6 +226,7 @@ class Fragments:
             return
         with self.lock:
             self._raise_failure()
+            self.started = True
             if kind != self.kind:
                 self._store()
                 self.kind, self.stored_seq = kind, None
@@ -236,24 +239,27 @@ class Fragments:
             self._due(now)
 
     def due(self) -> None:
-        """Store what is due (the stream's thread, at every delta of any kind)."""
+        """Store what is due (the stream's thread, at every delta of the reply but its text)."""
         with self.lock:
             self._raise_failure()
+            self.started = True
             self._due(time.monotonic())
 
-    def at_read(self) -> None:
+    def at_read(self) -> bool:
         """The end of a burst (the stream's thread, before it reads again): store a
-        block's first text, show the rest."""
+        block's first text, show the rest. False until the reply has begun (while the
+        prompt is read): the reads are paced only from then on (completions.AbortableHTTP),
+        so the reply's first token is read, stored and shown the moment it comes."""
         with self.lock:
             self._raise_failure()
             now = time.monotonic()
             self._due(now)
-            if not self.parts:
-                return
-            if self.stored_seq is None:
-                self._store()
-            elif self.unshown is not None:
-                self._show()
+            if self.parts:
+                if self.stored_seq is None:
+                    self._store()
+                elif self.unshown is not None:
+                    self._show()
+            return self.started
 
     def seconds_to_due(self) -> float | None:
         """Seconds until :meth:`flush_due` has something to do; None while nothing waits
@@ -329,6 +335,63 @@ def question_details(call: dict, entry: dict, working_dir: str, in_force: list) 
                     and scope.get("remote_name") == entry.get("remote_name")):
                 details["changed"] = allowances.changes(scope.get("definition") or {}, entry) or ["its definition"]
     return details
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one completion of a turn sends (:func:`request_for`): the chat ``messages``, the
+    tool ``definitions``, the ``sampling`` body keys with the ``seed`` they use, and what
+    its usage line reports (``in_force``, ``sources``: :func:`sampling_in_force`). Also the
+    tool ``catalogue`` and the last ``ready`` event's payload it was read from, and the
+    session's ``model_key`` and its ``model`` file row (None when the machine lists none)."""
+
+    catalogue: tools.Catalogue
+    messages: list[dict]
+    definitions: list[dict]
+    sampling: dict
+    seed: int
+    in_force: dict
+    sources: dict
+    ready: dict
+    model_key: str
+    model: ModelFile | None
+
+
+def request_for(session: AgentSession, events) -> Request:
+    """The request the turn of ``session`` (its ``machine`` loaded) sends next, folded from
+    its transcript ``events``; the session's sampling and prompt are read fresh from the
+    database, so changes made while the turn runs apply to its next request. Raises
+    TransportError when the model's special tokens must be read from a machine that does
+    not answer. (``bench/run.py`` sends the same request straight to llama-server.)"""
+    catalogue = catalogue_of(events)
+    fresh = AgentSession.objects.get(pk=session.pk)  # sampling and prompt changes apply now
+    # docs/behaviour.md §17: the prompt in force is the first message of every request; an
+    # unchanged prompt keeps the request's prefix byte-identical (the prompt cache).
+    # Images go as data URIs only to a model started with its projector
+    # (docs/behaviour.md §16); for any other they are said in words.
+    takes_images = catalog.vision(session.machine, session.model_key)[1]
+    messages = transcript.build_messages(
+        events,
+        system_prompt=fresh.system_prompt_in_force(),
+        image_url=images.data_uri if takes_images else None,
+    )
+    sampling, seed = request_sampling(fresh.sampling, settings.CORRAL_DEFAULT_MAX_TOKENS)
+    ready = transcript.last_server_ready(events)
+    model = ModelFile.objects.filter(machine_id=fresh.machine_id, key=fresh.model_key).first()
+    # docs/security.md: what was typed, returned or written reaches the server as text,
+    # never as the template's control tokens (the transcript keeps it as it was).
+    specials = catalog.special_tokens(model) if model else ()
+    messages = control_tokens.neutralise(messages, specials)
+    in_force, sources = sampling_in_force(
+        sampling, model.sampling_defaults if model else {}, ready.get("sampling_defaults") or {}
+    )
+    # A server started with a built-in template runs llama.cpp's legacy template engine,
+    # which refuses any request with tools ("tools param requires --jinja flag").
+    definitions = catalogue.definitions() if ready.get("jinja", True) else []
+    # The template writes the tools' descriptions and schemas (an MCP server's words) into
+    # the prompt too: they are text of the request like any message.
+    definitions = control_tokens.neutralise_tools(definitions, specials)
+    return Request(catalogue, messages, definitions, sampling, seed, in_force, sources, ready, fresh.model_key, model)
 
 
 class Step:
@@ -420,8 +483,10 @@ class Step:
             )
             self.finish(TurnEnd.ERROR)
             return
+        read = events  # the first round folds the transcript read above: nothing was written since
         while True:
-            events = load_events(self.session_id)
+            events = read if read is not None else load_events(self.session_id)  # later rounds read it again
+            read = None
             if transcript.pending_calls(events):
                 if not self.run_calls(session, events, server):
                     return  # waiting for a person, or interrupted
@@ -442,34 +507,10 @@ class Step:
         for tools (their tool_start events are recorded), else why the turn ends:
         ``TurnEnd.DONE``, ``ERROR`` or ``INTERRUPTED``."""
         turns.step_status(self.session_id, self.owner, Status.RUNNING)
-        catalogue = catalogue_of(events)
-        fresh = AgentSession.objects.get(pk=self.session_id)  # sampling and prompt changes apply now
-        # docs/behaviour.md §17: the prompt in force is the first message of every request; an
-        # unchanged prompt keeps the request's prefix byte-identical (the prompt cache).
-        # Images go as data URIs only to a model started with its projector
-        # (docs/behaviour.md §16); for any other they are said in words.
-        takes_images = catalog.vision(session.machine, session.model_key)[1]
-        messages = transcript.build_messages(
-            events,
-            system_prompt=fresh.system_prompt_in_force(),
-            image_url=images.data_uri if takes_images else None,
-        )
-        sampling, seed = request_sampling(fresh.sampling, settings.CORRAL_DEFAULT_MAX_TOKENS)
-        ready = transcript.last_server_ready(events)
-        model = ModelFile.objects.filter(machine_id=fresh.machine_id, key=fresh.model_key).first()
-        # docs/security.md: what was typed, returned or written reaches the server as text,
-        # never as the template's control tokens (the transcript keeps it as it was).
-        specials = catalog.special_tokens(model) if model else ()
-        messages = control_tokens.neutralise(messages, specials)
-        in_force, sources = sampling_in_force(
-            sampling, model.sampling_defaults if model else {}, ready.get("sampling_defaults") or {}
-        )
-        # A server started with a built-in template runs llama.cpp's legacy template engine,
-        # which refuses any request with tools ("tools param requires --jinja flag").
-        definitions = catalogue.definitions() if ready.get("jinja", True) else []
-        # The template writes the tools' descriptions and schemas (an MCP server's words) into
-        # the prompt too: they are text of the request like any message.
-        definitions = control_tokens.neutralise_tools(definitions, specials)
+        request = request_for(session, events)
+        catalogue, messages, definitions = request.catalogue, request.messages, request.definitions
+        sampling, seed, in_force, sources, ready = (request.sampling, request.seed, request.in_force,
+                                                    request.sources, request.ready)
         assembler = ToolCallAssembler()
         usage: Usage | None = None
         finish_reason = None
@@ -573,8 +614,9 @@ class Step:
             payload.update({"seed": seed, "finish_reason": finish_reason, "sampling": in_force,
                             "sampling_from": sources})
             # The usage row (usage_app) goes with the event, in its transaction.
-            metering.record_completion(self.session_id, self.owner, payload, usage, model,
-                                       model_key=fresh.model_key, model_name=ready.get("model") or fresh.model_key)
+            metering.record_completion(self.session_id, self.owner, payload, usage, request.model,
+                                       model_key=request.model_key,
+                                       model_name=ready.get("model") or request.model_key)
         if interrupted.is_set():
             return self.cut_by_stop(produced) if self.server_stop_asked() else TurnEnd.INTERRUPTED
         calls = assembler.calls()

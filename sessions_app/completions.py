@@ -944,7 +944,11 @@ class ToolCallAssembler:
 
 class _PacedStream(httpcore.NetworkStream):
     """A network stream whose reads start at least ``read_every`` seconds apart, calling
-    ``before_read()`` first.
+    ``before_read()`` first. The pauses start once ``before_read`` has returned anything
+    but ``False`` (None included): a hook that returns False while it has shown nothing
+    has the reply's first token read, and shown, the moment it comes — paced from the
+    start, it waited up to ``read_every`` after the response's headers, a delay every
+    reply's first token paid (docs/live-page.md, "What it costs").
 
     httpcore reads only when everything read so far has been handed on (h11 needs more
     data), so ``before_read`` runs at the end of each burst of tokens: the step shows
@@ -953,15 +957,17 @@ class _PacedStream(httpcore.NetworkStream):
     reading each token as it comes cost a wake-up and a trip through httpx per token —
     more CPU than everything else a reply costs Corral."""
 
-    def __init__(self, stream: httpcore.NetworkStream, read_every: float, before_read: Callable[[], None] | None):
+    def __init__(self, stream: httpcore.NetworkStream, read_every: float,
+                 before_read: Callable[[], bool | None] | None):
         self.stream, self.read_every, self.before_read = stream, read_every, before_read
         self.next_read = 0.0
+        self.pacing = before_read is None
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self.before_read is not None:
-            self.before_read()
+        if self.before_read is not None and self.before_read() is not False:
+            self.pacing = True
         wait = self.next_read - time.monotonic()
-        if wait > 0:
+        if self.pacing and wait > 0:
             time.sleep(wait)  # an abort shuts the socket: the read below then fails at once
         try:
             return self.stream.read(max_bytes, timeout)
@@ -985,7 +991,7 @@ class _RecordingBackend(httpcore.SyncBackend):
     """httpcore's own socket backend, keeping the sockets it opens so they can be shut
     down, its streams paced (:class:`_PacedStream`) when ``read_every`` > 0."""
 
-    def __init__(self, read_every: float = 0.0, before_read: Callable[[], None] | None = None) -> None:
+    def __init__(self, read_every: float = 0.0, before_read: Callable[[], bool | None] | None = None) -> None:
         self.sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self.read_every, self.before_read = read_every, before_read
@@ -1009,10 +1015,11 @@ class AbortableHTTP:
     llama-server that the client is gone, so it stops working on the request.
 
     ``read_every`` (seconds, 0 for none) and ``before_read`` pace the reads of every
-    connection (:class:`_PacedStream`).
+    connection (:class:`_PacedStream`: the pauses start once ``before_read`` returns
+    anything but False).
     """
 
-    def __init__(self, *, read_every: float = 0.0, before_read: Callable[[], None] | None = None) -> None:
+    def __init__(self, *, read_every: float = 0.0, before_read: Callable[[], bool | None] | None = None) -> None:
         self._backend = _RecordingBackend(read_every, before_read)
         transport = httpx.HTTPTransport(verify=tls_context())  # shared: a new one costs ~26 ms CPU
         # httpx offers no public way to pass httpcore a network backend.

@@ -796,3 +796,61 @@ def test_paced_reads_gather_a_streams_chunks_into_bursts_and_call_the_hook_befor
     assert 3 <= len(reads) <= 20  # ~0.3 s of chunks read in bursts 50 ms apart, not 60 reads
     gaps = [later - earlier for earlier, later in zip(reads[1:], reads[2:], strict=False)]
     assert all(gap >= 0.045 for gap in gaps), gaps
+
+
+def test_paced_reads_start_pausing_only_once_the_hook_has_something_to_show(monkeypatch):
+    """AbortableHTTP's pauses start only once before_read returns anything but False: the
+    reads before it (a reply's prompt being read, its first token coming) are not held
+    back, so the first token is shown the moment it comes (docs/live-page.md "What it
+    costs"); after it, reads are paced as before. Counted: the sleeps before each read."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sessions_app import completions
+    from sessions_app.completions import AbortableHTTP
+
+    class Chunks(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(40):
+                piece = f"{i};".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+                threading.Event().wait(0.005)  # not time.sleep: the test counts those
+            self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args):
+            pass
+
+    sleeps: list[int] = []  # the number of the read each sleep came before
+    reads = []
+    real_sleep = time.sleep
+
+    def counted_sleep(seconds):
+        sleeps.append(len(reads))
+        real_sleep(seconds)
+
+    monkeypatch.setattr(completions.time, "sleep", counted_sleep)
+    shown_from = 4  # the hook has "shown" something from its 4th call on
+
+    def before_read():
+        reads.append(None)
+        return len(reads) >= shown_from or False
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Chunks)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    http = AbortableHTTP(read_every=0.05, before_read=before_read)
+    try:
+        with http.client.stream("GET", f"http://127.0.0.1:{server.server_address[1]}/") as response:
+            body = b"".join(response.iter_bytes())
+    finally:
+        http.close()
+        server.shutdown()
+    assert body.decode() == "".join(f"{i};" for i in range(40))
+    assert len(reads) > shown_from  # ~0.2 s of chunks: more reads than the unpaced ones
+    assert sleeps and min(sleeps) >= shown_from, (sleeps, len(reads))

@@ -162,3 +162,19 @@ def test_a_lost_lease_in_the_watchers_thread_is_raised_in_the_streams_thread(clo
     batch.flush_due()  # the watcher's thread: nothing raised there
     with pytest.raises(turns.LeaseLost):
         batch.add("assistant_text", "y")
+
+
+def test_the_reads_are_paced_only_once_the_reply_has_begun(clock, sink):
+    """at_read says False while the prompt is read (nothing streamed yet: the next read
+    starts at once, so the first token is shown the moment it comes), True from the end of
+    the burst that brought the reply's first text — or a tool call's first fragment."""
+    batch = agent.Fragments(sink.record, sink.tail)
+    assert batch.at_read() is False
+    assert batch.at_read() is False  # still reading the prompt: progress chunks only
+    batch.add("assistant_text", "Hi")
+    assert batch.at_read() is True
+    assert sink.stored == [("assistant_text", "Hi")]  # stored at that burst's end
+    calls = agent.Fragments(sink.record, sink.tail)
+    assert calls.at_read() is False
+    calls.due()  # a tool call's fragment, or the usage, streamed
+    assert calls.at_read() is True
