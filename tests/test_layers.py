@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "search_app", "usage_app")
+PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "search_app", "usage_app", "accounts_app")
 
 
 def module_name(path: Path) -> str:
