@@ -17,6 +17,7 @@ class Identity(models.Model):
 
     class Meta:
         verbose_name = "single sign-on identity"
+        verbose_name_plural = "single sign-on identities"
         constraints = [models.UniqueConstraint(fields=["issuer", "subject"], name="sso_identity_once")]
 
     def __str__(self) -> str:

@@ -27,7 +27,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.core.exceptions import SuspiciousOperation
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, models, transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -40,8 +40,14 @@ log = logging.getLogger(__name__)
 
 #: How long discovered endpoints are kept before they are fetched again (seconds).
 DISCOVERY_TTL = 3600.0
+
+def _max_length(model, name: str) -> int:
+    field = model._meta.get_field(name)
+    return field.max_length if isinstance(field, models.Field) and field.max_length else 150
+
+
 #: Django's longest group name; a longer one from the provider is skipped (and logged).
-GROUP_NAME_MAX = Group._meta.get_field("name").max_length
+GROUP_NAME_MAX = _max_length(Group, "name")
 
 _discovered: dict[str, tuple[float, dict]] = {}
 _discovered_lock = threading.Lock()
@@ -74,11 +80,13 @@ def endpoints() -> dict[str, str]:
     document = _discovery_document(settings.CORRAL_OIDC_ISSUER)
     names = {"authorization": "authorization_endpoint", "token": "token_endpoint",
              "userinfo": "userinfo_endpoint", "jwks": "jwks_uri"}
-    found = {key: explicit[key] or document.get(field) for key, field in names.items()}
-    missing = [names[key] for key, url in found.items() if not isinstance(url, str) or not url]
-    if missing:
-        raise ProviderUnreachable(f"the provider's discovery document names no {', '.join(missing)}; "
-                                  f"set the CORRAL_OIDC_* endpoint settings instead")
+    found: dict[str, str] = {}
+    for key, field in names.items():
+        url = explicit[key] or document.get(field)
+        if not isinstance(url, str) or not url:
+            raise ProviderUnreachable(f"the provider's discovery document names no {field}; "
+                                      f"set the CORRAL_OIDC_* endpoint settings instead")
+        found[key] = url
     return found
 
 
@@ -162,7 +170,7 @@ def sync_account(user, claims: dict) -> None:
     for field, key in (("email", "email"), ("first_name", "given_name"), ("last_name", "family_name")):
         value = claims.get(key)
         if isinstance(value, str):
-            value = value[: get_user_model()._meta.get_field(field).max_length]
+            value = value[: _max_length(get_user_model(), field)]
             if getattr(user, field) != value:
                 setattr(user, field, value)
                 changed.append(field)

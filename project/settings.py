@@ -222,7 +222,8 @@ OIDC_OP_TOKEN_ENDPOINT = CORRAL_OIDC_TOKEN_ENDPOINT
 OIDC_OP_USER_ENDPOINT = CORRAL_OIDC_USERINFO_ENDPOINT
 OIDC_OP_JWKS_ENDPOINT = CORRAL_OIDC_JWKS_URI or None
 OIDC_USE_PKCE = True
-OIDC_TIMEOUT = 10
+# Seconds Corral waits for each answer of the provider (discovery, token, keys, userinfo).
+OIDC_TIMEOUT = env_float("CORRAL_OIDC_TIMEOUT", 10.0, minimum=1.0)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

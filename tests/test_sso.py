@@ -96,6 +96,8 @@ def sso(django_db_setup, tmp_path_factory):
             "CORRAL_OIDC_CLIENT_SECRET": CLIENT_SECRET,
             "CORRAL_OIDC_PROVIDER_NAME": PROVIDER,
             "CORRAL_PASSWORD_LOGIN": "off",
+            # The provider is a development server on a machine the tests share.
+            "CORRAL_OIDC_TIMEOUT": "60",
         }
         corral = Stack(base_url=f"http://127.0.0.1:{corral_port}", ws_base=f"ws://127.0.0.1:{corral_port}",
                        data_dir=data, env=env)
@@ -110,7 +112,7 @@ def sso(django_db_setup, tmp_path_factory):
 
 def sign_in(page, sso: SSO, name: str, password: str) -> None:
     """From Corral's login page through the provider's sign-in, back to Corral's session list."""
-    page.set_default_timeout(30_000)
+    page.set_default_timeout(60_000)
     page.goto(sso.corral.base_url + "/login/")
     page.click(f"#sso-sign-in:has-text('Sign in with {PROVIDER}')")
     page.wait_for_url(f"{sso.directory.url}/accounts/login/**")
@@ -152,6 +154,7 @@ def test_first_sign_in_creates_the_account_in_the_directory_groups_and_each_sign
     # her: no password) brings that to Corral, and the open page drops to watching.
     sso.directory.put_user("dana", "dana-password-1", "readers")
     second = page.context.new_page()
+    second.set_default_timeout(60_000)
     second.goto(sso.corral.base_url + "/login/")
     second.click("#sso-sign-in")
     second.wait_for_url(sso.corral.base_url + "/")
@@ -167,7 +170,7 @@ def test_first_sign_in_creates_the_account_in_the_directory_groups_and_each_sign
 def test_password_login_is_off_but_for_superusers(sso, page):
     User.objects.create_superuser("root", password="root-password-1")
     User.objects.create_user("bob", password="bob-password-1")
-    page.set_default_timeout(30_000)
+    page.set_default_timeout(60_000)
     page.goto(sso.corral.base_url + "/login/")
     assert page.locator("#password-login").get_attribute("open") is None  # folded away
     page.click("#password-login summary")
@@ -190,7 +193,7 @@ def _with_nonce(url: str, nonce: str) -> str:
 
 
 def test_an_answer_that_does_not_match_the_sign_in_ends_on_a_sentence(sso, page):
-    page.set_default_timeout(30_000)
+    page.set_default_timeout(60_000)
     callback = sso.corral.base_url + "/oidc/callback/"
     # No sign-in was started in this browser.
     response = page.goto(callback + "?code=forged&state=forged")
@@ -210,7 +213,7 @@ def test_an_answer_that_does_not_match_the_sign_in_ends_on_a_sentence(sso, page)
     # would fetch it out of Playwright's sight, kept out).
     sso.directory.put_user("erin", "erin-password-1", "gpu-team")
     page = page.context.browser.new_context(service_workers="block").new_page()
-    page.set_default_timeout(30_000)
+    page.set_default_timeout(60_000)
 
     def forge_nonce(route):
         response = route.fetch(max_redirects=0)
@@ -255,3 +258,24 @@ def _settings_child(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess
 def test_settings_that_cannot_work_stop_corral_at_start(tmp_path, extra, said):
     result = _settings_child(tmp_path, **extra)
     assert result.returncode != 0 and said in result.stderr, result.stderr
+
+
+def test_a_provider_that_does_not_answer_is_said_on_a_page(client, settings):
+    from machines_app.transports import LocalTransport
+
+    closed = LocalTransport().free_port()  # nothing listens there
+    settings.CORRAL_OIDC_ISSUER = f"http://127.0.0.1:{closed}/o"
+    settings.CORRAL_OIDC_PROVIDER_NAME = "Nowhere"
+    settings.OIDC_RP_CLIENT_ID = "corral"
+    response = client.get("/login/")
+    assert b"Sign in with Nowhere" in response.content
+    response = client.get("/oidc/authenticate/")
+    assert response.status_code == 502
+    assert "Corral could not reach Nowhere to sign you in: " \
+           f"http://127.0.0.1:{closed}/o/.well-known/openid-configuration did not answer" in response.text
+
+
+def test_without_single_sign_on_its_pages_are_not_there(client):
+    assert b"sso-sign-in" not in client.get("/login/").content
+    assert client.get("/oidc/authenticate/").status_code == 404
+    assert client.get("/oidc/callback/?code=a&state=b").status_code == 404

@@ -26,6 +26,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 "verbose_name": "single sign-on identity",
+                "verbose_name_plural": "single sign-on identities",
                 "constraints": [models.UniqueConstraint(fields=("issuer", "subject"), name="sso_identity_once")],
             },
         ),

@@ -31,6 +31,10 @@ TEMPLATES = [{
     "OPTIONS": {"context_processors": ["django.template.context_processors.request"]},
 }]
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": DIR / "idp.sqlite3"}}
+# Fast hashing for the users' passwords and Corral's client secret, which the token
+# endpoint checks at every sign-in: Django's default takes a second of CPU each time, and
+# more on a loaded test machine. Test-only: never for a real provider.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 LOGIN_URL = "/accounts/login/"
