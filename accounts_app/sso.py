@@ -101,10 +101,10 @@ def _discovery_document(issuer: str) -> dict:
         response = requests.get(url, timeout=settings.OIDC_TIMEOUT)
         response.raise_for_status()
         document = response.json()
+    except ValueError:  # before RequestException: requests' JSONDecodeError is both
+        raise ProviderUnreachable(f"{url} did not answer with JSON") from None
     except requests.RequestException as exc:
         raise ProviderUnreachable(f"{url} did not answer ({_short(exc)})") from None
-    except ValueError:
-        raise ProviderUnreachable(f"{url} did not answer with JSON") from None
     if not isinstance(document, dict) or str(document.get("issuer", "")).rstrip("/") != issuer:
         said = document.get("issuer") if isinstance(document, dict) else None
         raise ProviderUnreachable(f"{url} names the issuer {said!r}, not {issuer!r} (CORRAL_OIDC_ISSUER)")
