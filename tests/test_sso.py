@@ -279,3 +279,14 @@ def test_without_single_sign_on_its_pages_are_not_there(client):
     assert b"sso-sign-in" not in client.get("/login/").content
     assert client.get("/oidc/authenticate/").status_code == 404
     assert client.get("/oidc/callback/?code=a&state=b").status_code == 404
+
+
+def test_the_admin_lists_identities_and_changes_none(admin_client, django_user_model):
+    dana = django_user_model.objects.create_user("dana")
+    identity = Identity.objects.create(user=dana, issuer="https://id.example.com", subject="0f3c")
+    listing = admin_client.get("/admin/accounts_app/identity/")
+    assert listing.status_code == 200 and "Single sign-on identities" in listing.text and "0f3c" in listing.text
+    assert admin_client.get("/admin/accounts_app/identity/add/").status_code == 403
+    admin_client.post(f"/admin/accounts_app/identity/{identity.pk}/change/", {"subject": "other"})
+    identity.refresh_from_db()
+    assert identity.subject == "0f3c"
