@@ -2,8 +2,8 @@
 Entra ID, Authentik, …), built on mozilla-django-oidc (docs/access.md, "Single sign-on").
 
 The flow is the authorization code flow with PKCE and a nonce: "Sign in with …" on the
-login page goes to :class:`SignIn`, which sends the browser to the provider; the provider
-sends it back to :class:`Callback` with a code, which :class:`Backend` exchanges for an
+login page goes to ``accounts_app.views.SignIn``, which sends the browser to the provider;
+the provider sends it back to ``accounts_app.views.Callback`` with a code, which :class:`Backend` exchanges for an
 ID token (signature checked against the provider's keys, and its issuer, audience and
 nonce against this sign-in) and the userinfo claims. The person is found by the pair
 (issuer, ``sub``) (:class:`~accounts_app.models.Identity`), or an account is created at
@@ -12,7 +12,8 @@ names, so machines limited to groups (``Machine.allowed_groups``) follow the dir
 and open pages hear of the change as of any group change (sessions_app/access_changes.py).
 
 Every failure — the provider unreachable, a refused sign-in, an answer that does not match
-the sign-in this browser started — ends on a page with a sentence, never a 500.
+the sign-in this browser started — ends on a page with a sentence, never a 500
+(the views, in accounts_app/views.py).
 """
 
 from __future__ import annotations
@@ -28,11 +29,8 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.core.exceptions import SuspiciousOperation
 from django.db import IntegrityError, models, transaction
-from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import render
 from django.utils import timezone
 from mozilla_django_oidc.auth import OIDCAuthenticationBackend
-from mozilla_django_oidc.views import OIDCAuthenticationCallbackView, OIDCAuthenticationRequestView
 
 from .models import Identity
 
@@ -104,7 +102,7 @@ def _discovery_document(issuer: str) -> dict:
     except ValueError:  # before RequestException: requests' JSONDecodeError is both
         raise ProviderUnreachable(f"{url} did not answer with JSON") from None
     except requests.RequestException as exc:
-        raise ProviderUnreachable(f"{url} did not answer ({_short(exc)})") from None
+        raise ProviderUnreachable(f"{url} did not answer ({short(exc)})") from None
     if not isinstance(document, dict) or str(document.get("issuer", "")).rstrip("/") != issuer:
         said = document.get("issuer") if isinstance(document, dict) else None
         raise ProviderUnreachable(f"{url} names the issuer {said!r}, not {issuer!r} (CORRAL_OIDC_ISSUER)")
@@ -113,7 +111,7 @@ def _discovery_document(issuer: str) -> dict:
     return document
 
 
-def _short(exc: BaseException, limit: int = 300) -> str:
+def short(exc: BaseException, limit: int = 300) -> str:
     text = str(exc) or type(exc).__name__
     return text if len(text) <= limit else text[:limit] + "…"
 
@@ -254,89 +252,3 @@ class Backend(OIDCAuthenticationBackend):
             sync_account(user, claims)
             Identity.objects.filter(user=user).update(last_login_at=timezone.now())
         return user
-
-
-# --- views --------------------------------------------------------------------------------
-
-def failure(request: HttpRequest, sentence: str, status: int) -> HttpResponse:
-    """The page a sign-in that did not work ends on: ``sentence``, and the way back."""
-    return render(request, "registration/sso_failed.html",
-                  {"sentence": sentence, "provider": settings.CORRAL_OIDC_PROVIDER_NAME}, status=status)
-
-
-def _unreachable(request: HttpRequest, exc: Exception) -> HttpResponse:
-    log.warning("single sign-on: the provider could not be asked: %s", _short(exc))
-    return failure(request, f"Corral could not reach {settings.CORRAL_OIDC_PROVIDER_NAME} to sign you in: "
-                            f"{_short(exc)}. Try again in a moment; if it goes on, tell a Corral admin.", 502)
-
-
-class SignIn(OIDCAuthenticationRequestView):
-    """GET: send the browser to the provider's sign-in (state, nonce and PKCE challenge
-    kept in this browser's session); ``?next=`` is where it lands afterwards."""
-
-    def __init__(self, *args, **kwargs):
-        # The library reads the endpoint here; it is found in get(), where a failure can
-        # be told as a page.
-        super(OIDCAuthenticationRequestView, self).__init__(*args, **kwargs)
-
-    def get(self, request):
-        if not enabled():
-            raise Http404("Single sign-on is not set up on this Corral.")
-        try:
-            self.OIDC_OP_AUTH_ENDPOINT = endpoints()["authorization"]
-        except ProviderUnreachable as exc:
-            return _unreachable(request, exc)
-        self.OIDC_RP_CLIENT_ID = settings.OIDC_RP_CLIENT_ID
-        return super().get(request)
-
-
-#: What an answer that does not belong to a sign-in of this browser is told.
-START_AGAIN = "Start again from the login page."
-
-
-class Callback(OIDCAuthenticationCallbackView):
-    """GET: the provider's answer. Logs the person in and sends them on, or ends on a
-    page that says what went wrong (400 for an answer that does not match this browser's
-    sign-in, 403 for a refusal, 502 when the provider cannot be asked)."""
-
-    def get(self, request):
-        if not enabled():
-            raise Http404("Single sign-on is not set up on this Corral.")
-        try:
-            return super().get(request)
-        except SuspiciousOperation as exc:
-            log.warning("single sign-on: an answer refused: %s", _short(exc))
-            return failure(request, f"This sign-in could not be completed: {self._why(exc)} {START_AGAIN}", 400)
-        except (requests.RequestException, ProviderUnreachable) as exc:
-            return _unreachable(request, exc)
-
-    @staticmethod
-    def _why(exc: SuspiciousOperation) -> str:
-        text = str(exc)
-        if "state not found" in text:
-            return ("the answer does not belong to a sign-in started in this browser, or it was used already "
-                    "(its state is unknown here).")
-        if "Nonce" in text:
-            return "the provider's ID token does not belong to the sign-in this browser started (its nonce differs)."
-        if "JWS" in text or "JWKS" in text or "alg" in text:
-            return f"the provider's ID token did not verify ({text.rstrip('.')})."
-        return text if text.endswith(".") else text + "."
-
-    def login_failure(self):
-        request = self.request
-        if request.GET.get("error"):
-            said = request.GET.get("error_description") or request.GET["error"]
-            return failure(request, f"{settings.CORRAL_OIDC_PROVIDER_NAME} did not sign you in: {said[:300]}. "
-                                    f"{START_AGAIN}", 403)
-        user = getattr(self, "user", None)
-        if user is not None and not user.is_active:
-            return failure(request, f"Your Corral account {user.get_username()} is turned off; a Corral admin "
-                                    f"can turn it on.", 403)
-        if "code" not in request.GET or "state" not in request.GET:
-            return failure(request, f"This is not an answer from {settings.CORRAL_OIDC_PROVIDER_NAME} "
-                                    f"(no code or state). {START_AGAIN}", 400)
-        if not hasattr(self, "user"):  # the library found no sign-in started in this session
-            return failure(request, "This sign-in could not be completed: it was not started in this browser, or "
-                                    f"it was used already. {START_AGAIN}", 400)
-        return failure(request, f"{settings.CORRAL_OIDC_PROVIDER_NAME} signed you in, but its answer names no one "
-                                f"Corral can log in (Corral's log says why); tell a Corral admin.", 403)
