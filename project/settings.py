@@ -11,6 +11,7 @@ Content-Security-Policy, login throttling).
 
 import logging
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
@@ -18,7 +19,7 @@ from django.utils.csp import CSP
 from project import data_dir, queues
 from project.broker import celery_broker
 from project.channel_layer import channel_prefix
-from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_redis_url, env_str
+from project.env import env_bool, env_choice, env_db, env_float, env_int, env_list, env_redis_url, env_str, env_url
 
 BASE_DIR = data_dir.BASE_DIR
 
@@ -54,6 +55,7 @@ INSTALLED_APPS = [
     "search_app",
     "usage_app",
     "api_app",
+    "accounts_app",
 ]
 
 MIDDLEWARE = [
@@ -163,7 +165,10 @@ SECURE_CSP = {
 # NAT address out, and a stranger cannot lock a colleague out from elsewhere.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
-    "django.contrib.auth.backends.ModelBackend",
+    # Django's password check, refusing all but superusers with CORRAL_PASSWORD_LOGIN=off.
+    "accounts_app.backends.PasswordBackend",
+    # Single sign-on (OpenID Connect); answers only the provider's callback.
+    "accounts_app.sso.Backend",
 ]
 AXES_FAILURE_LIMIT = env_int("CORRAL_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("CORRAL_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
@@ -177,6 +182,49 @@ AXES_USERNAME_CALLABLE = "project.login_throttle.client_username"
 # The client's address is REMOTE_ADDR (django-ipware is deliberately not installed): a
 # client's own X-Forwarded-For must not give it a fresh address for every guess. Behind
 # the HTTPS proxy, daphne sets REMOTE_ADDR from the proxy's header (--proxy-headers).
+
+# Single sign-on with the team's OpenID Connect provider (docs/access.md, "Single sign-on";
+# accounts_app/sso.py). Off unless CORRAL_OIDC_ISSUER is set; the provider's endpoints are
+# discovered from <issuer>/.well-known/openid-configuration at the first sign-in (so
+# Corral starts while the provider is down), unless all four are given here.
+CORRAL_OIDC_ISSUER = env_url("CORRAL_OIDC_ISSUER", "", {"https", "http"}).rstrip("/")
+CORRAL_OIDC_CLIENT_ID = env_str("CORRAL_OIDC_CLIENT_ID", "")
+CORRAL_OIDC_CLIENT_SECRET = env_str("CORRAL_OIDC_CLIENT_SECRET", "")
+CORRAL_OIDC_PROVIDER_NAME = env_str("CORRAL_OIDC_PROVIDER_NAME", "")
+CORRAL_OIDC_GROUPS_CLAIM = env_str("CORRAL_OIDC_GROUPS_CLAIM", "groups")
+CORRAL_OIDC_AUTHORIZATION_ENDPOINT = env_url("CORRAL_OIDC_AUTHORIZATION_ENDPOINT", "", {"https", "http"})
+CORRAL_OIDC_TOKEN_ENDPOINT = env_url("CORRAL_OIDC_TOKEN_ENDPOINT", "", {"https", "http"})
+CORRAL_OIDC_USERINFO_ENDPOINT = env_url("CORRAL_OIDC_USERINFO_ENDPOINT", "", {"https", "http"})
+CORRAL_OIDC_JWKS_URI = env_url("CORRAL_OIDC_JWKS_URI", "", {"https", "http"})
+# Password login: on, or off for everyone but superusers (the form is folded away, a member's
+# password is refused with a sentence, and a member's login made with a password ends).
+CORRAL_PASSWORD_LOGIN = env_bool("CORRAL_PASSWORD_LOGIN", True)
+if CORRAL_OIDC_ISSUER:
+    for _name in ("CORRAL_OIDC_CLIENT_ID", "CORRAL_OIDC_CLIENT_SECRET"):
+        if not globals()[_name]:
+            raise ImproperlyConfigured(f"CORRAL_OIDC_ISSUER is set but {_name} is not: set both client settings "
+                                       f"to the values the identity provider gave for Corral.")
+    CORRAL_OIDC_PROVIDER_NAME = CORRAL_OIDC_PROVIDER_NAME or urlsplit(CORRAL_OIDC_ISSUER).hostname or "single sign-on"
+elif not CORRAL_PASSWORD_LOGIN:
+    raise ImproperlyConfigured("CORRAL_PASSWORD_LOGIN=off needs single sign-on (CORRAL_OIDC_ISSUER): "
+                               "without it only superusers could log in.")
+# mozilla-django-oidc's own settings, from the ones above.
+OIDC_RP_CLIENT_ID = CORRAL_OIDC_CLIENT_ID
+OIDC_RP_CLIENT_SECRET = CORRAL_OIDC_CLIENT_SECRET
+OIDC_RP_SCOPES = env_str("CORRAL_OIDC_SCOPES", "openid email profile")
+if CORRAL_OIDC_ISSUER and "openid" not in OIDC_RP_SCOPES.split():
+    raise ImproperlyConfigured(f"CORRAL_OIDC_SCOPES={OIDC_RP_SCOPES!r} is not valid: it must include openid.")
+OIDC_RP_SIGN_ALGO = env_choice("CORRAL_OIDC_SIGN_ALGO", "RS256",
+                               {"RS256", "RS384", "RS512", "ES256", "ES384", "ES512", "HS256"})
+# Endpoints are found per request (accounts_app.sso.endpoints); these keep the library's
+# checks quiet.
+OIDC_OP_AUTHORIZATION_ENDPOINT = CORRAL_OIDC_AUTHORIZATION_ENDPOINT
+OIDC_OP_TOKEN_ENDPOINT = CORRAL_OIDC_TOKEN_ENDPOINT
+OIDC_OP_USER_ENDPOINT = CORRAL_OIDC_USERINFO_ENDPOINT
+OIDC_OP_JWKS_ENDPOINT = CORRAL_OIDC_JWKS_URI or None
+OIDC_USE_PKCE = True
+# Seconds Corral waits for each answer of the provider (discovery, token, keys, userinfo).
+OIDC_TIMEOUT = env_float("CORRAL_OIDC_TIMEOUT", 10.0, minimum=1.0)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -5,6 +5,7 @@ from django.templatetags.static import static
 from django.urls import include, path
 from django.views.generic import RedirectView
 
+from accounts_app.views import LoginView
 from project import metrics
 
 urlpatterns = [
@@ -13,9 +14,10 @@ urlpatterns = [
     # /favicon.ico: answer with Corral's icon instead of a 404 in the console.
     path("favicon.ico", login_not_required(RedirectView.as_view(url=static("corral/favicon.svg"), permanent=True))),
     path("metrics", metrics.metrics, name="metrics"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("api_app.urls")),
+    path("", include("accounts_app.urls")),
     path("", include("attention_app.urls")),
     path("", include("machines_app.urls")),
     path("", include("sessions_app.urls")),

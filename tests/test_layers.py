@@ -13,7 +13,8 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "search_app", "usage_app", "api_app")
+PACKAGES = ("project", "machines_app", "sessions_app", "attention_app", "search_app", "usage_app", "api_app",
+            "accounts_app")
 
 
 def module_name(path: Path) -> str:
@@ -109,7 +110,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
         "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
         "sessions_app.export", "sessions_app.tool_results",
-        "attention_app", "attention_app.make_icons", "search_app", "usage_app", "api_app",
+        "attention_app", "attention_app.make_icons", "search_app", "usage_app", "api_app", "accounts_app",
     )),
     # Settings and process wiring read from the environment.
     ("config", (
@@ -126,13 +127,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sessions_app.server_state", "sessions_app.presence", "sessions_app.presence_board", "sessions_app.dispatch",
         "sessions_app.broadcast", "sessions_app.liveness", "sessions_app.images", "sessions_app.text_files",
         "sessions_app.presenters", "sessions_app.templatetags*", "usage_app.quota", "usage_app.figures",
+        "accounts_app.backends",
     )),
     # Writes: each change with its event and its push (Zulip's do_*).
     ("actions", (
         "*.actions", "sessions_app.events", "sessions_app.turns", "sessions_app.room", "sessions_app.orphans",
         "sessions_app.access_changes", "sessions_app.importing", "sessions_app.machine_use",
         "sessions_app.first_run", "attention_app.waiting", "attention_app.push", "search_app.search",
-        "usage_app.recording", "sessions_app.metering", "api_app.keys",
+        "usage_app.recording", "sessions_app.metering", "api_app.keys", "accounts_app.sso",
     )),
     # The work run by Celery: a session's server, the turn loop, and the tasks themselves.
     # api_app.serving: the API's server for a model file, started and kept through the lifecycle.
