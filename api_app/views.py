@@ -169,6 +169,7 @@ class Usage:
         self.buffer = b""
         self.usage: dict = {}
         self.timings: dict | None = None
+        self.ended = False  # ``data: [DONE]`` seen: the reply is whole
 
     def feed(self, chunk: bytes) -> None:
         self.buffer += chunk
@@ -181,6 +182,8 @@ class Usage:
                     self.take(line[5:].strip())
 
     def take(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self.ended = True
         if not data or data == b"[DONE]":
             return
         try:
@@ -323,12 +326,25 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
                                    type="server_error"))
         return HttpResponse(content, status=upstream.status_code, content_type=content_type)
 
+    recorded = False
+
+    async def record(seen: Usage) -> None:
+        nonlocal recorded
+        if not recorded:
+            recorded = True
+            await done(seen.usage or usage_from_timings(seen.timings), seen.timings)
+
     async def frames() -> AsyncIterator[bytes]:
         seen = Usage()
         try:
             async with _held(session_id):
                 async for chunk in upstream.aiter_raw():
                     seen.feed(chunk)
+                    if seen.ended:
+                        # Recorded before the client sees the end: a client that closes the
+                        # connection right after ``[DONE]`` may cancel this generator before
+                        # its ``finally`` can write anything.
+                        await record(seen)
                     yield chunk
         except httpx.HTTPError as exc:
             why = await sync_to_async(serving.server_went_away)(session_id)
@@ -338,7 +354,7 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
         finally:
             await upstream.aclose()
             await client.aclose()
-            await done(seen.usage or usage_from_timings(seen.timings), seen.timings)
+            await record(seen)  # a reply broken off: what the server said it used so far
 
     response = StreamingHttpResponse(frames(), status=200, content_type=content_type)
     response["Cache-Control"] = "no-cache"
