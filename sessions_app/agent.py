@@ -363,6 +363,20 @@ class Step:
     def error(self, message: str, *, context_exceeded: bool = False) -> None:
         self.record(Kind.ERROR, {"message": message, **({"context_exceeded": True} if context_exceeded else {})})
 
+    def say_missing_images(self, events, missing: list[transcript.ImageRef]) -> None:
+        """docs/behaviour.md §16: an image whose bytes are gone goes to the model as a note
+        (transcript.IMAGE_MISSING), never silently: the session says which image the model
+        did not see, once per turn."""
+        if not missing:
+            return
+        start = max((i for i, event in enumerate(events) if event.kind == Kind.MESSAGE_TAKEN), default=0)
+        said = {event.payload.get("message") for event in events[start:] if event.kind == Kind.NOTICE}
+        for ref in {ref["sha256"]: ref for ref in missing}.values():
+            sentence = images.missing_sentence(ref)
+            if sentence not in said:
+                self.record(Kind.NOTICE, {"message": sentence})
+                said.add(sentence)
+
     def finish(self, reason: TurnEnd) -> None:
         turns.finish_turn(self.session_id, reason, owner=self.owner)
 
@@ -448,11 +462,20 @@ class Step:
         # Images go as data URIs only to a model started with its projector
         # (docs/behaviour.md §16); for any other they are said in words.
         takes_images = catalog.vision(session.machine, session.model_key)[1]
+        missing: list[transcript.ImageRef] = []
+
+        def image_url(ref: transcript.ImageRef) -> str | None:
+            url = images.data_uri(ref)
+            if url is None:
+                missing.append(ref)
+            return url
+
         messages = transcript.build_messages(
             events,
             system_prompt=fresh.system_prompt_in_force(),
-            image_url=images.data_uri if takes_images else None,
+            image_url=image_url if takes_images else None,
         )
+        self.say_missing_images(events, missing)
         sampling, seed = request_sampling(fresh.sampling, settings.CORRAL_DEFAULT_MAX_TOKENS)
         ready = transcript.last_server_ready(events)
         model = ModelFile.objects.filter(machine_id=fresh.machine_id, key=fresh.model_key).first()
