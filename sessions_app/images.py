@@ -187,13 +187,16 @@ def store(upload: Upload, ref: ImageRef) -> None:
     to its name is replaced. Call it in the transaction that records the message carrying
     the image: the row is locked until then, so :func:`forget_unreferenced` cannot delete
     it between the two. Raises ``DatabaseError`` when the database refuses the write."""
-    kept = StoredImage.objects.select_for_update().filter(sha256=ref["sha256"]).values_list("data", flat=True).first()
-    if kept is not None and hashlib.sha256(bytes(kept)).hexdigest() == ref["sha256"]:
-        return
-    StoredImage.objects.update_or_create(
-        sha256=ref["sha256"],
-        defaults={"media_type": ref["media_type"], "data": upload.data, "size": len(upload.data), "server_png": None},
-    )
+    with transaction.atomic():  # a savepoint inside the caller's; locking needs one anyway
+        rows = StoredImage.objects.select_for_update().filter(sha256=ref["sha256"])
+        kept = rows.values_list("data", flat=True).first()
+        if kept is not None and hashlib.sha256(bytes(kept)).hexdigest() == ref["sha256"]:
+            return
+        StoredImage.objects.update_or_create(
+            sha256=ref["sha256"],
+            defaults={"media_type": ref["media_type"], "data": upload.data, "size": len(upload.data),
+                      "server_png": None},
+        )
 
 
 def read(ref: ImageRef) -> bytes | None:
