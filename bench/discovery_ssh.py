@@ -34,7 +34,7 @@ DATA = boot("corral-discovery-")
 sys.path.insert(0, str(ROOT))
 from django.core.management import call_command  # noqa: E402
 
-from machines_app import catalog, ssh  # noqa: E402
+from machines_app import catalog, keystore, ssh  # noqa: E402
 from machines_app.demo_models import packaged_model_paths  # noqa: E402
 from machines_app.models import Machine  # noqa: E402
 from machines_app.transports import ssh_target  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> None:
     try:
         machine = Machine.objects.create(
             name="bench-gpu", transport="ssh", host="127.0.0.1", port=proxy.port, user=server.user,
-            private_key_path=server.client_key, host_key=server.host_key_line, models_dir=str(models),
+            private_key_sealed=keystore.seal_key(Path(server.client_key).read_text()), host_key=server.host_key_line, models_dir=str(models),
             llama_server_path="llama-server",
         )
         started = time.monotonic()

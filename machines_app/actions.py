@@ -7,14 +7,9 @@ MachineError whose message is for the admin.
 
 from __future__ import annotations
 
-import io
-import os
-from pathlib import Path
-
 import paramiko
-from django.conf import settings
 
-from . import ssh
+from . import keystore, ssh
 from .models import Machine
 from .transports import SSHTransport, TransportError, ssh_target, transport_for
 
@@ -127,33 +122,41 @@ def containment_warning(machine: Machine) -> str:
 
 
 def _parse_private_key(text: str) -> paramiko.PKey:
-    for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
-        try:
-            return kind.from_private_key(io.StringIO(text))
-        except paramiko.PasswordRequiredException:
-            raise MachineError("This private key is protected by a passphrase; Corral needs one without.") from None
-        except (paramiko.SSHException, ValueError):
-            continue
-    raise MachineError("This is not an OpenSSH private key (ed25519, ECDSA or RSA).")
-
-
-def private_key_path_for(machine: Machine) -> Path:
-    return Path(settings.DATA_DIR) / "ssh" / f"machine-{machine.pk}.key"
+    try:
+        return ssh.parse_private_key(text)
+    except ValueError as exc:
+        raise MachineError(str(exc)) from None
 
 
 def do_store_private_key(machine: Machine, text: str) -> str:
-    """Store a pasted private key for ``machine`` under the data directory, mode 0600
-    from creation (directory 0700), and point the machine at it. Returns the public
-    key's fingerprint (for the admin to compare with authorized_keys); the key itself is
-    never shown again."""
-    key = _parse_private_key(text.strip() + "\n")
-    path = private_key_path_for(machine)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)  # O_EXCL below: never a file someone prepared at that path
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text.strip() + "\n")
+    """Store a pasted private key for ``machine`` in the database, encrypted with a key
+    derived from ``SECRET_KEY`` (:mod:`machines_app.keystore`), so every Corral host
+    reaches the machine with it. Returns the public key's fingerprint (for the admin to
+    compare with authorized_keys); the key itself is never shown again. Raises
+    MachineError for text that is no private key Corral can use."""
+    key = _parse_private_key(text)
+    sealed = keystore.seal_key(text.strip() + "\n")
     ssh.drop_link(ssh_target(machine))
-    Machine.objects.filter(pk=machine.pk).update(private_key_path=str(path))
-    machine.private_key_path = str(path)
+    Machine.objects.filter(pk=machine.pk).update(private_key_sealed=sealed)
+    machine.private_key_sealed = sealed
     return ssh.fingerprint(key)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
+
+
+def private_key_state(machine: Machine) -> str:
+    """The admin page's sentence about the machine's stored private key: its public key's
+    fingerprint, or what is wrong and what to do (none stored; not readable with this
+    installation's SECRET_KEY). Never the key."""
+    if not machine.private_key_sealed:
+        return _sentence(keystore.missing_sentence(machine.name))
+    try:
+        text = keystore.open_key(machine.private_key_sealed)
+    except keystore.KeyUnreadable:
+        return _sentence(keystore.unreadable_sentence(machine.name))
+    try:
+        return f"Stored, encrypted (public key {ssh.fingerprint(ssh.parse_private_key(text))})."
+    except ValueError as exc:
+        return f"The stored key cannot be used ({exc}): paste it again."

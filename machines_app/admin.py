@@ -38,12 +38,13 @@ class SecretTextarea(forms.Textarea):
 
 class MachineForm(forms.ModelForm):
     """The machine form; for SSH it connects once to read and pin the host key, and takes
-    the private key write-only (stored 0600 under the data directory, never shown back)."""
+    the private key write-only (stored encrypted in the database, never shown back)."""
 
     private_key = forms.CharField(
         required=False, strip=False, widget=SecretTextarea(attrs={"rows": 4, "autocomplete": "off"}),
         help_text="Paste the private key Corral uses for this machine (OpenSSH format, no passphrase). It is "
-        "stored on the backend, readable by Corral only, and never shown again; leave empty to keep the current one.",
+        "stored in the database, encrypted with this installation's SECRET_KEY, and never shown again; leave empty to "
+        "keep the current one.",
     )
     expected_fingerprint = forms.CharField(
         required=False, label="Expected host key fingerprint",
@@ -55,9 +56,8 @@ class MachineForm(forms.ModelForm):
     class Meta:
         model = Machine
         fields = [
-            "name", "transport", "host", "port", "user", "private_key", "private_key_path", "expected_fingerprint",
-            "host_key", "models_dir", "llama_server_path", "bwrap_path", "workspace_roots", "allowed_groups",
-            "idle_stop_seconds", "memory_budget_mib", "enabled",
+            "name", "transport", "host", "port", "user", "private_key", "expected_fingerprint", "host_key",
+            "models_dir", "llama_server_path", "bwrap_path", "workspace_roots", "allowed_groups", "idle_stop_seconds", "memory_budget_mib", "enabled",
         ]
 
     #: Said on the key's field when the form comes back with a key typed in: it is not shown.
@@ -92,7 +92,7 @@ class MachineForm(forms.ModelForm):
                 "host", "A host is a name or an address: no spaces, brackets, '@', '/' or ',', not starting with '-'."
             )
             return data
-        if not data.get("private_key") and not data.get("private_key_path") and not self.instance.private_key_path:
+        if not data.get("private_key") and not self.instance.private_key_sealed:
             self.add_error("private_key", "Paste the private key Corral uses for this machine.")
         if not data.get("host_key"):
             try:
@@ -118,14 +118,18 @@ class MachineAdmin(admin.ModelAdmin):
     filter_horizontal = ("allowed_groups",)
     actions = ["refresh_models", "test_connection", "repin_host_key", "stop_idle_servers"]
     readonly_fields = (
-        "tool_containment", "running_servers", "unrecorded_servers", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
+        "tool_containment", "running_servers", "unrecorded_servers", "stored_private_key", "host_key_fingerprint",
+        "link_state", "link_reason", "link_checked_at",
         "offered_key_fingerprint", "models_refreshed_at", "models_refresh_error",
     )
 
     #: The fields only an SSH machine has: the local machine's page leaves them out, with
     #: its link state (this backend is always reachable; nothing checks a link to it).
-    SSH_FIELDS = ("host", "port", "user", "private_key", "private_key_path", "expected_fingerprint", "host_key")
-    SSH_READONLY = ("host_key_fingerprint", "link_state", "link_reason", "link_checked_at", "offered_key_fingerprint")
+    SSH_FIELDS = ("host", "port", "user", "private_key", "expected_fingerprint", "host_key")
+    SSH_READONLY = (
+        "stored_private_key", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
+        "offered_key_fingerprint",
+    )
 
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(running=Count("serverrecord"))
@@ -178,12 +182,22 @@ class MachineAdmin(admin.ModelAdmin):
         or the plain warning of what a tool there can read and what to do."""
         return machine_actions.containment_warning(obj) or obj.get_containment_display()
 
+    @admin.display(description="private key")
+    def stored_private_key(self, obj: Machine) -> str:
+        """The stored key's public fingerprint, or why there is no usable key (none stored;
+        not readable with this installation's SECRET_KEY) and what to do. Never the key."""
+        return machine_actions.private_key_state(obj) if obj is not None and obj.pk else ""
+
     def change_view(self, request, object_id, form_url="", extra_context=None):
-        # The warning at the top of the page too, where an admin cannot miss it.
+        # The warnings at the top of the page too, where an admin cannot miss them.
         machine = self.get_object(request, object_id)
         warning = machine_actions.containment_warning(machine) if machine is not None else ""
         if warning and request.method == "GET":
             self.message_user(request, warning, messages.WARNING)
+        if machine is not None and machine.transport == Machine.Transport.SSH and request.method == "GET":
+            state = machine_actions.private_key_state(machine)
+            if not state.startswith("Stored"):
+                self.message_user(request, state, messages.ERROR)
         return super().change_view(request, object_id, form_url, extra_context)
 
     @admin.display(description="running sessions", ordering="running")

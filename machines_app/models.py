@@ -53,10 +53,12 @@ class Machine(models.Model):
     host = models.CharField(max_length=255, blank=True)
     port = models.PositiveIntegerField(default=22)
     user = models.CharField(max_length=100, blank=True)
-    private_key_path = models.CharField(
-        max_length=500, blank=True,
-        help_text="Path of the private key file on the Corral backend (a key pasted in the admin is stored "
-        "under the data directory, mode 0600, and never shown again).",
+    # machines_app.keystore: the pasted key, encrypted with a key derived from SECRET_KEY, in
+    # the database every Corral host reads; never a file on one host.
+    private_key_sealed = models.TextField(
+        "private key (encrypted)", blank=True, editable=False,
+        help_text="The private key pasted in the admin, encrypted with this installation's SECRET_KEY. Never "
+        "shown again.",
     )
     host_key = models.TextField(
         blank=True,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import logging
 import os
 import random
@@ -156,18 +157,35 @@ def pinned_key(keys: paramiko.HostKeys, host: str, port: int) -> paramiko.PKey |
 @dataclass(frozen=True)
 class Target:
     """Everything needed to reach one machine. ``host_keys`` is the machine's pinned
-    ``host_key`` text (see :func:`parse_pins`); ``key_path`` the private key file on this
-    backend. Equal targets share one connection per process."""
+    ``host_key`` text (see :func:`parse_pins`); ``private_key`` the text of the private key
+    (OpenSSH or PEM, from the database: :mod:`machines_app.keystore`; never in the repr);
+    ``key_problem`` a sentence saying why there is no usable key (the connection is then
+    refused with it, never tried). Equal targets share one connection per process."""
 
     host: str
     port: int
     user: str
-    key_path: str
+    private_key: str = field(repr=False)
     host_keys: str = field(repr=False)
+    key_problem: str = ""
 
     @property
     def entry(self) -> str:
         return host_entry(self.host, self.port)
+
+
+def parse_private_key(text: str) -> paramiko.PKey:
+    """The private key in ``text`` (ed25519, ECDSA or RSA; OpenSSH or PEM form), read from
+    memory — never from a file. Raises ValueError with a sentence for a key protected by
+    a passphrase or text that is no such key."""
+    for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+        try:
+            return kind.from_private_key(io.StringIO(text.strip() + "\n"))
+        except paramiko.PasswordRequiredException:
+            raise ValueError("This private key is protected by a passphrase; Corral needs one without.") from None
+        except (paramiko.SSHException, ValueError, TypeError, IndexError):
+            continue
+    raise ValueError("This is not an OpenSSH private key (ed25519, ECDSA or RSA).")
 
 
 class _RefuseUnknown(paramiko.RejectPolicy):
@@ -460,12 +478,18 @@ class Link:
             for key in by_type.values():
                 client.get_host_keys().add(name, key.get_name(), key)
         client.set_missing_host_key_policy(_RefuseUnknown())
+        if target.key_problem:
+            raise LinkError(target.key_problem, permanent=True)
+        try:
+            pkey = parse_private_key(target.private_key)
+        except ValueError as exc:
+            raise LinkError(f"the private key stored for {target.entry} cannot be used: {exc}", permanent=True) from None
         try:
             client.connect(
                 target.host,
                 port=target.port,
                 username=target.user or None,
-                key_filename=target.key_path or None,
+                pkey=pkey,
                 timeout=CONNECT_TIMEOUT,
                 banner_timeout=CONNECT_TIMEOUT,
                 auth_timeout=CONNECT_TIMEOUT,
@@ -485,11 +509,6 @@ class Link:
                 f"{target.user}@{target.entry} refused the private key ({exc}); check the machine's key and "
                 "the user's authorized_keys",
                 permanent=True,
-            ) from None
-        except FileNotFoundError:
-            client.close()
-            raise LinkError(
-                f"the private key for {target.entry} is missing on the Corral backend", permanent=True
             ) from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             client.close()

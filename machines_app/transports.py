@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from . import ssh
+from . import keystore, ssh
 from .sandbox import Sandbox, bwrap_argv, local_secrets, probe_argv, server_environment
 
 if TYPE_CHECKING:
@@ -1235,27 +1235,41 @@ def _drain(channel: paramiko.Channel, take: Callable[[bytes], None], *, seconds:
         if not chunk:
             return
         take(chunk)
+def _target(name: str, host: str, port: int, user: str, sealed: str, host_keys: str) -> ssh.Target:
+    """An :class:`ssh.Target` whose private key is opened from its sealed form (the
+    database's ``private_key_sealed``, :mod:`machines_app.keystore`); a key that is not
+    there or cannot be opened becomes the target's ``key_problem`` sentence."""
+    private_key, problem = "", ""
+    if not sealed:
+        problem = keystore.missing_sentence(name)
+    else:
+        try:
+            private_key = keystore.open_key(sealed)
+        except keystore.KeyUnreadable:
+            problem = keystore.unreadable_sentence(name)
+    return ssh.Target(host=host, port=port, user=user, private_key=private_key, host_keys=host_keys,
+                      key_problem=problem)
 
 
 def ssh_target(machine) -> ssh.Target:
-    """How to reach an SSH :class:`machines_app.models.Machine`."""
-    return ssh.Target(
-        host=machine.host, port=machine.port, user=machine.user, key_path=machine.private_key_path,
-        host_keys=machine.host_key,
-    )
+    """How to reach an SSH :class:`machines_app.models.Machine`: its key comes from the
+    database, so every Corral host reaches it the same way."""
+    return _target(machine.name, machine.host, machine.port, machine.user, machine.private_key_sealed,
+                   machine.host_key)
 
 
 def machine_place(machine) -> dict[str, object]:
     """What :func:`transport_at` needs to reach ``machine`` again, as plain JSON: name,
-    transport and, for SSH, host, port, user, private key path and pinned host key (public
-    material only; the private key stays in its file on this backend).
+    transport and, for SSH, host, port, user, the private key as sealed in the database
+    (the encrypted token, readable only with the installation's ``SECRET_KEY``) and the
+    pinned host key.
 
     For a task that must reach a machine whose row may be deleted before it runs (the
     server of a session deleted with its machine, docs/behaviour.md §5)."""
     return {
         "name": machine.name, "transport": machine.transport, "corral_host": getattr(machine, "corral_host", ""),
         "host": machine.host, "port": machine.port,
-        "user": machine.user, "private_key_path": machine.private_key_path, "host_key": machine.host_key,
+        "user": machine.user, "private_key_sealed": machine.private_key_sealed, "host_key": machine.host_key,
     }
 
 
@@ -1268,11 +1282,10 @@ def transport_at(place: dict) -> Transport:
             _refuse_elsewhere(place.get("name"), str(place.get("corral_host")))
         return LocalTransport()
     if place.get("transport") == "ssh" and place.get("host"):
-        target = ssh.Target(
-            host=str(place["host"]), port=int(place.get("port") or 22), user=str(place.get("user") or ""),
-            key_path=str(place.get("private_key_path") or ""), host_keys=str(place.get("host_key") or ""),
-        )
-        return SSHTransport(str(place.get("name") or place["host"]), target)
+        name = str(place.get("name") or place["host"])
+        target = _target(name, str(place["host"]), int(place.get("port") or 22), str(place.get("user") or ""),
+                         str(place.get("private_key_sealed") or ""), str(place.get("host_key") or ""))
+        return SSHTransport(name, target)
     raise TransportError(f"Machine '{place.get('name')}' cannot be reached: transport {place.get('transport')!r}")
 
 

@@ -14,12 +14,13 @@ Layout under ``CORRAL_DATA_DIR`` (default ``<repo>/data``)::
                       browsers' subscriptions are bound to its public half, so it is kept
     logs/             one llama-server log per start, key files while a server starts,
                       slots/session-<id>/ (a session's saved KV caches)
-    ssh/              private keys of SSH machines pasted in the admin (0600)
     redis/            the embedded Redis's directory and its URL (``url``, 0600)
     static/           STATIC_ROOT (WhiteNoise warns when it is missing)
-    images/           images attached to messages, <sha256>.<ext> (0700; sessions_app.images
-                      creates it on first use)
     corral.sqlite3    the default database
+
+SSH private keys and attached images are in the database (encrypted keys:
+machines_app/keystore.py; images: sessions_app/images.py), so every Corral host reads
+them; an older installation's ``ssh/`` and ``images/`` are moved there by migrations.
 
 All of it is hidden from every llama-server's sandbox, and so from the tools
 (machines_app/sandbox.py, docs/security.md).

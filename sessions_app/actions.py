@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.http import Http404
 
 from machines_app import catalog
@@ -257,20 +257,23 @@ def do_send_message(session: AgentSession, user, text: str, uploads: list[images
     one sent to a ``sleeping`` session starts its server again and waits for it
     (docs/behaviour.md §5 "sleep"), in the same transaction that takes it, so an idle stop
     under way is waited for by the start, never raced. Images are stored before the message
-    is recorded, so a recorded message never names a missing file.
+    is recorded, in its transaction, so a recorded message never names a missing image.
     """
     refuse_spent_quota(user)
     uploads = uploads or []
     text = check_message(text, with_images=bool(uploads))
     refs = check_images(session, uploads)
-    try:
-        for upload, ref in zip(uploads, refs, strict=True):
-            images.store(upload, ref)
-    except OSError as exc:
-        raise SessionError(f"The image could not be stored on the server ({exc.strerror or exc}).") from None
     with transaction.atomic():
         session = locked(session.pk)
         _wake(session, user)
+        try:
+            # In the transaction that records the message: its images cannot be deleted as
+            # unreferenced in between (images.forget_unreferenced).
+            with transaction.atomic():
+                for upload, ref in zip(uploads, refs, strict=True):
+                    images.store(upload, ref)
+        except DatabaseError as exc:
+            raise SessionError(f"The image could not be stored in the database ({exc}).") from None
         turns.take_message(session, text, by(user), refs)
 
 

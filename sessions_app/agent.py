@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from django.conf import settings
@@ -343,7 +343,9 @@ class Request:
     tool ``definitions``, the ``sampling`` body keys with the ``seed`` they use, and what
     its usage line reports (``in_force``, ``sources``: :func:`sampling_in_force`). Also the
     tool ``catalogue`` and the last ``ready`` event's payload it was read from, and the
-    session's ``model_key`` and its ``model`` file row (None when the machine lists none)."""
+    session's ``model_key`` and its ``model`` file row (None when the machine lists none);
+    ``missing``: the images the messages carry whose stored bytes are gone (said in words
+    in their place, docs/behaviour.md §16)."""
 
     catalogue: tools.Catalogue
     messages: list[dict]
@@ -355,6 +357,7 @@ class Request:
     ready: dict
     model_key: str
     model: ModelFile | None
+    missing: list[transcript.ImageRef] = field(default_factory=list)
 
 
 def request_for(session: AgentSession, events) -> Request:
@@ -370,10 +373,18 @@ def request_for(session: AgentSession, events) -> Request:
     # Images go as data URIs only to a model started with its projector
     # (docs/behaviour.md §16); for any other they are said in words.
     takes_images = catalog.vision(session.machine, session.model_key)[1]
+    missing: list[transcript.ImageRef] = []
+
+    def image_url(ref: transcript.ImageRef) -> str | None:
+        url = images.data_uri(ref)
+        if url is None:
+            missing.append(ref)
+        return url
+
     messages = transcript.build_messages(
         events,
         system_prompt=fresh.system_prompt_in_force(),
-        image_url=images.data_uri if takes_images else None,
+        image_url=image_url if takes_images else None,
     )
     sampling, seed = request_sampling(fresh.sampling, settings.CORRAL_DEFAULT_MAX_TOKENS)
     ready = transcript.last_server_ready(events)
@@ -391,7 +402,8 @@ def request_for(session: AgentSession, events) -> Request:
     # The template writes the tools' descriptions and schemas (an MCP server's words) into
     # the prompt too: they are text of the request like any message.
     definitions = control_tokens.neutralise_tools(definitions, specials)
-    return Request(catalogue, messages, definitions, sampling, seed, in_force, sources, ready, fresh.model_key, model)
+    return Request(catalogue, messages, definitions, sampling, seed, in_force, sources, ready, fresh.model_key, model,
+                   missing)
 
 
 class Step:
@@ -426,6 +438,20 @@ class Step:
 
     def error(self, message: str, *, context_exceeded: bool = False) -> None:
         self.record(Kind.ERROR, {"message": message, **({"context_exceeded": True} if context_exceeded else {})})
+
+    def say_missing_images(self, events, missing: list[transcript.ImageRef]) -> None:
+        """docs/behaviour.md §16: an image whose bytes are gone goes to the model as a note
+        (transcript.IMAGE_MISSING), never silently: the session says which image the model
+        did not see, once per turn."""
+        if not missing:
+            return
+        start = max((i for i, event in enumerate(events) if event.kind == Kind.MESSAGE_TAKEN), default=0)
+        said = {event.payload.get("message") for event in events[start:] if event.kind == Kind.NOTICE}
+        for ref in {ref["sha256"]: ref for ref in missing}.values():
+            sentence = images.missing_sentence(ref)
+            if sentence not in said:
+                self.record(Kind.NOTICE, {"message": sentence})
+                said.add(sentence)
 
     def finish(self, reason: TurnEnd) -> None:
         turns.finish_turn(self.session_id, reason, owner=self.owner)
@@ -511,6 +537,7 @@ class Step:
         catalogue, messages, definitions = request.catalogue, request.messages, request.definitions
         sampling, seed, in_force, sources, ready = (request.sampling, request.seed, request.in_force,
                                                     request.sources, request.ready)
+        self.say_missing_images(events, request.missing)
         assembler = ToolCallAssembler()
         usage: Usage | None = None
         finish_reason = None

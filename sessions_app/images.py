@@ -1,12 +1,13 @@
 """Images a user message carries (docs/behaviour.md §16): checked by their content, stored
-once under the data directory by content hash, read back for requests and for the page.
+once in the database by content hash (:class:`sessions_app.models.StoredImage`), read back
+for requests and for the page — on every Corral host alike.
 
-Layout: ``<CORRAL_DATA_DIR>/images/<sha256>.<ext>`` (``ext`` from the checked format:
-``png``, ``jpg``, ``webp``, ``gif``), files 0600 in a 0700 directory. A file is written
-once — to a fresh temporary file, then renamed into place — and never through a link; a
-file whose bytes no longer hash to its name is treated as missing. Files are shared by
-every message (of any session) that attached the same bytes, so none is deleted with a
-session.
+An image is shared by every message (of any session) that attached the same bytes; it is
+deleted when no transcript event refers to it any more (:func:`forget_unreferenced`: when
+its last session is deleted, and by the housekeeping sweep). Bytes that no longer hash to
+their SHA-256 count as missing. A missing image is never replaced silently: the request
+carries a note in its place and the session says which image the model did not see
+(:func:`missing_sentence`).
 
 Who may fetch an image is not decided here: the view serves one only through a session
 that references it (:func:`sessions_app.views.session_image`, docs/security.md).
@@ -17,18 +18,18 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-import os
-import stat
-import tempfile
+import json
+import re
 import warnings
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 from django.conf import settings
+from django.db import transaction
 from PIL import Image, UnidentifiedImageError
 
-from .transcript import ImageRef
+from .models import StoredImage, TranscriptEvent
+from .transcript import ImageRef, image_refs
 
 #: Pillow's format name → (media type, file extension). SVG is not an image here: it is a
 #: document that can carry script, so it is refused like any other non-raster file.
@@ -180,48 +181,93 @@ def _png_data_complete(data: bytes, size: tuple[int, int]) -> bool:
     return got >= needed
 
 
-def image_dir() -> Path:
-    return Path(settings.DATA_DIR) / "images"
-
-
-def path_for(ref: ImageRef) -> Path:
-    """Where the bytes of ``ref`` are kept (whether or not they are there)."""
-    return image_dir() / f"{ref['sha256']}.{EXTENSIONS.get(ref['media_type'], 'bin')}"
-
-
 def store(upload: Upload, ref: ImageRef) -> None:
-    """Keep the bytes of a checked image, once: a regular file already holding them is
-    left alone; anything else at that name (a link, a half-written file) is replaced by
-    a rename, which never writes through a link. Raises ``OSError`` when the data
-    directory cannot be written."""
-    path = path_for(ref)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if read(ref) is not None:
-        return
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")  # O_EXCL, mode 0600
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(upload.data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
+    """Keep the bytes of a checked image, once, in the database (:class:`StoredImage`, by
+    SHA-256): a row already holding them is left alone; a row whose bytes no longer hash
+    to its name is replaced. Call it in the transaction that records the message carrying
+    the image: the row is locked until then, so :func:`forget_unreferenced` cannot delete
+    it between the two. Raises ``DatabaseError`` when the database refuses the write."""
+    with transaction.atomic():  # a savepoint inside the caller's; locking needs one anyway
+        rows = StoredImage.objects.select_for_update().filter(sha256=ref["sha256"])
+        kept = rows.values_list("data", flat=True).first()
+        if kept is not None and hashlib.sha256(bytes(kept)).hexdigest() == ref["sha256"]:
+            return
+        StoredImage.objects.update_or_create(
+            sha256=ref["sha256"],
+            defaults={"media_type": ref["media_type"], "data": upload.data, "size": len(upload.data),
+                      "server_png": None},
+        )
 
 
 def read(ref: ImageRef) -> bytes | None:
-    """The stored bytes of ``ref``, or None when the file is missing, is not a regular
-    file (a link is not followed) or no longer hashes to its name."""
-    try:
-        fd = os.open(path_for(ref), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+    """The stored bytes of ``ref``, or None when no row holds them (deleted, or never
+    stored on this installation) or they no longer hash to its SHA-256."""
+    data = StoredImage.objects.filter(sha256=ref["sha256"]).values_list("data", flat=True).first()
+    if data is None:
         return None
-    with os.fdopen(fd, "rb") as source:
-        if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):
-            return None
-        data = source.read()
+    data = bytes(data)  # PostgreSQL gives a memoryview
     return data if hashlib.sha256(data).hexdigest() == ref["sha256"] else None
+
+
+def stored(hashes: set[str]) -> set[str]:
+    """Which of ``hashes`` have a stored image (one query; the bytes are not read)."""
+    return set(StoredImage.objects.filter(sha256__in=hashes).values_list("sha256", flat=True)) if hashes else set()
+
+
+def missing_sentence(ref: ImageRef) -> str:
+    """What a session says of an image its message carries whose bytes are gone: which
+    image (kind, size, the start of its SHA-256), and that the model did not see it."""
+    return (f"The model did not see an image attached to an earlier message ({_kind(ref)}, {megabytes(ref['size'])}, "
+            f"SHA-256 {ref['sha256'][:12]}…): it is no longer stored in Corral (it was deleted), so the request "
+            "carried a note in its place.")
+
+
+def _kind(ref: ImageRef) -> str:
+    return ref["media_type"].removeprefix("image/").upper()
+
+
+def referred_hashes(session_id: int) -> set[str]:
+    """The SHA-256 of every image an event of the session names (its messages, sent or
+    queued): what may become unreferenced when the session goes."""
+    found: set[str] = set()
+    for payload in TranscriptEvent.objects.filter(session_id=session_id, payload__icontains="sha256").values_list(
+        "payload", flat=True
+    ):
+        found.update(ref["sha256"] for ref in image_refs(payload))
+    return found
+
+
+def forget_unreferenced(hashes: set[str] | None = None) -> int:
+    """Delete the stored images no transcript event refers to any more; ``hashes``: only
+    these (a deleted session's images), None: every stored image (the housekeeping sweep).
+    Returns how many were deleted.
+
+    An event refers to an image when its payload holds the image's SHA-256 (a message's
+    ``images``; any other mention keeps it too, which only keeps an image longer). Each
+    image is deleted in a transaction that locks its row first: a message attaching the
+    same bytes meanwhile (:func:`store`, in the transaction that records it) either
+    commits first — its event is seen and the image stays — or stores the image again
+    after the delete."""
+    if hashes is None:
+        candidates = set(StoredImage.objects.values_list("sha256", flat=True))
+        referenced: set[str] = set()
+        for payload in TranscriptEvent.objects.filter(payload__icontains="sha256").values_list("payload", flat=True):
+            referenced.update(_HASH.findall(json.dumps(payload)))
+        candidates -= referenced
+    else:
+        candidates = set(hashes)
+    deleted = 0
+    for sha256 in sorted(candidates):
+        with transaction.atomic():
+            if not list(StoredImage.objects.select_for_update().filter(sha256=sha256).values_list("pk", flat=True)):
+                continue  # gone already
+            if TranscriptEvent.objects.filter(payload__icontains=sha256).exists():
+                continue
+            deleted += StoredImage.objects.filter(sha256=sha256).delete()[0]
+    return deleted
+
+
+_HASH = re.compile(r"[0-9a-f]{64}")
 
 
 #: Media types llama-server's image loader reads as they are (llama.cpp's mtmd decodes
@@ -243,11 +289,11 @@ def as_png(data: bytes) -> bytes:
 
 def data_uri(ref: ImageRef) -> str | None:
     """The image as the URL of an OpenAI ``image_url`` content part (``data:<media
-    type>;base64,<bytes>``, what llama-server's multimodal chat accepts), or None when its
-    file cannot be read. A kind llama-server cannot read (WebP: :data:`SERVER_READS`) is
-    sent as PNG; the stored file and the page's thumbnail keep the original. The same bytes
-    always give the same text, so a request's prefix stays byte-identical turn after turn
-    (docs/behaviour.md §13)."""
+    type>;base64,<bytes>``, what llama-server's multimodal chat accepts), or None when it
+    is not stored (any more). A kind llama-server cannot read (WebP: :data:`SERVER_READS`)
+    is sent as PNG; the stored image and the page's thumbnail keep the original. The same
+    bytes always give the same text, so a request's prefix stays byte-identical turn after
+    turn (docs/behaviour.md §13)."""
     data = read(ref)
     if data is None:
         return None
@@ -261,31 +307,15 @@ def data_uri(ref: ImageRef) -> str | None:
 
 def server_copy(ref: ImageRef, data: bytes) -> bytes | None:
     """The PNG a request carries for an image llama-server cannot read as it is (``data``:
-    the stored bytes of ``ref``), made once and kept beside the image
-    (``<sha256>.server.png``, written like the image): an image goes with every later
-    request of its session, and decoding it anew each time would cost its pixels every
-    turn. None when its pixels cannot be read."""
-    path = image_dir() / f"{ref['sha256']}.server.png"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        fd = None
-    if fd is not None:
-        with os.fdopen(fd, "rb") as source:
-            if stat.S_ISREG(os.fstat(source.fileno()).st_mode):
-                return source.read()
+    the stored bytes of ``ref``), made once and kept with the image (``server_png``): an
+    image goes with every later request of its session, and decoding it anew each time
+    would cost its pixels every turn. None when its pixels cannot be read."""
+    kept = StoredImage.objects.filter(sha256=ref["sha256"]).values_list("server_png", flat=True).first()
+    if kept is not None:
+        return bytes(kept)
     try:
         png = as_png(data)
     except (OSError, ValueError, Image.DecompressionBombError):
         return None
-    try:
-        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".incoming-")  # O_EXCL, mode 0600
-    except OSError:
-        return png  # made again next time
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(png)
-        os.replace(partial, path)  # a rename: never written through a link
-    except OSError:
-        Path(partial).unlink(missing_ok=True)
+    StoredImage.objects.filter(sha256=ref["sha256"]).update(server_png=png)
     return png

@@ -324,7 +324,6 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
             # What the server needs from the hidden directories, bound back at its own path:
             # its files (read-only) and its own slot directory.
             read=(model.path, model.mmproj_path, model.chat_template_file, key_path), write=(slots,),
-            mask=_other_secrets(session.machine),
         )
         proc = transport.spawn(build_argv(spec), log_path, cwd=None, bwrap=bwrap, sandbox=sandbox)
     except (catalog.ModelUnavailable, TransportError) as exc:
@@ -385,16 +384,7 @@ def tool_view(machine: Machine, transport: Transport | None = None) -> ToolView:
     machine cannot be reached, or, on the backend's own machine, when there is no sandbox
     to run a tool in (as :func:`_sandbox_for` refuses a server then)."""
     transport = transport or transport_for(machine)
-    return ToolView(transport, _sandbox_for(machine, transport), _other_secrets(machine))
-
-
-def _other_secrets(machine: Machine) -> tuple[str, ...]:
-    """Secret files on the backend a local server's sandbox masks besides the data
-    directory: the private keys of SSH machines that an admin gave by path (a key pasted
-    in the admin is stored in the data directory, hidden anyway)."""
-    if machine.transport != Machine.Transport.LOCAL:
-        return ()
-    return tuple(Machine.objects.exclude(private_key_path="").values_list("private_key_path", flat=True))
+    return ToolView(transport, _sandbox_for(machine, transport))
 
 
 def _wait(session: AgentSession, transport, record: ServerRecord, *, restore: bool = True) -> None:

@@ -344,3 +344,24 @@ class McpServer(models.Model):
         if self.api_key:
             headers.setdefault("Authorization", f"Bearer {self.api_key}")
         return McpServerConfig(name=self.name, url=self.url, headers=headers)
+
+
+class StoredImage(models.Model):
+    """The bytes of an image a user message carries (docs/behaviour.md §16), kept once by
+    content hash in the database every Corral host reads (sessions_app.images). Deleted
+    when no transcript event refers to it any more (``images.forget_unreferenced``)."""
+
+    # The thumbnail and the requests read ``data``; nothing lists these rows in bulk with it.
+
+    sha256 = models.CharField(primary_key=True, max_length=64, help_text="SHA-256 of the bytes, 64 hex digits.")
+    media_type = models.CharField(max_length=20, help_text="image/png, image/jpeg, image/webp or image/gif.")
+    data = models.BinaryField(help_text="The image's bytes as attached.")
+    size = models.PositiveIntegerField(help_text="Bytes.")
+    # A kind llama-server cannot read (WebP) goes to it as PNG: made once, kept with the image.
+    server_png = models.BinaryField(
+        null=True, blank=True, help_text="The PNG sent to llama-server for a kind it cannot read."
+    )
+    created = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.sha256[:12]} ({self.media_type}, {self.size} bytes)"

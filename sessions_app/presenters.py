@@ -129,14 +129,19 @@ def _username(payload) -> str:
 
 def image_items(session_id: int, payload) -> list[dict]:
     """The thumbnails of a user message: each image's URL under its session (the only way
-    to fetch it, docs/security.md) and a text alternative (``image 1 of 2, PNG, 14 KB``)."""
+    to fetch it, docs/security.md), a text alternative (``image 1 of 2, PNG, 14 KB``) and,
+    for an image no longer stored, the sentence shown in its place (``missing``)."""
     refs = image_refs(payload)
+    kept = images.stored({ref["sha256"] for ref in refs})
     return [
         {
             "url": reverse("session_image", args=[session_id, ref["sha256"],
                                                   images.EXTENSIONS.get(ref["media_type"], "bin")]),
             "alt": f"image {number} of {len(refs)}, {ref['media_type'].removeprefix('image/').upper()}, "
                    f"{images.megabytes(ref['size'])}",
+            # Said in words in place of a broken thumbnail (docs/behaviour.md §16).
+            "missing": "" if ref["sha256"] in kept else
+                       f"Image {number} is no longer stored in Corral: the model does not see it.",
         }
         for number, ref in enumerate(refs, start=1)
     ]

@@ -2,18 +2,22 @@
 its page, the admin, or with its owner or machine) and a browser logging out.
 
 A deleted session's server is handed to the stop task, whichever way the row went
-(docs/behaviour.md §5); both close the sockets they concern, so a page says so at once
+(docs/behaviour.md §5), and the images only it referred to are deleted (§16); both close the sockets they concern, so a page says so at once
 instead of at its next reconnect (docs/live-page.md)."""
 
 from __future__ import annotations
 
+import logging
+
 from django.contrib.auth.signals import user_logged_out
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models.signals import post_delete, pre_delete
 from django.dispatch import receiver
 
-from . import broadcast, lifecycle
+from . import broadcast, images, lifecycle
 from .models import AgentSession
+
+log = logging.getLogger(__name__)
 
 
 @receiver(pre_delete, sender=AgentSession, dispatch_uid="corral-session-server-stop")
@@ -21,6 +25,19 @@ def session_deleting(sender, instance: AgentSession, **kwargs) -> None:
     # pre_delete: Django sends it for every row a delete or cascade takes, before any row
     # goes, so the ServerRecord (deleted with the session) can still be read.
     lifecycle.stop_when_deleted(instance.pk)
+    # docs/behaviour.md §16: its images go with it unless another session's messages carry
+    # the same bytes — judged once the rows are gone (the hourly sweep catches a miss).
+    hashes = images.referred_hashes(instance.pk)
+    if hashes:
+        transaction.on_commit(lambda: _forget_images(hashes))
+
+
+def _forget_images(hashes: set[str]) -> None:
+    try:
+        images.forget_unreferenced(hashes)
+    except DatabaseError:
+        log.warning("the images of a deleted session were not deleted now; the hourly sweep deletes them",
+                    exc_info=True)
 
 
 @receiver(post_delete, sender=AgentSession, dispatch_uid="corral-session-gone")

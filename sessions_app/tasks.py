@@ -18,7 +18,7 @@ from django.conf import settings
 from machines_app.llama_server import tls_context
 from project import heap, queues
 
-from . import agent, dispatch, lifecycle, liveness, room, turns
+from . import agent, dispatch, images, lifecycle, liveness, room, turns
 
 log = logging.getLogger(__name__)
 #: Seconds between recovery's two reads of the liveness keys: more than a beat, so a live
@@ -53,6 +53,15 @@ def remove_slot(place: dict, session_id: int, save_id: int) -> None:
     """Delete the saved slot file of a deleted session from its machine (``place``: a
     :func:`machines_app.transports.machine_place`, since the machine may be gone too)."""
     lifecycle.remove_slot_file(place, session_id, save_id)
+
+
+@shared_task
+def forget_images() -> None:
+    """The housekeeping sweep (hourly, beat): delete the stored images no transcript event
+    refers to any more — leftovers of a deletion whose own clean-up did not run."""
+    deleted = images.forget_unreferenced()
+    if deleted:
+        log.info("deleted %d stored image(s) no message refers to any more", deleted)
 
 
 @shared_task

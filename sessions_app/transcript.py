@@ -79,8 +79,9 @@ EMPTY_ARGUMENTS = "{}"
 #: projector (docs/behaviour.md §16: a conversation goes on after a change to such a model).
 IMAGE_NOT_SHOWN = "[An image was attached here; the current model cannot take images.]"
 
-#: What it says in place of an image whose stored file cannot be read any more.
-IMAGE_MISSING = "[An image was attached here; its stored file is missing.]"
+#: What it says in place of an image that is no longer stored (docs/behaviour.md §16; the
+#: session says which one in a notice).
+IMAGE_MISSING = "[An image was attached here; it is no longer stored, so it cannot be shown.]"
 
 #: Values of ``answered.payload["answer"]`` (docs/behaviour.md §8).
 ANSWER_ALLOW_ONCE = "allow_once"

@@ -432,6 +432,11 @@ def session_send(request: HttpRequest, session_id: int) -> HttpResponse:
     return _composer(request, session, MessageForm())
 
 
+#: The image view's answer for an image its message carries whose bytes are gone.
+IMAGE_GONE = ("This image is no longer stored in Corral (it was deleted, or its bytes were damaged), so it cannot be "
+              "shown, and the model does not see it either.")
+
+
 @require_GET
 def session_image(request: HttpRequest, session_id: int, sha256: str, ext: str) -> HttpResponse:
     """An image a message of the session carries, to whom may watch the session
@@ -442,13 +447,12 @@ def session_image(request: HttpRequest, session_id: int, sha256: str, ext: str) 
     if images.EXTENSIONS.get(ref["media_type"]) != ext:
         return HttpResponse("No such image", status=404, content_type="text/plain; charset=utf-8")
     etag = f'"{ref["sha256"]}"'
-    if request.headers.get("If-None-Match") == etag:
+    if request.headers.get("If-None-Match") == etag and images.stored({ref["sha256"]}):
         response = HttpResponseNotModified()
     else:
         data = images.read(ref)
         if data is None:
-            return HttpResponse("This image's file is missing on the server.", status=404,
-                                content_type="text/plain; charset=utf-8")
+            return HttpResponse(IMAGE_GONE, status=404, content_type="text/plain; charset=utf-8")
         response = HttpResponse(data, content_type=ref["media_type"])
         response["Content-Disposition"] = f'inline; filename="{ref["sha256"][:12]}.{ext}"'
     response["ETag"] = etag

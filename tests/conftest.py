@@ -437,12 +437,15 @@ def sshd(tmp_path_factory):
 
 def make_ssh_machine(server, models_dir, llama_server_bin, **fields):
     """This very machine, reached over SSH through ``server`` (a tests/sshd.py SshServer):
-    the real llama-server and the real GGUF files work "remotely" too."""
+    the real llama-server and the real GGUF files work "remotely" too. Its private key is
+    stored in the database, encrypted (machines_app.keystore), as the admin stores one."""
+    from machines_app.keystore import seal_key
     from machines_app.models import Machine
 
     values = {
         "name": f"gpu-{time.monotonic_ns()}", "transport": "ssh", "host": "127.0.0.1", "port": server.port,
-        "user": server.user, "private_key_path": server.client_key, "host_key": server.host_key_line,
+        "user": server.user, "private_key_sealed": seal_key(Path(server.client_key).read_text()),
+        "host_key": server.host_key_line,
         "models_dir": str(models_dir), "llama_server_path": llama_server_bin,
         "workspace_roots": "",  # tests work in tmp_path; roots have tests of their own
         **fields,

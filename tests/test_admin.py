@@ -203,7 +203,7 @@ def test_every_way_a_session_goes_hands_its_server_to_the_stop_task(local_machin
     with transaction.atomic():
         delete()
         assert sent == []  # not before the delete commits: a rolled-back delete stops nothing
-    place = {"name": "local", "transport": "local", "host": "", "port": 22, "user": "", "private_key_path": "",
+    place = {"name": "local", "transport": "local", "host": "", "port": 22, "user": "", "private_key_sealed": "",
              "host_key": ""}
     assert sent == [(dispatch.STOP_PROCESS, (place, 4242, "77", 40001, session_id))]
 

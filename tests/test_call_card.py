@@ -13,6 +13,7 @@ import random
 import re
 import unicodedata
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from bs4 import BeautifulSoup
@@ -205,7 +206,8 @@ def test_a_write_and_an_edit_are_diffs_against_the_file_on_that_machine(where, t
     else:
         server = request.getfixturevalue("sshd")
         transport = SSHTransport("gpu", ssh.Target(host="127.0.0.1", port=server.port, user=server.user,
-                                                   key_path=server.client_key, host_keys=server.host_key_line))
+                                                   private_key=Path(server.client_key).read_text(),
+                                                   host_keys=server.host_key_line))
     for name, arguments in write_edit_calls(tmp_path).items():
         payload = {"id": "c1", "tool": TOOL_OF[name], "arguments": json.dumps(arguments),
                    **callcard.recorded(TOOL_OF[name], json.dumps(arguments), working_dir=str(tmp_path),

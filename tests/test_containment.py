@@ -165,17 +165,11 @@ def test_an_approved_tool_on_the_local_machine_cannot_reach_corral(
     secret = (data / "secret_key").read_text().strip()
     assert secret
 
-    # A remote machine's key as the admin stores it (under the data directory), and one an
-    # admin gave by path, outside it.
+    # A remote machine's key as the admin stores it: in the database (encrypted), whose file
+    # is in the data directory.
     gpu = Machine.objects.create(name="gpu1", transport="ssh", host="gpu1.example", user="corral")
     machine_actions.do_store_private_key(gpu, a_private_key())
-    stored_key = Path(Machine.objects.get(pk=gpu.pk).private_key_path)
-    assert data in stored_key.parents and stored_key.exists()
-    outside_key = tmp_path / "keys" / "gpu2.key"
-    outside_key.parent.mkdir()
-    outside_key.write_text(a_private_key())
-    Machine.objects.create(name="gpu2", transport="ssh", host="gpu2.example", user="corral",
-                           private_key_path=str(outside_key))
+    assert Machine.objects.get(pk=gpu.pk).private_key_sealed
 
     # Another member's session, its server up, with a saved slot on disk.
     other_dir = tmp_path / "bob-work"
@@ -202,8 +196,6 @@ def test_an_approved_tool_on_the_local_machine_cannot_reach_corral(
     attempts = {
         "secret key": f"cat {shlex.quote(str(data / 'secret_key'))} && echo LEAK-secret",
         "data directory": f"ls -A {shlex.quote(str(data))} | grep -e secret_key -e sqlite3 -e ssh && echo LEAK-data",
-        "stored ssh key": f"cat {shlex.quote(str(stored_key))} && echo LEAK-stored-key",
-        "ssh key by path": f"grep -q PRIVATE {shlex.quote(str(outside_key))} && echo LEAK-outside-key",
         "other slot": f"cat {shlex.quote(str(other_slot))} && echo LEAK-slot",
         "embedded redis": REDIS_PROBE.format(port=embedded_port),
         "kill corral": f"kill -9 {os.getpid()} && echo LEAK-killed-corral",
@@ -233,7 +225,6 @@ def test_an_approved_tool_on_the_local_machine_cannot_reach_corral(
     transport = transport_for(local_machine)
     assert transport.process_alive(ProcessId(other_record.pid, other_record.start_time))
     assert other_slot.read_text() == "bob's KV cache\n" and (data / "secret_key").read_text().strip() == secret
-    assert stored_key.exists() and outside_key.exists()
     assert fresh(session).status == "idle"
 
 
@@ -390,11 +381,6 @@ def test_what_corral_reads_or_runs_for_a_tool_reaches_no_more_than_the_sandbox(
     # write would change for its card: none of it may show what the server's sandbox hides.
     data = Path(settings.DATA_DIR)
     secret = (data / "secret_key").read_text().strip()
-    outside_key = tmp_path / "keys" / "gpu2.key"
-    outside_key.parent.mkdir()
-    outside_key.write_text("KEY-" + secret)
-    Machine.objects.create(name="gpu2", transport="ssh", host="gpu2.example", user="corral",
-                           private_key_path=str(outside_key))
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / "notes.txt").write_text("the sheep are in the north field\n")
@@ -406,9 +392,7 @@ def test_what_corral_reads_or_runs_for_a_tool_reaches_no_more_than_the_sandbox(
     calls = [
         ("read_file", json.dumps({"path": str(data / "secret_key")})),
         ("read_file", json.dumps({"path": "link"})),
-        ("read_file", json.dumps({"path": str(outside_key)})),
         ("grep_search", json.dumps({"path": str(data), "pattern": secret[:12], "literal": True})),
-        ("grep_search", json.dumps({"path": str(outside_key.parent), "pattern": "KEY-", "literal": True})),
         ("read_file", json.dumps({"path": "notes.txt"})),
     ]
     model_side.will_answer(*tool_call_reply(*calls))
@@ -418,7 +402,7 @@ def test_what_corral_reads_or_runs_for_a_tool_reaches_no_more_than_the_sandbox(
     outputs = [e.payload["output"] for e in events_of(session, "tool_end")]
     assert len(outputs) == len(calls)
     for (name, arguments), output in zip(calls[:-1], outputs[:-1], strict=True):
-        assert secret[:12] not in output and "KEY-" not in output, (name, arguments, output)
+        assert secret[:12] not in output, (name, arguments, output)
     assert "the sheep are in the north field" in outputs[-1]  # the working directory still reads
 
     # The card of a write to Corral's secret key shows nothing of it (not even as "before").

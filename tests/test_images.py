@@ -12,8 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import stat
 from pathlib import Path
 
 import pytest
@@ -25,9 +23,9 @@ from PIL import Image
 from machines_app.discovery import discover
 from machines_app.llama_server import ServerSpec, build_argv
 from machines_app.models import Machine, ModelFile
-from sessions_app import actions, images, transcript
+from sessions_app import actions, images, tasks, transcript, views
 from sessions_app.images import ImageRefused, Upload
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
 from sessions_app.presenters import TranscriptView
 from sessions_app.transcript import IMAGE_MISSING, IMAGE_NOT_SHOWN, USER_JOIN, Event, build_messages
 
@@ -88,28 +86,23 @@ def test_it_refuses_an_empty_file_and_one_over_the_size_limit_naming_both(settin
 # --- storing --------------------------------------------------------------------------------
 
 
-def test_an_image_is_stored_once_under_its_hash_and_never_through_a_link(data_dir, tmp_path):
+@pytest.mark.django_db
+def test_an_image_is_stored_once_in_the_database_under_its_hash(data_dir):
     data = image_bytes()
     ref = images.check_image(Upload("a.png", data))
-    path = images.path_for(ref)
-    assert path == data_dir / "images" / f"{ref['sha256']}.png"
-    # Someone left a link at the name, pointing at a file of theirs.
-    path.parent.mkdir(parents=True)
-    victim = tmp_path / "victim.txt"
-    victim.write_text("keep me")
-    path.symlink_to(victim)
     images.store(Upload("a.png", data), ref)
-    assert victim.read_text() == "keep me"
-    assert not path.is_symlink() and path.read_bytes() == data
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    # Stored once: a second message with the same bytes leaves the file as it is.
-    inode = path.stat().st_ino
+    row = StoredImage.objects.get()
+    assert (row.sha256, row.media_type, row.size, bytes(row.data)) == (ref["sha256"], "image/png", len(data), data)
+    assert not (data_dir / "images").exists()  # nothing on this host's disk: every host reads the database
+    # Stored once: a second message with the same bytes leaves the row as it is.
     images.store(Upload("again.png", data), ref)
-    assert path.stat().st_ino == inode and [p.name for p in path.parent.iterdir()] == [path.name]
+    assert StoredImage.objects.count() == 1
     assert images.data_uri(ref) == "data:image/png;base64," + base64.b64encode(data).decode()
-    # A file that no longer hashes to its name is not that image.
-    path.write_bytes(data + b"x")
+    # Bytes that no longer hash to the name are not that image; storing it again mends the row.
+    StoredImage.objects.filter(pk=ref["sha256"]).update(data=data + b"x")
     assert images.read(ref) is None and images.data_uri(ref) is None
+    images.store(Upload("a.png", data), ref)
+    assert images.read(ref) == data
 
 
 # --- the fold: content parts, byte-identical -------------------------------------------------
@@ -261,7 +254,7 @@ def test_a_forged_post_with_an_image_for_a_model_without_a_projector_is_refused(
     assert composer_error(response) == "SmolLM2 135M cannot take images."
     assert "What is this?" in response.content.decode()  # the text stays in the box
     assert not TranscriptEvent.objects.filter(session=session).exists()
-    assert not (data_dir / "images").exists()
+    assert not StoredImage.objects.exists()
 
 
 @pytest.mark.django_db
@@ -396,12 +389,53 @@ def test_the_page_shows_thumbnails_served_through_the_session(alice, machine, da
     assert all(client.get(t["src"]).status_code == 200 for t in thumbs)
 
 
-def test_stored_files_are_named_by_hash_only(data_dir):
-    data = image_bytes("JPEG")
-    ref = images.check_image(Upload("../../../evil.png", data))
-    images.store(Upload("../../../evil.png", data), ref)
-    assert os.listdir(data_dir / "images") == [f"{ref['sha256']}.jpg"]
-    assert stat.S_IMODE((data_dir / "images").stat().st_mode) == 0o700
+@pytest.mark.django_db
+def test_an_image_no_longer_stored_is_said_in_words_on_the_page_and_by_its_link(alice, machine, data_dir):
+    session = make_session(alice, machine, "gemma.gguf")
+    client = logged_in(alice)
+    send(client, session, "two pictures", ("a.png", PNG), ("b.gif", GIF))
+    StoredImage.objects.filter(pk=GIF_REF["sha256"]).delete()  # gone (a restore without it, a hand-made delete)
+    page = BeautifulSoup(client.get(f"/sessions/{session.pk}/").content, "html.parser")
+    assert [t["src"] for t in page.select("#transcript .msg.user img.thumb")] == [
+        f"/sessions/{session.pk}/images/{PNG_REF['sha256']}.png"]
+    missing = page.select_one("#transcript .msg.user .thumb.missing")
+    assert missing.get_text() == "Image 2 is no longer stored in Corral: the model does not see it."
+    gone = client.get(f"/sessions/{session.pk}/images/{GIF_REF['sha256']}.gif")
+    assert gone.status_code == 404 and gone.content.decode() == views.IMAGE_GONE
+    # A browser holding it in its cache is not told "not modified" about an image that is gone.
+    again = client.get(f"/sessions/{session.pk}/images/{GIF_REF['sha256']}.gif", HTTP_IF_NONE_MATCH=f'"{GIF_REF["sha256"]}"')
+    assert again.status_code == 404
+
+
+@pytest.mark.django_db
+def test_an_image_is_deleted_with_the_last_session_that_carries_it(alice, bob, machine, data_dir,
+                                                                   django_capture_on_commit_callbacks):
+    """Retention (docs/behaviour.md §16): sessions share an image by its bytes; it goes when
+    no event refers to it any more — with its last session, whichever way that goes — and
+    the hourly sweep deletes leftovers no event names."""
+    first, second = make_session(alice, machine, "gemma.gguf"), make_session(bob, machine, "gemma.gguf")
+    send(logged_in(alice), first, "a picture", ("a.png", PNG), ("b.gif", GIF))
+    send(logged_in(bob), second, "the same picture", ("copy.png", PNG))
+    assert set(StoredImage.objects.values_list("sha256", flat=True)) == {PNG_REF["sha256"], GIF_REF["sha256"]}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        AgentSession.objects.get(pk=first.pk).delete()
+    # The GIF only the first session carried is gone; the PNG the second carries too stays.
+    assert set(StoredImage.objects.values_list("sha256", flat=True)) == {PNG_REF["sha256"]}
+    assert logged_in(bob).get(f"/sessions/{second.pk}/images/{PNG_REF['sha256']}.png").content == PNG
+
+    with django_capture_on_commit_callbacks(execute=True):
+        bob.delete()  # the second session goes with its owner (a cascade)
+    assert not StoredImage.objects.exists()
+
+    # The sweep: a row no event names (its session's deletion did not clean up) goes; one a
+    # message names stays.
+    third = make_session(alice, machine, "gemma.gguf")
+    send(logged_in(alice), third, "kept", ("a.png", PNG))
+    leftover = image_bytes("PNG", (1, 2, 3))
+    images.store(Upload("left.png", leftover), ref_of(leftover))
+    assert tasks.forget_images.apply().successful()
+    assert list(StoredImage.objects.values_list("sha256", flat=True)) == [PNG_REF["sha256"]]
 
 
 def test_an_image_of_a_withdrawn_queued_message_is_served_no_more(alice, machine, data_dir):

@@ -29,7 +29,7 @@ from playwright.sync_api import expect
 from machines_app import catalog
 from machines_app.models import Machine, ServerRecord
 from sessions_app.images import as_png
-from sessions_app.models import TranscriptEvent
+from sessions_app.models import StoredImage, TranscriptEvent
 
 from .conftest import fake_server, wait_for
 from .helpers import log_in, open_menu
@@ -155,11 +155,12 @@ def test_images_reach_the_model_and_every_watcher(stack, page, vision_machine, a
     }""")
     expect(page.locator(".msg.user img.thumb")).to_have_count(2)
     page.locator(".msg.assistant .md", has_text="done.").wait_for()
-    # Each stored once under its hash (the stack's data directory is shared with other
-    # tests, so only these two names are looked for), and the refused huge file not at all.
-    stored = {path.name for path in (stack.data_dir / "images").iterdir()}
-    assert {f"{hashlib.sha256(red).hexdigest()}.png", f"{hashlib.sha256(green).hexdigest()}.gif"} <= stored
-    assert f"{hashlib.sha256(huge).hexdigest()}.png" not in stored
+    # Each stored once under its hash, in the database every host reads, and the refused
+    # huge file not at all.
+    stored = dict(StoredImage.objects.values_list("sha256", "media_type"))
+    assert stored[hashlib.sha256(red).hexdigest()] == "image/png"
+    assert stored[hashlib.sha256(green).hexdigest()] == "image/gif"
+    assert hashlib.sha256(huge).hexdigest() not in stored
 
     # The request: text, then the two images as data URIs of exactly the bytes sent.
     def requests() -> list[dict]:

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.test import Client
 from PIL import Image
 
 from machines_app import catalog
 from machines_app.demo_models import packaged_model_paths
 from machines_app.models import Machine, ServerRecord
-from sessions_app import actions
+from sessions_app import actions, images
 from sessions_app.images import Upload
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
 
 from .conftest import wait_for
 from .tiny_mmproj import text_embedding_length, write_tiny_projector
@@ -53,7 +54,9 @@ def turns_ended(session: AgentSession) -> int:
 
 def test_the_real_server_reads_images_and_keeps_them_in_its_prompt_cache(stack, smol_with_projector, alice,
                                                                          tmp_path, settings):
-    settings.DATA_DIR = stack.data_dir  # where the stack's worker reads the images this process stores
+    # This process stores the images as another Corral host would: with a data directory
+    # of its own, unlike the stack's worker, which reads them from the shared database.
+    settings.DATA_DIR = tmp_path / "another-host"
     model = smol_with_projector.model_files.get()
     assert model.projector_key == "smol/mmproj-smol-tiny.gguf"
     session = actions.do_create_session(
@@ -88,3 +91,20 @@ def test_the_real_server_reads_images_and_keeps_them_in_its_prompt_cache(stack, 
     assert first["prompt_tokens"] == text_only + 2 * 4
     # ... and the second request found all of it in the prompt cache: sent byte for byte.
     assert second["cached_tokens"] >= first["prompt_tokens"]
+    assert not (tmp_path / "another-host").exists() and not (stack.data_dir / "images").exists()
+
+    # An image whose bytes are gone is not replaced silently: the request carries a note in
+    # its place and the session says which image the model did not see.
+    green = images.check_image(Upload("green.jpg", image_bytes("JPEG", (20, 200, 20))))
+    StoredImage.objects.filter(pk=green["sha256"]).delete()
+    before = TranscriptEvent.objects.filter(session=session).order_by("seq").last().seq
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "And now?")
+    wait_for(lambda: turns_ended(session) == 3, 120, what="the third reply")
+    third = list(TranscriptEvent.objects.filter(session=session, seq__gt=before).order_by("seq"))
+    assert [e.payload["reason"] for e in third if e.kind == "turn_end"] == ["done"]
+    notices = [e.payload["message"] for e in third if e.kind == "notice"]  # max_tokens 8 adds "stopped at …"
+    assert notices.count(images.missing_sentence(green)) == 1, notices
+    assert f"SHA-256 {green['sha256'][:12]}" in images.missing_sentence(green)
+    page = Client()
+    page.force_login(alice)
+    assert images.missing_sentence(green) in page.get(f"/sessions/{session.pk}/").content.decode()

@@ -121,7 +121,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Rows and what reaches a machine: models, transports, the llama-server client, reads
     # and renderers of stored events; pushes and task hand-offs by name.
     ("models", (
-        "*.models", "machines_app.access", "machines_app.transports", "machines_app.llama_server",
+        "*.models", "machines_app.keystore", "machines_app.access", "machines_app.transports", "machines_app.llama_server",
         "machines_app.workspaces", "machines_app.template_files", "machines_app.catalog",
         "sessions_app.completions", "sessions_app.tools", "sessions_app.machine_tools",
         "sessions_app.server_state", "sessions_app.presence", "sessions_app.presence_board", "sessions_app.dispatch",

@@ -207,7 +207,7 @@ def test_a_pasted_private_key_is_not_written_back_when_another_field_has_an_erro
     body = private_key.strip().splitlines()[1]
     page = admin.post("/admin/machines_app/machine/add/", {
         "name": "gpu1", "transport": "ssh", "host": "bad host", "port": 22, "user": "u", "private_key": private_key,
-        "private_key_path": "", "expected_fingerprint": "", "host_key": "", "models_dir": "~/models",
+        "expected_fingerprint": "", "host_key": "", "models_dir": "~/models",
         "llama_server_path": "llama-server", "enabled": "on", "workspace_roots": "~",
     }).content.decode()
     assert "A host is a name or an address" in page

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGUFValueType
 
 from machines_app import actions as machine_actions
-from machines_app import catalog, ssh
+from machines_app import catalog, keystore, ssh
 from machines_app.discovery import discover
 from machines_app.gguf import parse_head
 from machines_app.llama_server import ServerSpec, build_argv, new_api_key, wait_until_ready
@@ -212,15 +212,25 @@ def test_a_non_standard_port_is_pinned_as_openssh_writes_it(sshd, tmp_path, real
     assert ssh.host_entry("gpu1", 22) == "gpu1" and ssh.host_entry("gpu1", 2222) == "[gpu1]:2222"
 
 
-def test_a_missing_private_key_file_says_so(sshd, tmp_path, real_models_dir, llama_server_bin):
-    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, private_key_path=str(tmp_path / "gone"))
-    with pytest.raises(TransportError, match="private key for .* is missing on the Corral backend"):
+def test_a_machine_without_a_stored_key_says_so(sshd, real_models_dir, llama_server_bin):
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, private_key_sealed="")
+    with pytest.raises(TransportError, match=f"no SSH private key is stored for {machine.name}: paste it in the admin"):
         transport_for(machine).is_dir("/")
+
+
+def test_a_key_sealed_under_another_secret_key_says_so(sshd, real_models_dir, llama_server_bin):
+    sealed = keystore.seal_key(Path(sshd.client_key).read_text(), secret="the SECRET_KEY of another installation")
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, name="gpu1", private_key_sealed=sealed)
+    with pytest.raises(TransportError) as refused:
+        transport_for(machine).is_dir("/")
+    assert ("the SSH key of gpu1 cannot be read with this installation's SECRET_KEY: paste it again in the admin"
+            in str(refused.value))
 
 
 def test_a_refused_private_key_says_so(sshd, tmp_path, real_models_dir, llama_server_bin):
     keygen(tmp_path / "stranger")
-    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, private_key_path=str(tmp_path / "stranger"))
+    machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin,
+                               private_key_sealed=keystore.seal_key((tmp_path / "stranger").read_text()))
     with pytest.raises(TransportError, match="refused the private key"):
         transport_for(machine).is_dir("/")
 

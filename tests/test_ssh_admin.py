@@ -1,16 +1,16 @@
 """Adding and looking after an SSH machine in the admin, against the real test sshd
 (tests/sshd.py): the host key pinned with its fingerprint shown, the private key stored
-0600 and never shown back, the machine list's state and actions (docs/ssh.md)."""
+in the database, encrypted, and never shown back, the machine list's state and actions (docs/ssh.md)."""
 
 from __future__ import annotations
 
-import stat
 from pathlib import Path
 
 import pytest
+from django.db import connection
 from django.test import Client
 
-from machines_app import ssh
+from machines_app import keystore, ssh
 from machines_app.models import Machine, ServerRecord
 from sessions_app.models import AgentSession
 
@@ -34,7 +34,7 @@ def fingerprint_of(line: str) -> str:
 def add_form(sshd, real_models_dir, llama_server_bin, **fields) -> dict:
     return {
         "name": "gpu1", "transport": "ssh", "host": "127.0.0.1", "port": sshd.port, "user": sshd.user,
-        "private_key": Path(sshd.client_key).read_text(), "private_key_path": "", "expected_fingerprint": "",
+        "private_key": Path(sshd.client_key).read_text(), "expected_fingerprint": "",
         "host_key": "", "models_dir": str(real_models_dir), "llama_server_path": llama_server_bin, "enabled": "on",
         **fields,
     }
@@ -53,13 +53,19 @@ def test_adding_a_machine_pins_its_host_key_and_hides_the_private_key(admin_clie
     assert machine.host_key_fingerprint == expected
     assert machine.host_key == f"[127.0.0.1]:{sshd.port} {sshd.host_key_line}"  # as OpenSSH files it
     assert f"Pinned the host key [127.0.0.1]:{sshd.port} offers: {expected}" in page
-    key_file = Path(machine.private_key_path)
-    assert key_file.read_text().strip() == private_key.strip()
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+    # The key is in the database, encrypted: no file on this host, no PEM in the column.
+    assert not (settings.DATA_DIR / "ssh").exists()
     body = private_key.strip().splitlines()[1]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT private_key_sealed FROM machines_app_machine WHERE id = %s", [machine.pk])
+        column = cursor.fetchone()[0]
+    assert column and "PRIVATE KEY" not in column and body not in column and body[:20] not in column
+    assert keystore.open_key(column).strip() == private_key.strip()
     change = admin_client.get(f"/admin/machines_app/machine/{machine.pk}/change/").content.decode()
     assert body not in page and body not in change  # never shown back
     assert expected in change
+    client_fingerprint = ssh.fingerprint(ssh.parse_private_key(private_key))
+    assert f"Stored, encrypted (public key {client_fingerprint})." in change
 
     listing = admin_client.post(
         "/admin/machines_app/machine/", {"action": "test_connection", "_selected_action": [machine.pk]}, follow=True

@@ -143,7 +143,8 @@ def test_a_connection_kept_full_is_busy_not_lost(tmp_path, monkeypatch):
     server = SshServer(tmp_path / "sshd")
     server.config.write_text(server.config.read_text() + "MaxSessions 1\n")
     server.start()
-    target = ssh.Target("127.0.0.1", server.port, server.user, server.client_key, server.host_key_line)
+    target = ssh.Target("127.0.0.1", server.port, server.user, Path(server.client_key).read_text(),
+                        server.host_key_line)
     try:
         transport = SSHTransport("gpu1", target)
         link = ssh.link_for(target)
@@ -176,7 +177,8 @@ def test_connections_sshd_drops_before_the_handshake_are_tried_again(tmp_path):
     server.start()
     try:
         targets = [
-            ssh.Target("127.0.0.1", server.port, server.user, server.client_key, server.host_key_line + "\n" * n)
+            ssh.Target("127.0.0.1", server.port, server.user, Path(server.client_key).read_text(),
+                       server.host_key_line + "\n" * n)
             for n in range(6)
         ]
         failures: list[str] = []

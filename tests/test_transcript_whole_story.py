@@ -35,7 +35,7 @@ from machines_app.transports import LocalTransport, TransportError
 from sessions_app import actions, agent, callcard, export, images, importing, lifecycle, transcript
 from sessions_app.completions import INCOMPLETE_REPLY, CompletionClient, ReasoningDelta, TextDelta
 from sessions_app.events import load_events, record_event
-from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
 from sessions_app.transcript import Event
 
 from .conftest import model_key, wait_for
@@ -428,7 +428,7 @@ def test_export_then_import_round_trip_on_every_kind(original, alice, bob, fake_
         (e.seq, e.kind, e.payload) for e in stored]
 
     machine = fake_machine()
-    images.path_for(ref).unlink()  # the image comes back from the file, not from the data directory
+    StoredImage.objects.filter(pk=ref["sha256"]).delete()  # the image comes back from the file, not from the database
     client = Client()
     client.force_login(alice)  # someone else imports bob's export: it becomes alice's session
     response = client.post("/sessions/new/", _import_form(machine, tmp_path, body))

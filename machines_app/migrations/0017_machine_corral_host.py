@@ -10,7 +10,7 @@ import machines_app.models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('machines_app', '0015_help_texts_in_plain_words'),
+        ('machines_app', '0016_private_keys_in_the_database'),
     ]
 
     operations = [

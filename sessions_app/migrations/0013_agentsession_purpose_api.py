@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('sessions_app', '0010_help_texts_in_plain_words'),
+        ('sessions_app', '0011_stored_images'),
     ]
 
     operations = [
