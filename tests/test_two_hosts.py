@@ -233,11 +233,12 @@ def test_the_turns_of_a_dead_hosts_worker_on_an_ssh_machine_go_on_on_the_other_h
     if "housekeeping" not in one.workers:
         one.start_worker("housekeeping", "-B", "-s", str(one.data / "celerybeat-schedule"))
     two_hosts.shell.run(f"""
-from machines_app import catalog
+from pathlib import Path
+from machines_app import catalog, keystore
 from machines_app.models import Machine
 machine = Machine.objects.create(
     name="gpu", transport="ssh", host="127.0.0.1", port={sshd.port}, user={sshd.user!r},
-    private_key_path={str(sshd.client_key)!r}, host_key={sshd.host_key_line!r},
+    private_key_sealed=keystore.seal_key(Path({str(sshd.client_key)!r}).read_text()), host_key={sshd.host_key_line!r},
     models_dir={str(one.data / "models")!r}, llama_server_path=Machine.objects.get(name="local").llama_server_path,
     workspace_roots="")
 catalog.refresh_models(machine)
