@@ -4,8 +4,10 @@ Three queues, each consumed by workers of its own (``./corral run`` starts one w
 queue, docs/operations.md shows the production units)::
 
     turns         sessions_app.tasks.run_turn            (one thread per streaming turn)
-    servers       start / stop / restart / sleep a llama-server, stop an orphan
+    servers       start / stop / restart / sleep a llama-server, stop an orphan, remove a
+                  deleted session's slot files and logs
     housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
+                  forget_old_slots (beat, every 10 minutes),
                   refresh_models, Web Push of a question (attention_app.tasks.push_question)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
@@ -29,9 +31,11 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.stop_process": {"queue": SERVERS},
     "sessions_app.tasks.sleep_server": {"queue": SERVERS},
     "sessions_app.tasks.remove_slot": {"queue": SERVERS},
+    "sessions_app.tasks.remove_logs": {"queue": SERVERS},
     "sessions_app.tasks.watch_servers": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.sample_machines": {"queue": HOUSEKEEPING},
+    "sessions_app.tasks.forget_old_slots": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},
     "attention_app.tasks.push_question": {"queue": HOUSEKEEPING},
 }

@@ -236,6 +236,7 @@ CELERY_BEAT_SCHEDULE = {
     "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},
     "sample-machines": {"task": "sessions_app.tasks.sample_machines", "schedule": 10.0, "options": {"expires": 20}},
+    "forget-old-slots": {"task": "sessions_app.tasks.forget_old_slots", "schedule": 600.0, "options": {"expires": 300}},
 }
 
 # A refused token is answered like any refusal, in the page's message line.
@@ -247,6 +248,11 @@ CORRAL_LLAMA_SERVER = env_str("CORRAL_LLAMA_SERVER", "")
 CORRAL_READY_TIMEOUT = env_float("CORRAL_READY_TIMEOUT", 300.0, minimum=1.0)
 CORRAL_STOP_GRACE = env_float("CORRAL_STOP_GRACE", 5.0, minimum=0.0)
 CORRAL_LOG_DIR = DATA_DIR / "logs"
+# Disk (docs/operations.md "Disk"): llama-server logs kept per session (one per start; the
+# oldest go at each start, all of them with the session), and the hours a saved prompt cache
+# (slot file, megabytes to gigabytes) is kept for a session without a running server.
+CORRAL_SERVER_LOGS_KEPT = env_int("CORRAL_SERVER_LOGS_KEPT", 5, minimum=1, maximum=1000)
+CORRAL_SLOT_KEEP_HOURS = env_float("CORRAL_SLOT_KEEP_HOURS", 72.0, minimum=0.01)
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (docs/behaviour.md C16).
 CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)

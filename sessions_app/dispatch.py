@@ -24,6 +24,7 @@ RESTART_SERVER = "sessions_app.tasks.restart_server"
 STOP_PROCESS = "sessions_app.tasks.stop_process"
 SLEEP_SERVER = "sessions_app.tasks.sleep_server"
 REMOVE_SLOT = "sessions_app.tasks.remove_slot"
+REMOVE_LOGS = "sessions_app.tasks.remove_logs"
 PUSH_QUESTION = "attention_app.tasks.push_question"
 
 
