@@ -28,7 +28,7 @@ from django.conf import settings
 from django.contrib import auth
 from django.utils import timezone
 
-from sessions_app import broadcast, presence
+from sessions_app import broadcast, live_link, presence
 from sessions_app.consumers import CloseCode
 
 from .models import OpenPage
@@ -53,16 +53,23 @@ class AttentionConsumer(AsyncJsonWebsocketConsumer):
         groups = [broadcast.ATTENTION_GROUP, broadcast.user_group_name(user.pk)]
         if key := self._login_key():
             groups.append(broadcast.login_group_name(key))
-        for group in groups:
-            await self.channel_layer.group_add(group, self.channel_name)
-            self.joined.append(group)
+        try:
+            for group in groups:
+                await self.channel_layer.group_add(group, self.channel_name)
+                self.joined.append(group)
+        except live_link.UNREACHABLE:
+            await live_link.lost(self)  # Redis is down: the page tries again (sessions_app/live_link.py)
+            return
+        live_link.watch(self)
         await database_sync_to_async(self._keep_page)()
         await self._refresh()
         self.heartbeat = asyncio.create_task(self._beat())
 
     async def disconnect(self, code: int) -> None:
+        live_link.forget(self)
         for group in getattr(self, "joined", []):
-            await self.channel_layer.group_discard(group, self.channel_name)
+            with contextlib.suppress(*live_link.UNREACHABLE):
+                await self.channel_layer.group_discard(group, self.channel_name)
         self.joined = []
         if self.heartbeat is not None:
             self.heartbeat.cancel()

@@ -322,6 +322,12 @@ class Transport(ABC):
         Raises TransportError when the machine cannot be asked."""
 
     @abstractmethod
+    def list_files(self, directory: str) -> list[tuple[str, float]]:
+        """``(name, modification time in seconds since the epoch)`` of each regular file
+        directly in ``directory`` (links and folders left out); [] when there is no such
+        directory. Raises TransportError when the machine cannot be asked."""
+
+    @abstractmethod
     def private_dir(self) -> str:
         """A directory on that machine, readable by its owner only, where Corral keeps a
         session's server log and key file (created on first use)."""
@@ -654,6 +660,16 @@ class LocalTransport(Transport):
 
     def private_dir(self) -> str:
         return str(settings.CORRAL_LOG_DIR)
+
+    def list_files(self, directory: str) -> list[tuple[str, float]]:
+        try:
+            with os.scandir(directory) as entries:
+                return [(e.name, e.stat(follow_symlinks=False).st_mtime) for e in entries
+                        if e.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise TransportError(f"could not list {directory}: {exc.strerror or exc}") from exc
 
     def file_info(self, path: str) -> FileInfo | None:
         try:
@@ -1111,6 +1127,16 @@ class SSHTransport(Transport):
     def private_dir(self) -> str:
         with self._link() as link:
             return posixpath.join(link.home(), ".corral")
+
+    def list_files(self, directory: str) -> list[tuple[str, float]]:
+        with self._link() as link, link.sftp() as sftp:
+            try:
+                entries = sftp.listdir_attr(directory)
+            except FileNotFoundError:
+                return []
+            except OSError as exc:
+                raise TransportError(f"could not list {directory} on machine '{self.name}': {exc}") from exc
+        return [(e.filename, float(e.st_mtime or 0)) for e in entries if stat.S_ISREG(e.st_mode or 0)]
 
     def file_info(self, path: str) -> FileInfo | None:
         with self._link() as link, link.sftp() as sftp:

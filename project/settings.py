@@ -292,6 +292,7 @@ CELERY_BEAT_SCHEDULE = {
     # Images no event refers to any more (sessions_app.images.forget_unreferenced); a
     # session's deletion removes its own at once, this catches what that missed.
     "forget-images": {"task": "sessions_app.tasks.forget_images", "schedule": 3600.0, "options": {"expires": 600}},
+    "forget-old-slots": {"task": "sessions_app.tasks.forget_old_slots", "schedule": 600.0, "options": {"expires": 300}},
 }
 
 # A refused token is answered like any refusal, in the page's message line.
@@ -307,6 +308,11 @@ CORRAL_LOG_DIR = DATA_DIR / "logs"
 # machine whose servers are its own, and the queues of its workers (docs/operations.md,
 # "More hosts"). "" before the launcher prepared the data directory.
 CORRAL_HOST_ID = data_dir.read_host_id(DATA_DIR)
+# Disk (docs/operations.md "Disk"): llama-server logs kept per session (one per start; the
+# oldest go at each start, all of them with the session), and the hours a saved prompt cache
+# (slot file, megabytes to gigabytes) is kept for a session without a running server.
+CORRAL_SERVER_LOGS_KEPT = env_int("CORRAL_SERVER_LOGS_KEPT", 5, minimum=1, maximum=1000)
+CORRAL_SLOT_KEEP_HOURS = env_float("CORRAL_SLOT_KEEP_HOURS", 72.0, minimum=0.01)
 # A turn step holds its lease this long without renewing (it renews every third of it);
 # a worker that dies mid-step is taken over once it lapses (docs/behaviour.md C16).
 CORRAL_LEASE_SECONDS = env_float("CORRAL_LEASE_SECONDS", 60.0, minimum=1.0)

@@ -38,6 +38,7 @@ from . import (
     callcard,
     completions,
     control_tokens,
+    db_link,
     images,
     lifecycle,
     machine_use,
@@ -83,6 +84,11 @@ WORKER_LOST_REPLY = (
     "Send another message to carry on."
 )
 EMPTY_REPLY = "The model returned an empty reply."
+#: The error of a turn whose step lost its database connection (sessions_app/db_link.py).
+DATABASE_LOST = (
+    "The turn stopped: Corral lost its connection to the database while working on it. What is shown "
+    "above was kept; send another message to carry on."
+)
 #: The notice after a reply that a person's *Stop server* broke off (docs/transcript.md).
 STOPPED_REPLY = "The reply above is cut off: llama-server was stopped while it was replying."
 #: The error after a reply whose way to its machine broke (``link``: what failed, in words).
@@ -559,14 +565,19 @@ class Step:
                     due = pending.seconds_to_due()
                     if stop_watching.wait(max(0.0, wait if due is None else min(wait, due))):
                         return
-                    pending.flush_due()
-                    if time.monotonic() < next_poll:
-                        continue
-                    next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
-                    if self.interrupted():
-                        interrupted.set()
-                        http.abort()
-                        return
+                    try:
+                        pending.flush_due()
+                        if time.monotonic() < next_poll:
+                            continue
+                        next_poll = time.monotonic() + INTERRUPT_POLL_EVERY
+                        if self.interrupted():
+                            interrupted.set()
+                            http.abort()
+                            return
+                    except db_link.LOST:
+                        # This thread's connection was cut: a new one at the next poll; the
+                        # step's own thread meets the cut too and ends the turn in words.
+                        db_link.reconnect()
             finally:
                 connection.close()
 
@@ -776,8 +787,12 @@ class Step:
             # session's tool ends at its own timeout anyway.
             try:
                 while not done.wait(TOOL_INTERRUPT_POLL_EVERY):
-                    row = AgentSession.objects.filter(pk=self.session_id).values_list(
-                        "interrupt_requested", "lease_owner").first()
+                    try:
+                        row = AgentSession.objects.filter(pk=self.session_id).values_list(
+                            "interrupt_requested", "lease_owner").first()
+                    except db_link.LOST:
+                        db_link.reconnect()  # a new connection at the next look
+                        continue
                     if row is not None and (row[0] or row[1] != self.owner):
                         cancel.set()
                         return
@@ -854,14 +869,32 @@ def run_turn_step(
         # Taken over (see turns.LeaseLost): the step that holds the lease now owns the turn.
         log.warning("session %s: this step lost its lease and stopped", session_id)
     except Exception as exc:  # the turn must end, whatever broke
-        if not AgentSession.objects.filter(pk=session_id).exists():
-            log.info("session %s was deleted while its turn ran", session_id)
-            return
-        log.exception("turn step failed for session %s", session_id)
-        try:
-            step.error(f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details.")
+        if db_link.lost(exc):
+            # The connection died under the step (sessions_app/db_link.py): what follows
+            # needs a new one, or it fails the same way and the page stays ``running``.
+            log.warning("session %s: the database connection was lost during the step: %s", session_id, exc)
+            db_link.reconnect()
+            message = DATABASE_LOST
+        else:
+            log.exception("turn step failed for session %s", session_id)
+            message = f"The turn stopped because of an internal error ({type(exc).__name__}); the log has details."
+
+        def end() -> None:
+            if not AgentSession.objects.filter(pk=session_id).exists():
+                log.info("session %s was deleted while its turn ran", session_id)
+                return
+            step.error(message)
             step.finish(TurnEnd.ERROR)
+
+        try:
+            db_link.retrying(end)
         except turns.LeaseLost:
             pass
+        except db_link.LOST as again:
+            log.warning("session %s: the turn could not be ended (database unreachable: %s); recovery will", session_id,
+                        again)
     finally:
-        turns.release_lease(session_id, owner)
+        try:
+            db_link.retrying(lambda: turns.release_lease(session_id, owner))
+        except db_link.LOST as exc:
+            log.warning("session %s: the lease could not be released (%s); it lapses", session_id, exc)

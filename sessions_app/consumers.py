@@ -33,7 +33,7 @@ from django.conf import settings
 from django.contrib import auth
 from django.contrib.auth import get_user_model
 
-from . import broadcast, presence
+from . import broadcast, live_link, presence
 from .actions import find_session, may_grant_always
 from .events import load_kinds
 from .models import Access, AgentSession, TranscriptEvent
@@ -122,12 +122,18 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
                   broadcast.machine_group_name(self.machine_id)]
         if login_key := self._login_key():
             groups.append(broadcast.login_group_name(login_key))
-        for group in groups:
-            await self.channel_layer.group_add(group, self.channel_name)
-            self.joined.append(group)
-        missed = await database_sync_to_async(self._start)()  # after the groups: nothing falls between
-        self._join()
-        await broadcast.push_presence(self.session_id)
+        try:
+            for group in groups:
+                await self.channel_layer.group_add(group, self.channel_name)
+                self.joined.append(group)
+            missed = await database_sync_to_async(self._start)()  # after the groups: nothing falls between
+            self._join()
+            await broadcast.push_presence(self.session_id)
+        except live_link.UNREACHABLE:
+            # Redis is down: nothing could reach this page; it says so and tries again.
+            await live_link.lost(self)
+            return
+        live_link.watch(self)
         await self._send_events(missed)
 
     def _open(self) -> CloseCode | None:
@@ -151,9 +157,12 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         return self._events_after(self.last_sent)
 
     async def disconnect(self, code: int) -> None:
+        live_link.forget(self)
         # Leave at once: the last of this daphne's consumers in a group unsubscribes it.
+        # With Redis down the subscription goes with its connection anyway.
         for group in getattr(self, "joined", []):
-            await self.channel_layer.group_discard(group, self.channel_name)
+            with contextlib.suppress(*live_link.UNREACHABLE):
+                await self.channel_layer.group_discard(group, self.channel_name)
         self.joined = []
         if self.heartbeat is not None:
             board().discard(self.session_id, self)
@@ -161,7 +170,8 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self.heartbeat
             if await database_sync_to_async(presence.leave)(self.channel_name):
-                await broadcast.push_presence(self.session_id)
+                with contextlib.suppress(*live_link.UNREACHABLE):
+                    await broadcast.push_presence(self.session_id)
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         """Frames from the browser, text or binary, JSON or not, are ignored (push-only)."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import re
 import threading
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import httpx
 from django.conf import settings
@@ -76,6 +77,38 @@ def log_path_for(session: AgentSession, transport: Transport, port: int) -> str:
     One file per start (the port tells starts apart), so a failed start's last words are
     its own, never an earlier run's (docs/behaviour.md C08)."""
     return posixpath.join(transport.private_dir(), f"session-{session.pk}-{port}.log")
+
+
+#: A server log's file name: ``session-<session id>-<port>.log`` (:func:`log_path_for`).
+SERVER_LOG = re.compile(r"session-(\d+)-(\d+)\.log")
+
+
+def prune_server_logs(transport: Transport, session_id: int, keep: int, *, current: str = "") -> int:
+    """Delete the session's server logs on the machine of ``transport`` but the newest
+    ``keep`` (by modification time), ``current`` — the log of the start under way — always
+    among those kept; ``keep=0`` with no ``current`` deletes them all (the session is
+    deleted). How many were deleted. Raises TransportError when the machine cannot be
+    asked (``CORRAL_SERVER_LOGS_KEPT``, docs/operations.md "Disk")."""
+    directory = transport.private_dir()
+    logs = sorted(
+        ((mtime, name) for name, mtime in transport.list_files(directory)
+         if (m := SERVER_LOG.fullmatch(name)) and int(m.group(1)) == session_id
+         and posixpath.join(directory, name) != current),
+        reverse=True,
+    )
+    room = max(keep - (1 if current else 0), 0)
+    for _, name in logs[room:]:
+        transport.remove(posixpath.join(directory, name))
+    return len(logs[room:])
+
+
+def remove_server_logs(place: dict, session_id: int) -> None:
+    """Delete every server log of a deleted session from its machine (``place``: a
+    :func:`machines_app.transports.machine_place`, since the machine may be gone too)."""
+    try:
+        prune_server_logs(transport_at(place), session_id, 0)
+    except TransportError as exc:
+        log.warning("could not remove the server logs of session %s on %s: %s", session_id, place.get("name"), exc)
 
 
 def key_path_for(session: AgentSession, transport: Transport, port: int) -> str:
@@ -355,6 +388,10 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
             orphans.defer_stop(machine_place(session.machine), proc.pid, proc.start_time, spec.port, session.pk, exc)
         transport.release_port(spec.port)
         return
+    try:
+        prune_server_logs(transport, session.pk, settings.CORRAL_SERVER_LOGS_KEPT, current=log_path)
+    except TransportError as exc:  # the next start tries again; this one goes on
+        log.warning("session %s: old server logs not pruned: %s", session.pk, exc)
     _wait(session, transport, record, restore=restore)
 
 
@@ -686,6 +723,10 @@ def stop_when_deleted(session_id: int) -> None:
     # Its saved slots (docs/behaviour.md §5 warm prompts) go too, from the machines' disks.
     for save in SlotSave.objects.filter(session_id=session_id).select_related("machine"):
         dispatch.enqueue_on_commit(dispatch.REMOVE_SLOT, machine_place(save.machine), session_id, save.pk)
+    # And its llama-server logs (one per start, the newest CORRAL_SERVER_LOGS_KEPT).
+    session = AgentSession.objects.filter(pk=session_id).select_related("machine").first()
+    if session is not None:
+        dispatch.enqueue_on_commit(dispatch.REMOVE_LOGS, machine_place(session.machine), session_id)
 
 
 def stop_orphan(place: dict, pid: int, start_time: str, port: int, session_id: int) -> None:
@@ -711,6 +752,47 @@ def remove_slot_file(place: dict, session_id: int, save_id: int) -> None:
     except TransportError as exc:
         log.warning("could not remove the saved slot %s of session %s on %s: %s", save_id, session_id,
                     place.get("name"), exc)
+
+
+#: The notice when housekeeping deletes a saved slot (docs/operations.md "Disk").
+SLOT_EXPIRED = (
+    "The saved prompt cache of this conversation was deleted after {hours} without a running llama-server, to "
+    "free the machine's disk. The next start is cold: the conversation is unchanged, and its prompt is read in "
+    "full once."
+)
+
+
+def _hours(hours: float) -> str:
+    return f"{hours:g} hour" + ("" if hours == 1 else "s")
+
+
+def forget_old_slots(now: datetime | None = None) -> list[int]:
+    """Housekeeping (every few minutes): delete each saved slot older than
+    ``CORRAL_SLOT_KEEP_HOURS`` of a session whose server is not running or starting
+    (asleep, stopped, exited), its file from its machine and its row, with a notice in the
+    session's transcript (:data:`SLOT_EXPIRED`). A machine that cannot be reached keeps
+    its file and row until a later round. The ids of the sessions concerned."""
+    cutoff = (now or timezone.now()) - timedelta(hours=settings.CORRAL_SLOT_KEEP_HOURS)
+    old = (SlotSave.objects.filter(saved_at__lt=cutoff, session__server__isnull=True)
+           .exclude(session__status=Status.LOADING).select_related("machine"))
+    done = []
+    for saved in old:
+        try:
+            transport = transport_for(saved.machine)
+            transport.remove(_slot_path(transport, saved.session_id, saved.pk))
+            if transport.is_own_file(_slot_path(transport, saved.session_id, saved.pk)):
+                raise TransportError("the file is still there")
+        except TransportError as exc:
+            log.warning("session %s: old saved slot %s not deleted yet: %s", saved.session_id, saved.pk, exc)
+            continue
+        with transaction.atomic():
+            session = locked(saved.session_id)
+            if ServerRecord.objects.filter(session_id=session.pk).exists() or session.status == Status.LOADING:
+                continue  # woken meanwhile: its start reads no file and starts cold by itself
+            if SlotSave.objects.filter(pk=saved.pk, saved_at__lt=cutoff).delete()[0]:
+                append(session, Kind.NOTICE, {"message": SLOT_EXPIRED.format(hours=_hours(settings.CORRAL_SLOT_KEEP_HOURS))})
+                done.append(session.pk)
+    return done
 
 
 def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = None) -> None:

@@ -65,6 +65,19 @@ def forget_images() -> None:
 
 
 @shared_task
+def remove_logs(place: dict, session_id: int) -> None:
+    """Delete every llama-server log of a deleted session from its machine (``place``)."""
+    lifecycle.remove_server_logs(place, session_id)
+
+
+@shared_task
+def forget_old_slots() -> None:
+    """Housekeeping: saved slots of sessions without a server for CORRAL_SLOT_KEEP_HOURS
+    are deleted, each session told (docs/operations.md "Disk")."""
+    lifecycle.forget_old_slots()
+
+
+@shared_task
 def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: int) -> None:
     """Stop a server whose session is gone (deleted): SIGTERM, grace, SIGKILL."""
     lifecycle.stop_orphan(place, pid, start_time, port, session_id)

@@ -47,7 +47,7 @@ from django.utils import timezone
 
 from machines_app.models import ServerRecord
 
-from . import dispatch, transcript
+from . import db_link, dispatch, transcript
 from .events import append, change_status, load_events, locked
 from .models import AgentSession
 from .transcript import Kind, TurnEnd
@@ -289,7 +289,12 @@ class LeaseKeeper:
     def _run(self) -> None:
         try:
             while not self.stopped.wait(settings.CORRAL_LEASE_SECONDS / 3):
-                renew_lease(self.session_id, self.owner)
+                try:
+                    renew_lease(self.session_id, self.owner)
+                except db_link.LOST:
+                    # Its connection was cut (sessions_app/db_link.py): a new one at the
+                    # next renewal, instead of a dead thread and a lease that lapses.
+                    db_link.reconnect()
         finally:
             connection.close()
 

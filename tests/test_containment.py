@@ -92,7 +92,7 @@ def embedded_redis(tmp_path, monkeypatch):
     proc = launcher.ensure_redis()
     url = os.environ["REDIS_URL"]
     yield url
-    launcher._stop(proc, "embedded Redis", grace=5)
+    proc.stop()
 
 
 # --- the embedded Redis asks for a password -------------------------------------------------------

@@ -169,3 +169,69 @@ def test_a_redis_outage_mid_reply_never_answers_twice(private_stack, fake_machin
     assert [m["messages"][-1]["content"] for m in asked] == ["first", "second, sent while Redis is down"]
     taken = [e.payload["text"] for e in events_of(session, "message_taken")]
     assert taken == ["first", "second, sent while Redis is down"]  # each stored exactly once
+
+
+def test_while_redis_is_down_the_page_says_its_live_link_is_lost_and_a_stop_ends_the_waiting_turn(
+    private_stack, fake_machine, alice, page
+):
+    """Issue 23 §4, with a real browser on the page: Redis killed (-9) and started again.
+
+    While it is down the page says its live link is lost (it used to say "live" while every
+    push was lost); a message sent then is stored and waits; a Stop pressed then ends that
+    turn at once, in words, and nothing of it runs once Redis is back (it used to be kept,
+    and end a later message as "interrupted" with no reply). Once Redis is back the page is
+    live again and shows what happened meanwhile."""
+    base, redis_server, tmp_path = private_stack
+    machine = fake_machine(script=[{"text": "never asked"}])
+    session = AgentSession.objects.create(
+        owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        status=AgentSession.Status.LOADING,
+    )
+    lifecycle.start_server(session.pk)
+
+    client = Client()
+    client.force_login(alice)
+    cookies = {"sessionid": client.cookies["sessionid"].value}
+    host = base.split("//", 1)[1].split(":")[0]
+    page.context.add_cookies([{"name": "sessionid", "value": cookies["sessionid"], "domain": host, "path": "/"}])
+    page.set_default_timeout(60_000)
+    page.goto(f"{base}/sessions/{session.pk}/")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    token = page.evaluate("document.querySelector('[name=csrfmiddlewaretoken]').value")
+    cookies.update({c["name"]: c["value"] for c in page.context.cookies()})
+    headers = {"X-CSRFToken": token, "Origin": base, "Referer": base + "/", "HX-Request": "true"}
+
+    def post(path: str, data: dict | None = None) -> httpx.Response:
+        return httpx.post(f"{base}/sessions/{session.pk}/{path}/", data=data or {}, cookies=cookies, headers=headers,
+                          timeout=30)
+
+    redis_server.kill()
+    lost = page.wait_for_selector("#conn-state[data-state=reconnecting]")
+    assert lost.inner_text() == "live link lost: reconnecting…"
+    assert "What you send is kept" in lost.get_attribute("title")
+
+    sent = post("send", {"text": "sent while Redis is down"})
+    assert sent.status_code == 200, sent.text[:500]
+    assert AgentSession.objects.get(pk=session.pk).turn_active  # stored, waiting for its step
+    stopped = post("interrupt")
+    assert stopped.status_code == 200, stopped.text[:500]
+    # Ended at once, in the transcript, without a worker or Redis.
+    fresh = AgentSession.objects.get(pk=session.pk)
+    assert not fresh.turn_active and not fresh.interrupt_requested and fresh.status == "idle"
+    assert [e.payload["reason"] for e in events_of(session, "turn_end")] == ["interrupted"]
+    assert [e.payload.get("by", {}).get("username") for e in events_of(session, "interrupted")] == ["alice"]
+
+    worker_log = tmp_path / "worker.log"
+    rounds_before = worker_log.read_text().count("recover_turns")
+    redis_server.start()
+    page.wait_for_selector("#conn-state[data-state=live]")
+    page.wait_for_selector("#transcript :text('Interrupted by alice.')")
+    assert page.locator("#transcript .msg.user").last.inner_text().strip().endswith("sent while Redis is down")
+    # Two recovery rounds after Redis came back: the stopped turn is not run.
+    wait_for(lambda: worker_log.read_text().count("recover_turns") >= rounds_before + 4, 60, interval=0.5,
+             what="two recovery rounds")
+    record = ServerRecord.objects.get(session=session)
+    asked = httpx.get(f"http://127.0.0.1:{record.port}/requests",
+                      headers={"Authorization": f"Bearer {record.api_key}"}).json()
+    assert asked == []
+    assert not events_of(session, "assistant_text") and not events_of(session, "error")

@@ -59,7 +59,8 @@ class Launcher:
             start_new_session=own_group,
         )
         wait_for(lambda: set(self.running()) == PROGRAMS, 120, interval=0.5, what="every program RUNNING")
-        wait_for(self.serves, 60, interval=0.5, what="daphne to answer")
+        # On a loaded host (two cores, several test runs) daphne took over a minute to import.
+        wait_for(self.serves, 180, interval=0.5, what="daphne to answer")
 
     def running(self) -> dict[str, int]:
         """program name → pid of each program supervisord reports RUNNING."""
@@ -336,3 +337,130 @@ def test_a_second_run_on_a_busy_data_dir_stops_with_a_message_before_it_starts_a
     assert "corral: another ./corral run is using the data directory" in result.stderr
     assert "embedded Redis" not in result.stdout and "Corral is starting" not in result.stdout
     assert (run_dir / "supervisord.conf").read_text() == "the first run's\n"
+
+
+class _HangUp:
+    """A listener on 127.0.0.1:``port`` that accepts and closes every connection."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        wait_for(lambda: self._bind(port), 10, interval=0.05, what=f"port {port} to be free")
+        self.sock.listen()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _bind(self, port: int) -> bool:
+        try:
+            self.sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(5)
+
+
+def _embedded_redis(launcher: Launcher) -> psutil.Process:
+    found = [p for p in launcher.tree() if "redis-server" in p.name()]
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_an_embedded_redis_killed_comes_back_on_its_port_and_what_was_sent_meanwhile_runs(
+    launcher, fake_machine, alice, tmp_path, monkeypatch
+):
+    """Issue 23 §4: the embedded Redis killed outright used to stay dead: every new message
+    showed "waiting for a worker" for ever. It is started again on the same port with the
+    same password (REDIS_URL stays valid for every program), and a message sent while it
+    was down — its step lost with the broker — is answered once it is back (the turn
+    recovery re-queues it)."""
+    from project.celery import app
+
+    launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60")
+    launcher.start()
+    url_file = launcher.data / "redis" / "url"
+    redis_url = url_file.read_text().strip()
+    sent: list[tuple[str, bool]] = []
+
+    def enqueue(task: str, *args: object) -> bool:
+        try:
+            with app.connection_for_write(redis_url) as connection:
+                app.send_task(task, args=args, connection=connection, retry=False)
+        except Exception:  # as dispatch.enqueue: the broker is down, the caller goes on
+            sent.append((task, False))
+            return False
+        sent.append((task, True))
+        return True
+
+    monkeypatch.setattr(dispatch, "enqueue", enqueue)
+    machine = fake_machine([{"text": "answered after the outage"}])
+    session = actions.do_create_session(
+        alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={}, sampling={}, permission_mode="manual",
+    )
+    wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 60, what="the server to be ready")
+
+    redis = _embedded_redis(launcher)
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    redis.kill()
+    redis.wait(10)
+    # The port is held for a while by a listener that hangs up on everyone: Redis stays
+    # down however fast it would come back (its restarts fail to bind, and it tries again
+    # later), so the message below surely meets no broker.
+    log_file = launcher.data.parent / "launcher.log"
+    squatter = _HangUp(port)
+    try:
+        actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "sent while Redis is down")
+        assert sent[-1] == (dispatch.RUN_TURN, False)  # its step never reached a broker
+        wait_for(lambda: "embedded Redis exited (exit status" in log_file.read_text(), 60, interval=0.5,
+                 what="a restart that found the port taken")
+    finally:
+        squatter.close()
+    wait_for(lambda: "embedded Redis is back" in log_file.read_text(), 60, interval=0.5, what="Redis started again")
+    assert "embedded Redis exited (killed by SIGKILL)" in log_file.read_text()
+    again = _embedded_redis(launcher)
+    assert again.pid != redis.pid
+    assert url_file.read_text().strip() == redis_url  # same port, same password
+    assert f"127.0.0.1:{port}" in " ".join(again.cmdline())  # Redis's own process title
+
+    wait_for(lambda: payloads(session, "turn_end"), 120, interval=0.5, what="the message sent meanwhile answered")
+    assert [p["text"] for p in payloads(session, "message_taken")] == ["sent while Redis is down"]
+    assert "".join(p["text"] for p in payloads(session, "assistant_text")) == "answered after the outage"
+    assert payloads(session, "turn_end") == [{"reason": "done"}]
+    assert set(launcher.running()) == PROGRAMS  # no program had to be restarted for it
+
+
+def test_the_launchers_output_is_kept_in_a_rotated_log_file(launcher):
+    """Issue 23 §5: the output of ``./corral run`` grew without bound wherever it was sent.
+    It is copied to ``data/logs/corral.log``, rotated at CORRAL_LOG_MAX_BYTES with
+    CORRAL_LOG_BACKUPS older files kept, while the terminal still gets every line."""
+    launcher.env.update(CORRAL_LOG_MAX_BYTES="1000", CORRAL_LOG_BACKUPS="2")
+    launcher.start()
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(60) == 0
+    logs = launcher.data / "logs"
+    kept = sorted(p.name for p in logs.glob("corral.log*"))
+    assert kept == ["corral.log", "corral.log.1", "corral.log.2"], kept
+    longest = max(len(line) for line in (launcher.data.parent / "launcher.log").read_bytes().splitlines())
+    for name in kept:
+        assert (logs / name).stat().st_size <= 1000 + longest + 1, name
+    # The file holds the same lines, the newest last: the run's end is there.
+    terminal = (launcher.data.parent / "launcher.log").read_text().splitlines()
+    newest = (logs / "corral.log").read_text().splitlines()
+    assert newest and newest == terminal[-len(newest):]
+    assert any("stopped: web (" in line for line in newest + (logs / "corral.log.1").read_text().splitlines())

@@ -307,10 +307,24 @@
     if (heading) document.title = heading.textContent.trim() + " — Corral";
   }
 
+  // What the header says of the live link. "reconnecting" follows a socket that closed
+  // (network, a daphne restart, Redis down: sessions_app/live_link.py): the page no longer
+  // shows what happens until it is back, and says so in words.
+  const CONN_WORDS = {
+    live: "live",
+    closed: "closed",
+    connecting: "connecting…",
+    reconnecting: "live link lost: reconnecting…",
+  };
+  const CONN_TITLES = {
+    reconnecting: "Updates are not reaching this page; it tries again every few seconds and catches up once " +
+      "back. What you send is kept and runs then.",
+  };
   function setConn(state) {
     if (conn) {
       conn.dataset.state = state;
-      conn.textContent = state === "live" || state === "closed" ? state : state + "…";
+      conn.textContent = CONN_WORDS[state] || state;
+      conn.title = CONN_TITLES[state] || "";
     }
   }
 

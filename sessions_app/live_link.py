@@ -1,0 +1,77 @@
+"""Pages' sockets and Redis: a page must not say "live" while nothing can reach it.
+
+Every push to a page goes through Redis (the Channels layer, sessions_app/broadcast.py).
+When Redis stops — killed, restarting — channels_redis keeps each daphne's subscription
+and retries in the background; the sockets stay open and the pages went on showing *live*
+while every push was lost. Here one task per daphne process asks Redis ``PING`` every
+:data:`PING_EVERY` seconds while any page is open; when Redis does not answer, every open
+socket of this process is closed with :data:`LINK_LOST`, and a socket opened while Redis is
+down is closed the same way at once. The page then shows that its live link is lost and
+tries again (0.5 s, doubling up to 5 s: static/corral/session.js); once Redis answers, it
+connects and catches up from the database by ``seq`` (docs/live-page.md, "When Redis
+stops"). What is sent meanwhile is stored and waits (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import redis
+import redis.asyncio
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two PINGs while pages are open; also each PING's timeout.
+PING_EVERY = 2.0
+#: The close code of a socket whose live link went with Redis ("service unavailable", in
+#: the application's range: daphne's websocket library refuses to send 1013 and the like).
+#: Not one of the page's final codes (consumers.CloseCode): the page reconnects.
+LINK_LOST = 4503
+#: What a Redis that cannot be reached raises: redis-py's errors, a socket's, a timeout.
+UNREACHABLE = (redis.RedisError, OSError, asyncio.TimeoutError)
+
+_open: set = set()
+_task: asyncio.Task | None = None
+
+
+def watch(consumer) -> None:
+    """Count ``consumer`` (an accepted websocket consumer with ``close(code=…)``) among the
+    open sockets; starts this process's PING task if none runs."""
+    global _task
+    _open.add(consumer)
+    if _task is None or _task.done():
+        _task = asyncio.get_running_loop().create_task(_ping_while_open())
+
+
+def forget(consumer) -> None:
+    """The socket of ``consumer`` closed."""
+    _open.discard(consumer)
+
+
+async def lost(consumer) -> None:
+    """Close ``consumer``'s socket as one whose live link is lost (Redis cannot be reached)."""
+    forget(consumer)
+    with contextlib.suppress(Exception):  # the socket may be closing already
+        await consumer.close(code=LINK_LOST)
+
+
+async def _ping_while_open() -> None:
+    client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=PING_EVERY,
+                                          socket_connect_timeout=PING_EVERY)
+    try:
+        while _open:
+            await asyncio.sleep(PING_EVERY)
+            try:
+                await asyncio.wait_for(client.ping(), PING_EVERY)
+            except UNREACHABLE as exc:
+                if _open:
+                    log.warning("Redis does not answer (%s): closing %d live page(s); they reconnect",
+                                exc or type(exc).__name__, len(_open))
+                for consumer in list(_open):
+                    await lost(consumer)
+    finally:
+        with contextlib.suppress(Exception):
+            await client.aclose()
