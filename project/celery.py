@@ -42,9 +42,11 @@ def keep_database_connections(**_kwargs) -> None:
     for database in settings.DATABASES.values():
         database["CONN_MAX_AGE"] = WORKER_CONNECTION_SECONDS
         database["CONN_HEALTH_CHECKS"] = True
+    # Only in a worker: a task run in place (``.apply()``, a test inside its transaction)
+    # must not have its caller's connection closed under it.
+    task_postrun.connect(close_finished_connections, weak=False, dispatch_uid="corral-close-finished-connections")
 
 
-@task_postrun.connect
 def close_finished_connections(**_kwargs) -> None:
     """After each task: close this thread's connections that errored or outlived
     ``CONN_MAX_AGE`` (what Django does at the end of each request)."""

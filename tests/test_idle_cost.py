@@ -11,6 +11,7 @@ import uuid
 import pytest
 import redis
 from celery.fixups.django import DjangoWorkerFixup
+from celery.signals import task_postrun
 from django.conf import settings
 from django.db import connection
 from django.db.backends.signals import connection_created
@@ -68,13 +69,16 @@ def test_a_quiet_health_watch_asks_the_database_five_times(django_assert_max_num
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_worker_thread_keeps_its_database_connection_from_task_to_task(monkeypatch):
+def test_a_worker_thread_keeps_its_database_connection_from_task_to_task(monkeypatch, request):
     """Three tasks run one after the other on one worker thread, with Celery's own Django
     fixup around each as in a worker: one connection opened, not three (project/celery.py);
     one that failed is closed after its task, and the next task opens a new one."""
     for key in ("CONN_MAX_AGE", "CONN_HEALTH_CHECKS"):
         monkeypatch.setitem(settings.DATABASES["default"], key, settings.DATABASES["default"].get(key))
     corral_celery.keep_database_connections()
+    # What worker_init connected in this test process goes with the test: a task run in
+    # place later (``.apply()`` inside a test's transaction) must keep its connection.
+    request.addfinalizer(lambda: task_postrun.disconnect(dispatch_uid="corral-close-finished-connections"))
     fixup = DjangoWorkerFixup(app)
     opened: list[int] = []
 
