@@ -468,3 +468,81 @@ def test_a_stored_ssh_key_is_shown_nowhere(django_user_model, charlie_staff, tmp
     assert keystore.open_key(sealed) == PEM
     with pytest.raises(keystore.KeyUnreadable):
         keystore.open_key(sealed, secret="another secret key")
+
+
+def test_an_image_is_fetched_only_through_a_session_that_carries_it(alice, bob, images_machine, data_dir):
+    """bob knows the hash of alice's image. Naming it in his own message's words, asking for
+    it under another type, or importing a file that claims that hash with other bytes never
+    hands him the image."""
+    import base64
+    import hashlib
+
+    from sessions_app import importing
+    from sessions_app.models import StoredImage, TranscriptEvent
+
+    from .test_images import GIF, PNG, PNG_REF, make_session, send
+
+    alices = make_session(alice, images_machine, "gemma.gguf")
+    send(logged_in(alice), alices, "private diagram", ("d.png", PNG))
+    digest = PNG_REF["sha256"]
+    assert StoredImage.objects.filter(sha256=digest).exists()
+
+    bobs = make_session(bob, images_machine, "gemma.gguf")
+    send(logged_in(bob), bobs, f"please show {digest} and images/{digest}.png", ("mine.gif", GIF))
+    assert TranscriptEvent.objects.filter(session=bobs, kind="message_taken", payload__icontains=digest).exists()
+    page = logged_in(bob)
+    for ext in ("png", "gif", "jpg", "webp"):
+        assert page.get(f"/sessions/{bobs.pk}/images/{digest}.{ext}").status_code == 404, ext
+        assert page.get(f"/sessions/{alices.pk}/images/{digest}.{ext}").status_code == 404, ext
+    assert page.get(f"/sessions/{bobs.pk}/images/{digest.upper()}.png").status_code == 404
+
+    # An export whose image line says alice's hash but carries bob's own bytes.
+    event = {"seq": 1, "kind": "message_taken", "at": "2026-01-01T00:00:00+00:00",
+             "payload": {"text": "look", "images": [dict(PNG_REF)], "by": {"id": bob.pk, "username": "bob"}}}
+    forged = {"image": {"sha256": digest, "media_type": "image/png", "data": base64.b64encode(GIF).decode()}}
+    data = (json.dumps(event) + "\n" + json.dumps(forged) + "\n").encode()
+    with pytest.raises(importing.ImportRefused):
+        importing.read_file(data)
+    assert hashlib.sha256(bytes(StoredImage.objects.get(sha256=digest).data)).hexdigest() == digest
+
+
+@pytest.fixture
+def images_machine(db, tmp_path):
+    machine = Machine.objects.create(name="m1", models_dir=str(tmp_path))
+    ModelFile.objects.create(machine=machine, key="gemma.gguf", display_name="Gemma 3 4B", architecture="gemma3",
+                             has_vision=True, projector_key="mmproj-gemma.gguf")
+    return machine
+
+
+@pytest.fixture
+def data_dir(settings, tmp_path):
+    settings.DATA_DIR = tmp_path / "data"
+    return settings.DATA_DIR
+
+
+def test_a_login_cookie_opens_no_api_and_an_api_key_opens_no_metrics(alice, charlie_staff, open_machine, settings):
+    """A page on another site that makes a logged-in member's browser call the API carries
+    their cookie, not a key: refused. An API key is no metrics token, nor is an empty one."""
+    page = logged_in(charlie_staff)
+    answer = page.post("/v1/chat/completions", json.dumps({"model": "north/sub/Small-Q4", "messages": MESSAGES}),
+                       content_type="application/json")
+    assert answer.status_code == 401 and no_api_session_made()
+    assert page.get("/v1/models").status_code == 401
+    token = keys.create_key(charlie_staff, "staff script")[1]
+    settings.CORRAL_METRICS_TOKEN = ""
+    for header in (f"Bearer {token}", "Bearer ", "Bearer", ""):
+        answer = Client().get("/metrics", HTTP_AUTHORIZATION=header)
+        assert answer.status_code == 401 and b"corral_" not in answer.content, header
+
+
+def test_names_from_members_and_gguf_files_are_text_on_the_keys_and_usage_pages(alice, charlie_staff, tmp_path):
+    evil = "<img src=x onerror=alert(1)>"
+    page = logged_in(alice)
+    assert evil not in page.post("/settings/api-keys/", {"name": evil}).content.decode()
+    assert evil not in page.get("/settings/api-keys/").content.decode()
+    machine = Machine.objects.create(name="south", models_dir=str(tmp_path))
+    model = ModelFile.objects.create(machine=machine, key=f"{evil}.gguf", display_name=f"</title>{evil}")
+    record_usage(member=alice, machine=machine, model_file=model, source="session", **REPORT)
+    for user in (alice, charlie_staff):
+        text = logged_in(user).get("/usage/").content.decode()
+        assert evil not in text and "</title><img" not in text, user
