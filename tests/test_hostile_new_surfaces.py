@@ -546,3 +546,18 @@ def test_names_from_members_and_gguf_files_are_text_on_the_keys_and_usage_pages(
     for user in (alice, charlie_staff):
         text = logged_in(user).get("/usage/").content.decode()
         assert evil not in text and "</title><img" not in text, user
+
+
+def test_a_pasted_ssh_key_is_not_echoed_by_a_form_that_comes_back(django_user_model):
+    root = logged_in(django_user_model.objects.create_superuser("root", password="root-password-1"))
+    body_line = PEM.splitlines()[2]
+    form = {"name": "gpu7", "transport": "ssh", "host": "127.0.0.1", "port": "not a port", "user": "corral",
+            "private_key": PEM, "models_dir": "~/models", "llama_server_path": "llama-server",
+            "idle_stop_seconds": "600", "enabled": "on"}
+    answer = root.post("/admin/machines_app/machine/add/", form)
+    text = answer.content.decode()
+    assert answer.status_code == 200 and body_line not in text and "is not shown again" in text
+    garbage = "-----BEGIN OPENSSH PRIVATE KEY-----\nSECRETSECRETSECRETSECRET\n-----END OPENSSH PRIVATE KEY-----\n"
+    answer = root.post("/admin/machines_app/machine/add/", {**form, "port": "22", "private_key": garbage})
+    assert answer.status_code == 200 and "SECRETSECRET" not in answer.content.decode()
+    assert not Machine.objects.filter(name="gpu7").exists()
