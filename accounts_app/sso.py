@@ -172,7 +172,9 @@ def sync_account(user, claims: dict) -> None:
     for field, key in (("email", "email"), ("first_name", "given_name"), ("last_name", "family_name")):
         value = claims.get(key)
         if isinstance(value, str):
-            value = value[: _max_length(get_user_model(), field)]
+            # Control characters dropped: PostgreSQL refuses a NUL in text, which would
+            # make every sign-in of this person fail.
+            value = _CONTROL.sub("", value)[: _max_length(get_user_model(), field)]
             if getattr(user, field) != value:
                 setattr(user, field, value)
                 changed.append(field)

@@ -561,3 +561,12 @@ def test_a_pasted_ssh_key_is_not_echoed_by_a_form_that_comes_back(django_user_mo
     answer = root.post("/admin/machines_app/machine/add/", {**form, "port": "22", "private_key": garbage})
     assert answer.status_code == 200 and "SECRETSECRET" not in answer.content.decode()
     assert not Machine.objects.filter(name="gpu7").exists()
+
+
+def test_control_characters_in_the_name_claims_are_dropped(alice, sso_on):
+    sso.sync_account(alice, {"sub": "1", "email": "al\x00ice@example.com", "given_name": "Al\x00ice\x1b[31m",
+                             "family_name": "B\nob", "groups": []})
+    alice.refresh_from_db()
+    assert (alice.email, alice.first_name, alice.last_name) == ("alice@example.com", "Alice[31m", "Bob")
+    user = sso.Backend().create_user({"sub": "9", "preferred_username": "eve\x00\n", "groups": []})
+    assert user.username == "eve_"
