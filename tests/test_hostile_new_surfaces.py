@@ -570,3 +570,43 @@ def test_control_characters_in_the_name_claims_are_dropped(alice, sso_on):
     assert (alice.email, alice.first_name, alice.last_name) == ("alice@example.com", "Alice[31m", "Bob")
     user = sso.Backend().create_user({"sub": "9", "preferred_username": "eve\x00\n", "groups": []})
     assert user.username == "eve_"
+
+
+# --- one shared API server: what one member's reply tells of another's prompt --------------------
+
+
+def _cached(stack, token: str, model: str, text: str) -> int:
+    """How many prompt tokens the shared server took from its cache for ``text``, as the
+    reply itself tells the caller (usage, else llama-server's timings)."""
+    import httpx
+
+    answer = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=300, headers={"Authorization": f"Bearer {token}"},
+                        json={"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                              "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or (body.get("timings") or {}).get("cache_n") or 0)
+
+
+@pytest.mark.xfail(strict=True, reason="finding: every member's API requests share one llama-server and its prompt "
+                   "cache, and the reply's usage.prompt_tokens_details.cached_tokens / timings.cache_n tell a member "
+                   "how much of their guess matches another member's prompt")
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_members_reply_does_not_tell_how_much_of_another_members_prompt_they_guessed(stack, local_machine, alice,
+                                                                                        bob):
+    from .conftest import model_key
+
+    model = serving.model_id(local_machine.name, model_key(local_machine, "llama"))
+    secret = ("Internal memo for alice only. The acquisition target is Northwind Traders and the offer price is "
+              "forty two dollars per share, to be announced on the third of March after the board meeting. ") * 2
+    right = secret[: len(secret) * 3 // 4] + "What do you think?"
+    wrong = ("Internal memo for alice only. The acquisition target is Contoso Limited and the offer price is "
+             "seventeen") + secret[len(secret) * 3 // 4 - 200: len(secret) * 3 // 4] + "What do you think?"
+    alice_token, bob_token = keys.create_key(alice, "a")[1], keys.create_key(bob, "b")[1]
+    _cached(stack, alice_token, model, secret)
+    hit = _cached(stack, bob_token, model, right)
+    _cached(stack, alice_token, model, secret)
+    miss = _cached(stack, bob_token, model, wrong)
+    assert hit == miss, f"bob's right guess reused {hit} cached tokens, his wrong one {miss}"
