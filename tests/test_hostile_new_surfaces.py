@@ -636,3 +636,14 @@ def test_a_queue_filled_before_the_quota_runs_out_does_not_outlast_it(alice, ope
     turns.finish_turn(session.pk, TurnEnd.DONE)
     assert TranscriptEvent.objects.filter(session=session, kind="message_taken").count() == taken, (
         "a queued message was taken after its author's quota was spent")
+
+
+def test_a_revoked_key_cannot_be_brought_back_in_the_admin(alice, django_user_model):
+    token = keys.create_key(alice, "leaked")[1]
+    key = ApiKey.objects.get(user=alice)
+    keys.revoke_key(alice, key.pk)
+    revoked_at = ApiKey.objects.get(pk=key.pk).revoked_at
+    root = logged_in(django_user_model.objects.create_superuser("root", password="root-password-1"))
+    root.post(f"/admin/api_app/apikey/{key.pk}/change/", {"name": "leaked", "revoked_at_0": "", "revoked_at_1": ""})
+    assert ApiKey.objects.get(pk=key.pk).revoked_at == revoked_at
+    assert Client().get("/v1/models", **bearer(token)).status_code == 401
