@@ -132,6 +132,7 @@ def test_a_key_acts_as_its_owner_only(alice, bob, open_machine, locked_machine):
     page.post(f"/settings/api-keys/{alice_key.pk}/revoke/")
     assert ApiKey.objects.get(pk=alice_key.pk).revoked_at is None
     assert alice_key.prefix not in page.get("/settings/api-keys/").content.decode()
+    assert page.post(f"/settings/api-keys/{'9' * 25}/revoke/").status_code == 302  # no such key: nothing, no error
 
 
 def test_model_ids_with_path_tricks_find_no_file_and_start_nothing(alice, open_machine, locked_machine):
