@@ -119,6 +119,7 @@ def short(exc: BaseException, limit: int = 300) -> str:
 # --- accounts and groups ------------------------------------------------------------------
 
 _USERNAME_UNSAFE = re.compile(r"[^\w.@+-]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _username_for(claims: dict) -> str:
@@ -144,7 +145,7 @@ def _username_for(claims: dict) -> str:
 def group_names(claims: dict) -> list[str]:
     """The group names in the groups claim (``CORRAL_OIDC_GROUPS_CLAIM``): a list of
     strings or one string. An absent claim means no groups (the directory says nothing,
-    so nothing is granted); names that are not strings or too long are skipped."""
+    so nothing is granted); names that are not strings, too long, or hold control characters are skipped."""
     claim = settings.CORRAL_OIDC_GROUPS_CLAIM
     value = claims.get(claim)
     if value is None:
@@ -153,7 +154,10 @@ def group_names(claims: dict) -> list[str]:
     items = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     names = []
     for item in items:
-        if isinstance(item, str) and item.strip() and len(item.strip()) <= GROUP_NAME_MAX:
+        # No control characters: a NUL (which PostgreSQL refuses in text) would break the
+        # sign-in, a newline or an escape would hide in the admin's lists.
+        if (isinstance(item, str) and item.strip() and len(item.strip()) <= GROUP_NAME_MAX
+                and not _CONTROL.search(item)):
             names.append(item.strip())
         else:
             log.warning("single sign-on: group %r in the %r claim skipped (not a name Django can keep)", item, claim)
@@ -168,7 +172,9 @@ def sync_account(user, claims: dict) -> None:
     for field, key in (("email", "email"), ("first_name", "given_name"), ("last_name", "family_name")):
         value = claims.get(key)
         if isinstance(value, str):
-            value = value[: _max_length(get_user_model(), field)]
+            # Control characters dropped: PostgreSQL refuses a NUL in text, which would
+            # make every sign-in of this person fail.
+            value = _CONTROL.sub("", value)[: _max_length(get_user_model(), field)]
             if getattr(user, field) != value:
                 setattr(user, field, value)
                 changed.append(field)

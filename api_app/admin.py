@@ -13,5 +13,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
     readonly_fields = ("user", "prefix", "created_at", "last_used_at")
     fields = ("user", "name", "prefix", "created_at", "last_used_at", "revoked_at")
 
+    def get_readonly_fields(self, request, obj=None):
+        # A revoked key stays revoked: clearing the date must not bring back a key its owner
+        # revoked because it leaked.
+        fields = super().get_readonly_fields(request, obj)
+        return (*fields, "revoked_at") if obj is not None and obj.revoked else fields
+
     def has_add_permission(self, request) -> bool:
         return False  # a key is made by its owner, on their API keys page, and shown to them once

@@ -35,7 +35,8 @@ def create_key(user, name: str) -> tuple[ApiKey, str]:
     """A new key for ``user`` named ``name`` (stripped, at most 100 characters): the row
     and the key itself, which is never stored. Raises KeyRefused for an empty name or when
     the member already holds :data:`MAX_KEYS` live keys."""
-    name = " ".join((name or "").split())[:100]
+    # Control characters (NUL among them, which PostgreSQL refuses in text) become spaces.
+    name = " ".join("".join(c if c.isprintable() else " " for c in (name or "")).split())[:100]
     if not name:
         raise KeyRefused("Give the key a name, e.g. the tool or computer it is for.")
     if ApiKey.objects.filter(user=user, revoked_at__isnull=True).count() >= MAX_KEYS:

@@ -44,6 +44,7 @@ BUSY = timedelta(seconds=30)
 RENEW_SECONDS = 10.0
 
 _GGUF = re.compile(r"\.gguf$", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ApiError(Exception):
@@ -80,6 +81,10 @@ def resolve(user, wanted: object) -> ModelFile:
     if not isinstance(wanted, str) or not wanted.strip():
         raise ApiError(400, "missing_model", "Name a model: 'model' is one of the ids GET /v1/models lists, "
                        "e.g. 'gpu1/SmolLM2-135M-Instruct.Q4_1'.", param="model")
+    if _CONTROL.search(wanted):
+        # No file is named with control characters, and PostgreSQL refuses a NUL in a query.
+        raise ApiError(404, "model_not_found", f"No model has the id {wanted!r}: an id holds no control characters. "
+                       "GET /v1/models lists the ids you may use.", param="model")
     names = [n for n in Machine.objects.values_list("name", flat=True) if wanted.startswith(n + "/")]
     if not names:
         raise ApiError(404, "model_not_found", f"No machine is named in the model id '{wanted}': an id is "

@@ -121,6 +121,9 @@ def _check_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"The request body is not JSON: {exc}.") from None
+    except RecursionError:  # a few hundred kB of '[' is enough to exhaust Python's parser
+        raise ApiError(400, "invalid_json", "The request body is not JSON Corral can read: it nests arrays or "
+                       "objects too deeply.") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_request", "The request body must be a JSON object.")
     for field in TOOL_FIELDS:

@@ -45,10 +45,13 @@ MAX_ID = 2**63 - 1
 
 
 def find_session(session_id: int) -> AgentSession | None:
-    """The session with this id (machine and owner loaded), or None, whatever the number."""
+    """The chat session with this id (machine and owner loaded), or None, whatever the
+    number. The API's hidden sessions (purpose ``api``, docs/api.md) are never one: no page,
+    socket or action opens them, for staff neither (the machines page stops their servers)."""
     if not 0 < session_id <= MAX_ID:
         return None
-    return AgentSession.objects.select_related("machine", "owner").filter(pk=session_id).first()
+    return (AgentSession.objects.select_related("machine", "owner")
+            .filter(pk=session_id, purpose=AgentSession.Purpose.CHAT).first())
 
 
 def access_session(user, session_id: int, need: Access = Access.WATCH) -> AgentSession:

@@ -57,7 +57,7 @@ class AgentSessionQuerySet(models.QuerySet):
         Call on :meth:`with_model_name`."""
         found = self
         for word in query.split():
-            by_id = Q(pk=int(word)) if word.isdigit() and int(word) < 2**63 else Q()
+            by_id = Q(pk=int(word)) if word.isascii() and word.isdigit() and int(word) < 2**63 else Q()
             found = found.filter(
                 by_id | Q(title__icontains=word) | Q(model_name__icontains=word) | Q(model_key__icontains=word)
                 | Q(machine__name__icontains=word) | Q(owner__username__icontains=word)

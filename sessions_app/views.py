@@ -243,7 +243,7 @@ def session_detail(request: HttpRequest, session_id: int) -> HttpResponse:
     # The last turns only (docs/live-page.md): the earlier ones come with "Show earlier turns".
     # A search result (?at=<seq>) asks for an earlier message: the page reaches back to its turn.
     at = request.GET.get("at", "")
-    events, start = load_turns(session.pk, max(TURNS_PER_PAGE, turns_since(session.pk, int(at)) if at.isdigit() else 0))
+    events, start = load_turns(session.pk, max(TURNS_PER_PAGE, turns_since(session.pk, int(at)) if at.isascii() and at.isdigit() and len(at) < 19 else 0))
     last_seq = events[-1].seq if events else 0
     # The queue and the catalogue span the whole transcript: read their own kinds only,
     # up to the page's last event (the socket brings what comes after it).

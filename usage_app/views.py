@@ -32,14 +32,15 @@ _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 def _period(request: HttpRequest) -> int:
     raw = request.GET.get("days", "")
-    return int(raw) if raw.isdigit() and int(raw) in figures.PERIODS else figures.DEFAULT_PERIOD
+    # ASCII digits only: str.isdigit() is also true of '²', which int() refuses.
+    return int(raw) if raw.isascii() and raw.isdigit() and int(raw) in figures.PERIODS else figures.DEFAULT_PERIOD
 
 
 def _id(request: HttpRequest, name: str) -> int | None:
     raw = request.GET.get(name, "")
     if not raw:
         return None
-    if not raw.isdigit() or len(raw) > 18:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
         raise Http404(f"No such {name}")
     return int(raw)
 
