@@ -46,6 +46,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from machines_app.models import ServerRecord
+from usage_app import quota
 
 from . import db_link, dispatch, transcript
 from .events import append, change_status, load_events, locked
@@ -113,15 +114,26 @@ def _open(
 
 
 def _take_next(session: AgentSession, events) -> bool:
-    """Start a turn with the oldest queued message; False when the queue is empty."""
-    pending = transcript.pending_queue(events)
-    if not pending:
-        return False
-    item = pending[0]
-    # The message stays its author's, whoever's turn end took it off the queue.
-    _open(session, item.get("text", ""), transcript.actor(item), queued_id=item["id"],
-          images=transcript.image_refs(item))
-    return True
+    """Start a turn with the oldest queued message; False when the queue is empty.
+
+    A message whose author's daily token quota is spent by now is not taken: it leaves the
+    queue with a notice that quotes its start and gives the quota's sentence (docs/usage.md,
+    "Quotas"), and the next one is tried. A quota is checked when a message is sent; without
+    this, messages queued before it ran out would all be taken after."""
+    for item in transcript.pending_queue(events):
+        author = transcript.actor(item)
+        refusal = quota.refusal_for_id(author["id"]) if author and author.get("id") else None
+        if refusal is not None:
+            append(session, Kind.MESSAGE_DROPPED, {"id": item["id"], "by": author})
+            start = " ".join(str(item.get("text", "")).split())
+            quoted = start if len(start) <= 80 else start[:79] + "…"
+            append(session, Kind.NOTICE, {"message": f"{author.get('username') or 'A'}'s queued message "
+                                                     f"“{quoted}” was not sent: {refusal}"})
+            continue
+        # The message stays its author's, whoever's turn end took it off the queue.
+        _open(session, item.get("text", ""), author, queued_id=item["id"], images=transcript.image_refs(item))
+        return True
+    return False
 
 
 def resume_queue(session_id: int) -> None:

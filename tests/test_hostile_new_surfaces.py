@@ -613,9 +613,6 @@ def test_a_members_reply_does_not_tell_how_much_of_another_members_prompt_they_g
     assert hit == miss, f"bob's right guess reused {hit} cached tokens, his wrong one {miss}"
 
 
-@pytest.mark.xfail(strict=True, reason="finding (as documented, but unbounded): messages queued while a turn runs "
-                   "pass the quota check when queued and are all taken after the quota is spent; the queue has no "
-                   "length limit, so one remaining token buys any number of turns")
 def test_a_queue_filled_before_the_quota_runs_out_does_not_outlast_it(alice, open_machine, data_dir):
     from sessions_app import turns
     from sessions_app.models import TranscriptEvent
@@ -637,6 +634,10 @@ def test_a_queue_filled_before_the_quota_runs_out_does_not_outlast_it(alice, ope
     turns.finish_turn(session.pk, TurnEnd.DONE)
     assert TranscriptEvent.objects.filter(session=session, kind="message_taken").count() == taken, (
         "a queued message was taken after its author's quota was spent")
+    # Each left the queue with a notice quoting it and giving the quota's sentence.
+    assert TranscriptEvent.objects.filter(session=session, kind="message_dropped").count() == 5
+    notices = [e.payload["message"] for e in TranscriptEvent.objects.filter(session=session, kind="notice")]
+    assert sum("“queued 3” was not sent: You have used your 15 tokens for today" in n for n in notices) == 1
 
 
 def test_a_revoked_key_cannot_be_brought_back_in_the_admin(alice, django_user_model):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, time, timedelta
 
+from django.contrib.auth import get_user_model
 from django.db.models import F, Sum
 from django.utils import timezone
 
@@ -80,3 +81,10 @@ def refusal(member, now: datetime | None = None) -> str | None:
     if state["quota"] == 0:
         return NONE_AT_ALL
     return SPENT.format(quota=state["quota"], left=_until_midnight(now))
+
+
+def refusal_for_id(member_id: int, now: datetime | None = None) -> str | None:
+    """:func:`refusal` for the member with primary key ``member_id``; None when no such
+    account exists any more (a deleted author's queued message is not held back here)."""
+    member = get_user_model().objects.filter(pk=member_id).first()
+    return refusal(member, now) if member is not None else None
