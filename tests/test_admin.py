@@ -203,8 +203,8 @@ def test_every_way_a_session_goes_hands_its_server_to_the_stop_task(local_machin
     with transaction.atomic():
         delete()
         assert sent == []  # not before the delete commits: a rolled-back delete stops nothing
-    place = {"name": "local", "transport": "local", "host": "", "port": 22, "user": "", "private_key_sealed": "",
-             "host_key": ""}
+    place = {"name": "local", "transport": "local", "corral_host": local_machine.corral_host, "host": "", "port": 22,
+             "user": "", "private_key_sealed": "", "host_key": ""}
     # … and the removal of its llama-server logs from that machine (docs/operations.md "Disk").
     assert sent == [(dispatch.STOP_PROCESS, (place, 4242, "77", 40001, session_id)),
                     (dispatch.REMOVE_LOGS, (place, session_id))]
