@@ -98,6 +98,10 @@ class RefusedConsumer(AsyncWebsocketConsumer):
         pass
 
 
+#: The kinds whose images the page shows (each image is looked up in the database).
+MESSAGE_KINDS = frozenset({Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED})
+
+
 class SessionConsumer(AsyncJsonWebsocketConsumer):
     cut_off = False  # set when the user lost access mid-connection: send nothing more
     heartbeat: asyncio.Task | None = None
@@ -317,9 +321,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
 
     async def _send(self, seq: int, kind: str, payload: dict) -> None:
         event = TranscriptEvent(seq=seq, kind=kind, payload=payload)
-        if kind in TOOL_KINDS or kind in ALLOWANCE_KINDS:
+        if kind in TOOL_KINDS or kind in ALLOWANCE_KINDS or (kind in MESSAGE_KINDS and payload.get("images")):
             # A tool call's row may need the call's earlier events from the database, the
-            # list of allowances every grant and revoke.
+            # list of allowances every grant and revoke, a message's images whether their
+            # bytes are still stored (presenters.image_items).
             ops = await database_sync_to_async(self.renderer.feed)(event)
         else:
             # Every other kind is folded from the event alone (templates and Markdown, no

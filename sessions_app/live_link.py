@@ -5,7 +5,7 @@ When Redis stops — killed, restarting — channels_redis keeps each daphne's s
 and retries in the background; the sockets stay open and the pages went on showing *live*
 while every push was lost. Here one task per daphne process asks Redis ``PING`` every
 :data:`PING_EVERY` seconds while any page is open; when Redis does not answer, every open
-socket of this process is closed with :data:`LINK_LOST`, and a socket opened while Redis is
+socket of this process is closed with :data:`LINK_LOST` (after :data:`FAILURES_BEFORE_LOST` in a row), and a socket opened while Redis is
 down is closed the same way at once. The page then shows that its live link is lost and
 tries again (0.5 s, doubling up to 5 s: static/corral/session.js); once Redis answers, it
 connects and catches up from the database by ``seq`` (docs/live-page.md, "When Redis
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two PINGs while pages are open; also each PING's timeout.
 PING_EVERY = 2.0
+#: PINGs unanswered in a row before the pages are told their live link is lost.
+FAILURES_BEFORE_LOST = 2
 #: The close code of a socket whose live link went with Redis ("service unavailable", in
 #: the application's range: daphne's websocket library refuses to send 1013 and the like).
 #: Not one of the page's final codes (consumers.CloseCode): the page reconnects.
@@ -59,19 +61,34 @@ async def lost(consumer) -> None:
 
 
 async def _ping_while_open() -> None:
-    client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=PING_EVERY,
-                                          socket_connect_timeout=PING_EVERY)
+    client: redis.asyncio.Redis | None = None
+    failures = 0
     try:
         while _open:
             await asyncio.sleep(PING_EVERY)
+            if client is None:
+                client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=PING_EVERY,
+                                                      socket_connect_timeout=PING_EVERY)
             try:
                 await asyncio.wait_for(client.ping(), PING_EVERY)
+                failures = 0
             except UNREACHABLE as exc:
+                # A PING cut by its timeout leaves its answer unread on the connection: every
+                # later command would read the wrong answer. The next PING uses a new client.
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+                client = None
+                failures += 1
+                # One late answer is a busy process (a large upload read in this loop), not
+                # a lost Redis: only FAILURES_BEFORE_LOST in a row close the pages.
+                if failures < FAILURES_BEFORE_LOST:
+                    continue
                 if _open:
                     log.warning("Redis does not answer (%s): closing %d live page(s); they reconnect",
                                 exc or type(exc).__name__, len(_open))
                 for consumer in list(_open):
                     await lost(consumer)
     finally:
-        with contextlib.suppress(Exception):
-            await client.aclose()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()

@@ -122,12 +122,14 @@ def _take_next(session: AgentSession, events) -> bool:
     this, messages queued before it ran out would all be taken after."""
     for item in transcript.pending_queue(events):
         author = transcript.actor(item)
-        refusal = quota.refusal_for_id(author["id"]) if author and author.get("id") else None
+        author_id = author.get("id") if author else None
+        refusal = quota.refusal_for_id(author_id) if author_id else None
         if refusal is not None:
             append(session, Kind.MESSAGE_DROPPED, {"id": item["id"], "by": author})
             start = " ".join(str(item.get("text", "")).split())
             quoted = start if len(start) <= 80 else start[:79] + "…"
-            append(session, Kind.NOTICE, {"message": f"{author.get('username') or 'A'}'s queued message "
+            name = (author.get("username") if author else None) or "A"
+            append(session, Kind.NOTICE, {"message": f"{name}'s queued message "
                                                      f"“{quoted}” was not sent: {refusal}"})
             continue
         # The message stays its author's, whoever's turn end took it off the queue.
