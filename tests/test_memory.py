@@ -347,8 +347,8 @@ def test_staff_stop_a_server_from_the_machines_page_in_a_browser_without_a_csp_v
     get_user_model().objects.create_user("staffer", password="staffer-password-1", is_staff=True)
     session = create(local_machine, alice, tmp_path)
     wait_for(lambda: fresh(session).status == "idle", 180, what="the server")
-    room.sample_machines(force=True)
-    room.sample_machines(force=True)
+    room.sample_machines(force=True, host=local_machine.corral_host or None)
+    room.sample_machines(force=True, host=local_machine.corral_host or None)
 
     page.add_init_script(RECORD_VIOLATIONS)
     log_in(page, stack, "staffer", "staffer-password-1")
