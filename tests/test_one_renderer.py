@@ -14,7 +14,7 @@ import pytest
 from bs4 import BeautifulSoup
 
 from machines_app.models import Machine, ServerRecord
-from sessions_app import actions, agent, transcript
+from sessions_app import actions, agent, images, transcript
 from sessions_app.events import load_events
 from sessions_app.models import AgentSession
 from sessions_app.presenters import (
@@ -29,6 +29,13 @@ from sessions_app.presenters import (
 from sessions_app.transcript import Event
 
 from .scripted_server import ScriptedServer, chunk, sse
+
+
+@pytest.fixture(autouse=True)
+def every_image_stored(monkeypatch):
+    """These tests fold transcripts without a database: every image a message carries
+    counts as stored (what a missing one shows is tests/test_images.py's, on the real table)."""
+    monkeypatch.setattr(images, "stored", lambda hashes: set(hashes))
 
 SESSION = 7
 
