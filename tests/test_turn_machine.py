@@ -363,7 +363,10 @@ def test_freezing_the_start_up_heap_sets_aside_every_live_object_and_collects_th
     kept.me = kept
     try:
         frozen = heap.freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() > 0
+        # A frozen object freed by reference counting leaves the permanent generation (another
+        # thread of this test process may drop one meanwhile): the count can only fall.
+        assert frozen >= gc.get_freeze_count() > 0
+        assert frozen > len(gc.get_objects()) // 2  # most of the heap was set aside
         assert not any(isinstance(o, Cycle) and o is not kept for o in gc.get_objects())  # the garbage went
         assert not any(o is kept for o in gc.get_objects())  # frozen objects are no collection's business
     finally:
