@@ -391,7 +391,12 @@ def test_an_embedded_redis_killed_comes_back_on_its_port_and_what_was_sent_meanw
     recovery re-queues it)."""
     from project.celery import app
 
-    launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60")
+    from project import queues
+
+    # The launcher is this test process's host: the fake machine below is this host's local
+    # machine, which another host's workers refuse to touch (docs/operations.md "More hosts").
+    launcher.env.update(DATABASE_URL=_database_url(), CORRAL_LEASE_SECONDS="60",
+                        CORRAL_HOST_ID=settings.CORRAL_HOST_ID)
     launcher.start()
     url_file = launcher.data / "redis" / "url"
     redis_url = url_file.read_text().strip()
@@ -399,8 +404,10 @@ def test_an_embedded_redis_killed_comes_back_on_its_port_and_what_was_sent_meanw
 
     def enqueue(task: str, *args: object) -> bool:
         try:
+            host = dispatch.owner_host(task, args)  # routed as dispatch.enqueue routes it
+            queue = queues.on_host(queues.ROUTES[task]["queue"], host) if host else None
             with app.connection_for_write(redis_url) as connection:
-                app.send_task(task, args=args, connection=connection, retry=False)
+                app.send_task(task, args=args, connection=connection, retry=False, queue=queue)
         except Exception:  # as dispatch.enqueue: the broker is down, the caller goes on
             sent.append((task, False))
             return False
