@@ -75,9 +75,25 @@ def start_session(owner, machine, working_dir, *, key: str | None = None, **fiel
 
 def open_session(page, stack, session, *, status: str = "idle") -> None:
     """Open the session page and wait for ``status`` and a live connection."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page.goto(f"{stack.base_url}/sessions/{session.pk}/")
-    page.wait_for_selector(f"#status-badge[data-status={status}]", timeout=120_000)
+    try:
+        page.wait_for_selector(f"#status-badge[data-status={status}]", timeout=120_000)
+    except PlaywrightTimeout:
+        # Say where the session stood (a server that never started is told in its events),
+        # not only which selector was missing.
+        raise AssertionError(f"session {session.pk} never showed {status!r}: {where_it_stands(session)}") from None
     page.wait_for_selector("#conn-state[data-state=live]")
+
+
+def where_it_stands(session) -> str:
+    """The session's status, its server record and its last events, for a failure message."""
+    row = fresh(session)
+    record = ServerRecord.objects.filter(session_id=session.pk).values("pid", "port", "started_at").first()
+    events = TranscriptEvent.objects.filter(session_id=session.pk).order_by("-seq")[:8]
+    last = "; ".join(f"{e.kind} {str(e.payload)[:160]}" for e in reversed(events))
+    return f"status {row.status!r}, server {record}, last events: {last}"
 
 
 def send(page, text: str) -> None:
