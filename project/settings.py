@@ -174,6 +174,8 @@ AXES_FAILURE_LIMIT = env_int("CORRAL_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("CORRAL_LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+# No "AXES: BEGIN version …" banner from every process at every start.
+AXES_VERBOSE = False
 # Its rows (attempts, lockouts) are not for an admin to edit: a lockout ends by itself, and
 # `manage.py axes_reset_username` ends it early (docs/deployment.md). No "AXES" section in the admin.
 AXES_ENABLE_ADMIN = False

@@ -411,3 +411,24 @@ def test_what_corral_reads_or_runs_for_a_tool_reaches_no_more_than_the_sandbox(
     payload = callcard.recorded("write_file", json.dumps({"path": str(data / "secret_key"), "content": "x"}),
                                 working_dir=str(workdir), transport=lambda: lifecycle.tool_view(local_machine))
     assert secret not in json.dumps(payload) and payload["file_before"]["state"] != "text"
+
+
+def test_the_embedded_redis_url_file_names_a_running_redis_only(monkeypatch, tmp_path):
+    """A newcomer's find: ``data/redis/url`` outlived its Redis (a stopped run's port), and a
+    test run's Redis replaced the running product's URL there. The file is removed when its
+    Redis stops, and a test run's Redis does not write it."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setenv("CORRAL_DATA_DIR", str(tmp_path / "redis-data"))
+    url_file = tmp_path / "redis-data" / "redis" / "url"
+    running = launcher.ensure_redis()
+    assert url_file.read_text().strip() == running.url
+    monkeypatch.delenv("REDIS_URL")
+    for_tests = launcher.ensure_redis(keep_url=False)
+    try:
+        assert for_tests.url_file is None
+        assert url_file.read_text().strip() == running.url  # the product's URL, untouched
+    finally:
+        for_tests.stop()
+    assert url_file.read_text().strip() == running.url
+    running.stop()
+    assert not url_file.exists()

@@ -311,3 +311,25 @@ def test_each_worker_is_named_after_its_hosts_id_and_reads_its_hosts_own_queue(t
 
     with pytest.raises(ImproperlyConfigured, match="CORRAL_HOST_ID"):
         data_dir.read_host_id(first)
+
+
+def test_supervisord_starts_without_alarming_lines_for_a_root_run(tmp_path):
+    """A newcomer's find: as root, every ``./corral run`` opened with two CRIT lines from
+    supervisord (privileges not dropped; a control socket without authentication). Root is
+    said on purpose and the socket asks for a password drawn per run, which supervisorctl
+    reads from the same owner-only file."""
+    import configparser
+
+    from project import data_dir, launcher
+
+    data_dir.prepare(tmp_path)
+    config = configparser.ConfigParser(interpolation=None)
+    config.read_string(launcher.supervisor_config(data=tmp_path, port=8000, daphne_args=[], turn_workers=2))
+    if os.geteuid() == 0:
+        assert config["supervisord"]["user"] == "root"
+    server, client = config["unix_http_server"], config["supervisorctl"]
+    assert len(server["password"]) >= 24 and (server["username"], server["password"]) == (
+        client["username"], client["password"])
+    again = configparser.ConfigParser(interpolation=None)
+    again.read_string(launcher.supervisor_config(data=tmp_path, port=8000, daphne_args=[], turn_workers=2))
+    assert again["unix_http_server"]["password"] != server["password"]  # drawn afresh
