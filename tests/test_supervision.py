@@ -389,9 +389,8 @@ def test_an_embedded_redis_killed_comes_back_on_its_port_and_what_was_sent_meanw
     same password (REDIS_URL stays valid for every program), and a message sent while it
     was down — its step lost with the broker — is answered once it is back (the turn
     recovery re-queues it)."""
-    from project.celery import app
-
     from project import queues
+    from project.celery import app
 
     # The launcher is this test process's host: the fake machine below is this host's local
     # machine, which another host's workers refuse to touch (docs/operations.md "More hosts").
