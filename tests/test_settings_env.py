@@ -333,3 +333,13 @@ def test_supervisord_starts_without_alarming_lines_for_a_root_run(tmp_path):
     again = configparser.ConfigParser(interpolation=None)
     again.read_string(launcher.supervisor_config(data=tmp_path, port=8000, daphne_args=[], turn_workers=2))
     assert again["unix_http_server"]["password"] != server["password"]  # drawn afresh
+
+
+@pytest.mark.parametrize("word", ["--help", "-h", "help"])
+def test_asking_corral_for_help_is_not_a_mistake(tmp_path, word):
+    """A newcomer's find: ``./corral --help`` answered "unknown command" with exit status 2."""
+    result = subprocess.run([str(ROOT / "corral"), word], cwd=ROOT, env=_child_env(tmp_path), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
+    assert all(f"./corral {command}" in result.stdout for command in ("run", "test", "check", "setup", "worker"))
+    assert not (tmp_path / "data").exists()  # nothing installed or prepared for it
