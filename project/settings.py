@@ -270,8 +270,8 @@ CELERY_TASK_ACKS_LATE = False
 # No "polling_interval" here: kombu takes it as the BRPOP timeout but also as a sleep after
 # every empty poll in its blocking consumer loop (``drain_events``, Celery's synloop, the
 # loop of a worker that does not run the event loop): a task sent during that sleep waited
-# up to 2 s (tests/test_broker_wakeup.py). A longer BRPOP would save an idle worker one
-# wake-up a second, too little for that risk: kombu's 1 s BRPOP it is.
+# up to 2 s (tests/test_broker_wakeup.py). The BRPOP's own timeout is set apart, without
+# that sleep: project/celery.py, BRPOP_SECONDS.
 CELERY_BROKER_TRANSPORT_OPTIONS = {**_BROKER.transport_options, "visibility_timeout": 2 * 60 * 60}
 # Nothing in Corral sends Celery's remote control commands (which workers are alive is told
 # by keys in Redis: sessions_app/liveness.py), so workers do not listen for them.
