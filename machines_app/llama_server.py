@@ -186,8 +186,9 @@ def alias_flag(name: str) -> list[str]:
     by the file's absolute path in every reply's ``model`` field (and in ``/props``,
     ``/v1/models``), which the API passes on to members (docs/api.md). llama-server splits
     the value at commas into several names and answers with the first in sorted order, so
-    a comma becomes a space."""
-    name = " ".join(name.replace(",", " ").split())
+    a comma becomes a space, as does a control character (a NUL cannot be in a command line;
+    the name comes from inside the file)."""
+    name = " ".join("".join(c if c.isprintable() and c != "," else " " for c in name).split())
     return ["--alias", name] if name else []
 
 

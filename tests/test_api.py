@@ -238,7 +238,7 @@ def test_server_flags_name_the_model_without_a_comma_and_keep_no_shared_prompt_c
     from machines_app.llama_server import ServerSpec, alias_flag, build_argv
 
     assert alias_flag("Qwen3, 8B ,Instruct") == ["--alias", "Qwen3 8B Instruct"]  # llama-server splits at commas
-    assert alias_flag(" , ") == [] and alias_flag("") == []
+    assert alias_flag(" , ") == [] and alias_flag("") == [] and alias_flag("A\x00B\nC") == ["--alias", "A B C"]
     argv = build_argv(ServerSpec("/bin/llama-server", "/m/x.gguf", 8123, {}, alias="SmolLM2"))
     assert argv[argv.index("--alias") + 1] == "SmolLM2" and "--cache-ram" not in argv
     # A server shared by members keeps no prompt cache in RAM (docs/api.md "One server, many members").
