@@ -21,6 +21,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.core.exceptions import RequestDataTooBig
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.csrf import csrf_exempt
@@ -28,7 +29,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from machines_app.llama_server import Endpoint, auth_headers, tls_context
 from machines_app.models import ModelFile
-from usage_app.quota import refusal as quota_refusal
+from usage_app import quota
 from usage_app.recording import record_usage
 
 from . import keys, serving
@@ -45,18 +46,22 @@ TOOLS_REFUSED = ("Corral's API runs no tools and passes none to the model: send 
 POLL_SECONDS = 0.25
 
 
-def _request_finished(user, model_file: ModelFile, usage: dict, seconds: float, timings: dict | None = None) -> None:
+def _request_finished(user, model_file: ModelFile, usage: dict, seconds: float, timings: dict | None = None,
+                      hold: int | None = None) -> None:
     """Called once per finished chat completion (streamed or not, ended by the server or
     broken off), with llama-server's reported ``usage`` (``prompt_tokens``,
     ``completion_tokens``, ``total_tokens``; {} when it reported none), its ``timings`` when
     it sent them, and the request's wall time in seconds from the server being ready. A
     stream whose client did not ask for ``usage`` gets it counted from the ``timings``
     (:func:`usage_from_timings`). Recorded as the key owner's usage (docs/usage.md), like a
-    session's reply."""
+    session's reply, in the transaction that drops the request's quota ``hold``
+    (usage_app.quota.reserve; None when the owner has no quota)."""
     log.debug("API request of %s on %s/%s: usage %s, timings %s, %.2f s", user.get_username(),
               model_file.machine.name, model_file.key, usage, timings, seconds)
-    record_usage(member=user, machine=model_file.machine, model_file=model_file, usage=usage, timings=timings,
-                 source="api")
+    with transaction.atomic():
+        record_usage(member=user, machine=model_file.machine, model_file=model_file, usage=usage, timings=timings,
+                     source="api")
+        quota.release(hold)
 
 
 def _error(exc: ApiError) -> JsonResponse:
@@ -141,6 +146,17 @@ def _check_body(raw: bytes) -> dict:
     return body
 
 
+def upstream_body(body: dict) -> bytes:
+    """What goes to llama-server: the client's request with ``cache_prompt`` false, whatever
+    the client sent (docs/api.md "One server, many members"). Every member's requests share
+    one server and its one slot; with the prompt cache on, a request would reuse the part of
+    the slot that matches its prompt — another member's previous prompt — and the reply's
+    ``cached_tokens`` (``timings.cache_n``), and its speed, would tell how much of it the
+    sender guessed. Without it every prompt is read whole, the same for a right guess as
+    for a wrong one."""
+    return json.dumps({**body, "cache_prompt": False}).encode()
+
+
 async def _wait_for_server(session_id: int, after: int, wanted: str) -> Endpoint:
     """The ready server's endpoint, waiting while it starts (and while it waits for
     memory) for up to ``CORRAL_API_WAIT_SECONDS``. Raises ApiError 503 with why."""
@@ -217,15 +233,17 @@ def usage_from_timings(timings: dict | None) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def _held(session_id: int):
-    """Keep the request's lease on its server (serving.renew) for as long as the block
-    runs, whether or not the server sends anything meanwhile (a long prompt is read in
-    silence): a task renews it every ``RENEW_SECONDS``."""
+async def _held(session_id: int, hold: int | None):
+    """Keep the request's lease on its server (serving.renew) and its quota hold
+    (usage_app.quota.renew_hold) for as long as the block runs, whether or not the server
+    sends anything meanwhile (a long prompt is read in silence): a task renews them every
+    ``RENEW_SECONDS``."""
 
     async def renew() -> None:
         while True:
             await asyncio.sleep(serving.RENEW_SECONDS)
             await sync_to_async(serving.renew)(session_id)
+            await sync_to_async(quota.renew_hold)(hold)
 
     task = asyncio.create_task(renew())
     try:
@@ -258,10 +276,12 @@ def _client() -> httpx.AsyncClient:
 @csrf_exempt
 @login_not_required
 async def chat_completions(request: HttpRequest) -> HttpResponseBase:
-    """``POST /v1/chat/completions``: the request goes, byte for byte, to the llama-server of
-    the model file it names (started on demand, shared by every API request for that file:
-    api_app.serving), and its answer comes back unchanged — streamed as llama-server's own
-    SSE frames with ``"stream": true``, usage included."""
+    """``POST /v1/chat/completions``: the request goes, with the prompt cache off
+    (:func:`upstream_body`), to the llama-server of the model file it names (started on
+    demand, shared by every API request for that file: api_app.serving), and its answer
+    comes back unchanged — streamed as llama-server's own SSE frames with ``"stream":
+    true``, usage included. Refused with 429 when the owner's quota has no token left to
+    hold for it (usage_app.quota.reserve)."""
     if request.method != "POST":
         return _error(ApiError(405, "method_not_allowed", "Use POST for /v1/chat/completions."))
     try:
@@ -274,33 +294,40 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
         body = _check_body(raw)
         model = await sync_to_async(serving.resolve)(user, body.get("model"))
         # A member whose daily token quota is spent is refused before any server starts
-        # (docs/usage.md); OpenAI says the same with 429 insufficient_quota.
-        if (spent := await sync_to_async(quota_refusal)(user)) is not None:
+        # (docs/usage.md); OpenAI says the same with 429 insufficient_quota. Checked and
+        # held in one step: requests sent at once cannot all pass on the same last token.
+        hold, spent = await sync_to_async(quota.reserve)(user)
+        if spent is not None:
             raise ApiError(429, "insufficient_quota", spent, type="insufficient_quota")
         wanted = serving.model_id(model.machine.name, model.key)
-        session_id, after = await sync_to_async(serving.claim)(user, model)
         try:
-            endpoint = await _wait_for_server(session_id, after, wanted)
-        except ApiError:
-            await sync_to_async(serving.finished)(session_id)
+            session_id, after = await sync_to_async(serving.claim)(user, model)
+            try:
+                async with _held(session_id, hold):
+                    endpoint = await _wait_for_server(session_id, after, wanted)
+            except ApiError:
+                await sync_to_async(serving.finished)(session_id)
+                raise
+        except BaseException:
+            await sync_to_async(quota.release)(hold)
             raise
     except ApiError as exc:
         return _error(exc)
-    return await _relay(request, user, model, session_id, endpoint, stream=bool(body.get("stream")))
+    return await _relay(user, model, session_id, hold, endpoint, upstream_body(body), stream=bool(body.get("stream")))
 
 
-async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, endpoint: Endpoint, *,
+async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endpoint: Endpoint, content: bytes, *,
                  stream: bool) -> HttpResponseBase:
     started = time.monotonic()
     client = _client()
     upstream_request = client.build_request(
-        "POST", f"{endpoint.url}/v1/chat/completions", content=request.body,
+        "POST", f"{endpoint.url}/v1/chat/completions", content=content,
         headers={"Content-Type": "application/json", **auth_headers(endpoint.api_key)},
     )
 
     async def done(usage: dict, timings: dict | None) -> None:
         await sync_to_async(serving.finished)(session_id)
-        await sync_to_async(_request_finished)(user, model, usage, time.monotonic() - started, timings)
+        await sync_to_async(_request_finished)(user, model, usage, time.monotonic() - started, timings, hold)
 
     try:
         upstream = await client.send(upstream_request, stream=True)
@@ -314,7 +341,7 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
     if not stream or upstream.status_code != 200:
         failure: httpx.HTTPError | None = None
         try:
-            async with _held(session_id):
+            async with _held(session_id, hold):
                 content = await upstream.aread()
         except httpx.HTTPError as exc:
             content, failure = b"", exc
@@ -340,7 +367,7 @@ async def _relay(request: HttpRequest, user, model: ModelFile, session_id: int, 
     async def frames() -> AsyncIterator[bytes]:
         seen = Usage()
         try:
-            async with _held(session_id):
+            async with _held(session_id, hold):
                 async for chunk in upstream.aiter_raw():
                     seen.feed(chunk)
                     if seen.ended:

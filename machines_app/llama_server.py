@@ -137,6 +137,8 @@ class ServerSpec:
     chat_template: str = ""  # a llama.cpp built-in template name an admin set
     chat_template_file: str = ""  # or a Jinja template file's absolute path on that machine
     slot_dir: str = ""
+    alias: str = ""  # the name the server gives its model in replies (--alias); "" for the file's path
+    shared: bool = False  # one slot serving several members (the API's): no prompt cache kept in RAM
 
 
 def build_argv(spec: ServerSpec) -> list[str]:
@@ -147,8 +149,9 @@ def build_argv(spec: ServerSpec) -> list[str]:
     ``--tools all`` (the permission gate, not a flag, decides whether
     a call runs); one slot (``-np 1``: extra slots split the context and slow speculative
     decoding); ``--slot-save-path`` when a slot directory is given (docs/behaviour.md §5 warm
-    prompts); ``--spec-type draft-mtp`` only for a file with an MTP head and speculation not
-    turned off (asking for it without a head makes llama-server exit).
+    prompts); ``--alias`` when a name is given (:func:`alias_flag`); ``--cache-ram 0`` for a
+    server shared by members; ``--spec-type draft-mtp`` only for a file with an MTP head and
+    speculation not turned off (asking for it without a head makes llama-server exit).
     """
     argv = [spec.binary, "-m", spec.model_path, "--host", "127.0.0.1", "--port", str(spec.port)]
     if spec.api_key_file:
@@ -158,6 +161,12 @@ def build_argv(spec: ServerSpec) -> list[str]:
         # Slot save/restore (docs/behaviour.md §5 "warm prompts"): llama-server only writes
         # and reads files under this directory, by names it validates.
         argv += ["--slot-save-path", spec.slot_dir]
+    argv += alias_flag(spec.alias)
+    if spec.shared:
+        # Its requests never reuse a cached prompt (docs/api.md "One server, many members");
+        # with the RAM cache on, swapping a stored prompt into the slot when the next one
+        # resembles it would still take longer for a prompt like another member's.
+        argv += ["--cache-ram", "0"]
     for param, flag in SERVER_FLAGS.items():
         value = spec.params.get(param)
         if value not in (None, ""):
@@ -170,6 +179,17 @@ def build_argv(spec: ServerSpec) -> list[str]:
         argv += ["--mmproj", spec.mmproj_path]
     argv += chat_template_flags(spec)
     return argv
+
+
+def alias_flag(name: str) -> list[str]:
+    """``["--alias", name]``, or [] for a blank name. Without it llama-server names its model
+    by the file's absolute path in every reply's ``model`` field (and in ``/props``,
+    ``/v1/models``), which the API passes on to members (docs/api.md). llama-server splits
+    the value at commas into several names and answers with the first in sorted order, so
+    a comma becomes a space, as does a control character (a NUL cannot be in a command line;
+    the name comes from inside the file)."""
+    name = " ".join("".join(c if c.isprintable() and c != "," else " " for c in name).split())
+    return ["--alias", name] if name else []
 
 
 def chat_template_flags(spec: ServerSpec) -> list[str]:
@@ -445,6 +465,7 @@ __all__ = [
     "ServerStartError",
     "SlotError",
     "TransportError",
+    "alias_flag",
     "auth_headers",
     "build_argv",
     "explain_start_failure",

@@ -316,6 +316,8 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
             chat_template=model.chat_template,
             chat_template_file=model.chat_template_file,
             slot_dir=slots,
+            alias=model.display_name,  # replies name the model as the picker does, never by its path
+            shared=session.purpose == AgentSession.Purpose.API,
         )
         if not transport.is_file(model.path):
             # Listed once, gone since: say so in the machine's terms, before anything starts.

@@ -165,6 +165,11 @@ def test_replies_stream_or_not_from_one_shared_server(stack, local_machine, alic
     reply = api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Say hello."}],
                                         max_tokens=16, temperature=0)
     assert reply.choices[0].message.content.strip()
+    # The reply names the model as /v1/models and the picker do (the name inside the GGUF),
+    # never by where its file lies on the machine.
+    name = local_machine.model_files.get(key=model_key(local_machine, "llama")).display_name
+    assert reply.model == name and local_machine.models_dir not in reply.model_dump_json()
+    assert api.models.retrieve(smol).model_extra["name"] == name
     assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
     first = ServerRecord.objects.get()
     session = AgentSession.objects.get(purpose="api")
@@ -184,6 +189,7 @@ def test_replies_stream_or_not_from_one_shared_server(stack, local_machine, alic
         stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip() and len(chunks) > 2
+    assert {c.model for c in chunks} == {name}
     usage = [c.usage for c in chunks if c.usage is not None]
     assert usage and usage[-1].completion_tokens > 0
     assert ServerRecord.objects.get().pid == first.pid
@@ -213,6 +219,7 @@ def test_replies_stream_or_not_from_one_shared_server(stack, local_machine, alic
             body += chunk
             seen.feed(chunk)
     frames = [f for f in body.split(b"\n\n") if f.strip()]
+    assert local_machine.models_dir.encode() not in body and b".gguf" not in body
     assert all(f.startswith(b"data: ") for f in frames) and frames[-1] == b"data: [DONE]"
     assert json.loads(frames[0][6:])["object"] == "chat.completion.chunk"
     # Not asked for, usage is not in the stream (it is passed on as llama-server sent it);
@@ -225,6 +232,64 @@ def test_replies_stream_or_not_from_one_shared_server(stack, local_machine, alic
     # Hidden from every page: not in the staff's session list, listed as Corral's own on the machines page.
     assert not AgentSession.objects.visible_to(alice).filter(purpose="api").exists()
     assert serving.SYSTEM_USERNAME == AgentSession.objects.get(purpose="api").owner.username
+
+
+def test_server_flags_name_the_model_without_a_comma_and_keep_no_shared_prompt_cache():
+    from machines_app.llama_server import ServerSpec, alias_flag, build_argv
+
+    assert alias_flag("Qwen3, 8B ,Instruct") == ["--alias", "Qwen3 8B Instruct"]  # llama-server splits at commas
+    assert alias_flag(" , ") == [] and alias_flag("") == [] and alias_flag("A\x00B\nC") == ["--alias", "A B C"]
+    argv = build_argv(ServerSpec("/bin/llama-server", "/m/x.gguf", 8123, {}, alias="SmolLM2"))
+    assert argv[argv.index("--alias") + 1] == "SmolLM2" and "--cache-ram" not in argv
+    # A server shared by members keeps no prompt cache in RAM (docs/api.md "One server, many members").
+    argv = build_argv(ServerSpec("/bin/llama-server", "/m/x.gguf", 8123, {}, shared=True))
+    assert argv[argv.index("--cache-ram") + 1] == "0"
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_requests_sent_at_once_cannot_all_pass_on_the_last_token(stack, local_machine, alice):
+    """The quota check and the hold of a token are one step: of requests sent at once with
+    one token left, one is let through and the others are refused, though none of them has
+    recorded any usage yet when the others are checked (usage_app.quota.reserve)."""
+    import threading
+
+    from usage_app.models import Hold
+
+    smol, token = smol_id(local_machine), make_key(alice)
+    # The server is up first, so that every request is checked while the first still runs.
+    client_for(stack, token).chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=1)
+    wait_for(lambda: UsageRecord.objects.filter(member=alice).exists(), 30, what="alice's first usage row")
+    Quota.objects.create(user=alice, tokens_per_day=quota_used(alice) + 1)
+    n = 6
+    start, answers = threading.Barrier(n), []
+
+    def send() -> None:
+        start.wait()
+        answers.append(httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=300,
+                                  headers={"Authorization": f"Bearer {token}"},
+                                  json={"model": smol, "max_tokens": 8,
+                                        "messages": [{"role": "user", "content": "Tell me a long story."}]}))
+
+    threads = [threading.Thread(target=send) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses == [200] + [429] * (n - 1), [a.text for a in answers]
+    refused = [a.json()["error"] for a in answers if a.status_code == 429]
+    assert all(e["code"] == "insufficient_quota" and "tokens for today" in e["message"] for e in refused)
+    wait_for(lambda: UsageRecord.objects.filter(member=alice).count() == 2, 30, what="the one let through recorded")
+    assert not Hold.objects.exists(), "a finished request lets go of its hold"
+    with pytest.raises(openai.RateLimitError):
+        client_for(stack, token).chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}])
+
+
+def quota_used(member) -> int:
+    from usage_app.quota import used_today
+
+    return used_today(member)
 
 
 @pytest.mark.usefixtures("stop_servers_after")

@@ -3,9 +3,10 @@
 and images kept in the database (docs/ssh.md, docs/security.md).
 
 Each test is one probe an attacker or a careless member would try. They run against the
-real views, middleware, admin and database; none starts a llama-server (every probe is
+real views, middleware, admin and database. None starts a llama-server (every probe is
 refused, or lists, before a server would start — which is itself checked: no hidden API
-session is made by a refused request).
+session is made by a refused request), except the probes of what one shared server's
+replies tell of another member's requests, which need the real one.
 """
 
 from __future__ import annotations
@@ -576,27 +577,47 @@ def test_control_characters_in_the_name_claims_are_dropped(alice, sso_on):
 # --- one shared API server: what one member's reply tells of another's prompt --------------------
 
 
-def _cached(stack, token: str, model: str, text: str) -> int:
+def _cached(stack, token: str, model: str, text: str, **extra) -> int:
     """How many prompt tokens the shared server took from its cache for ``text``, as the
-    reply itself tells the caller (usage, else llama-server's timings)."""
+    reply itself tells the caller (usage, else llama-server's timings). ``extra``: more
+    request fields (a client asking for the cache itself)."""
     import httpx
 
     answer = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=300, headers={"Authorization": f"Bearer {token}"},
                         json={"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
-                              "temperature": 0})
+                              "temperature": 0, **extra})
     assert answer.status_code == 200, answer.text
     body = answer.json()
     details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or (body.get("timings") or {}).get("cache_n") or 0)
 
 
-@pytest.mark.xfail(strict=True, reason="finding: every member's API requests share one llama-server and its prompt "
-                   "cache, and the reply's usage.prompt_tokens_details.cached_tokens / timings.cache_n tell a member "
-                   "how much of their guess matches another member's prompt")
+def _streamed_cache_n(stack, token: str, model: str, text: str) -> int:
+    """``timings.cache_n`` of a streamed reply's frames (the last one that says it)."""
+    import httpx
+
+    cache_n = -1
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", timeout=300,
+                      headers={"Authorization": f"Bearer {token}"},
+                      json={"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                            "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True}) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                frame = json.loads(line[6:])
+                cache_n = int((frame.get("timings") or {}).get("cache_n", cache_n))
+                cached = ((frame.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+                assert not cached, frame
+    return cache_n
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("stop_servers_after")
 def test_a_members_reply_does_not_tell_how_much_of_another_members_prompt_they_guessed(stack, local_machine, alice,
                                                                                         bob):
+    """Every member's API requests share one llama-server and its one slot. Were its prompt
+    cache used, bob's reply would say (``cached_tokens``, ``timings.cache_n``, and its
+    speed) how much of his guess matches alice's prompt: no request reuses the slot."""
     from .conftest import model_key
 
     model = serving.model_id(local_machine.name, model_key(local_machine, "llama"))
@@ -610,7 +631,17 @@ def test_a_members_reply_does_not_tell_how_much_of_another_members_prompt_they_g
     hit = _cached(stack, bob_token, model, right)
     _cached(stack, alice_token, model, secret)
     miss = _cached(stack, bob_token, model, wrong)
-    assert hit == miss, f"bob's right guess reused {hit} cached tokens, his wrong one {miss}"
+    assert hit == miss == 0, f"bob's right guess reused {hit} cached tokens, his wrong one {miss}"
+    # Asking for the cache does not bring it back, streamed or not.
+    _cached(stack, alice_token, model, secret)
+    assert _cached(stack, bob_token, model, right, cache_prompt=True, n_cache_reuse=1) == 0
+    _cached(stack, alice_token, model, secret)
+    assert _streamed_cache_n(stack, bob_token, model, right) == 0
+    # Nor does it keep prompts in RAM to swap into the slot when a new one resembles them.
+    from machines_app.models import ServerRecord
+
+    with open(f"/proc/{ServerRecord.objects.get().pid}/cmdline") as cmdline:
+        assert " --cache-ram 0 " in " ".join(cmdline.read().replace("\0", " ").split()) + " "
 
 
 def test_a_queue_filled_before_the_quota_runs_out_does_not_outlast_it(alice, open_machine, data_dir):

@@ -274,6 +274,27 @@ def test_the_quota_resets_at_midnight_utc(alice, machines, idle_session):
 
 
 @pytest.mark.django_db
+def test_an_api_request_is_checked_and_holds_a_token_in_one_step(alice, bob, machines, idle_session):
+    Quota.objects.create(user=alice, tokens_per_day=52)
+    add(alice, machines["north"])  # 50 of 52: two left
+    first, second = quota.reserve(alice), quota.reserve(alice)
+    assert first[0] is not None and second[0] is not None and first[1] is second[1] is None
+    hold, sentence = quota.reserve(alice)
+    assert hold is None and sentence.startswith("Your requests still running hold the last of your 52 tokens "
+                                                "for today (2 in flight)")
+    # The held tokens count for a message's Send as well.
+    with pytest.raises(actions.SessionError, match="requests still running hold the last"):
+        actions.do_send_message(idle_session, alice, "hello")
+    quota.release(first[0])
+    assert quota.reserve(alice)[0] is not None
+    # A hold whose request was lost lapses: a later check no longer counts it.
+    later = timezone.now() + quota.HOLD + timedelta(seconds=1)
+    assert quota.refusal(alice, now=later) is None and quota.reserve(alice, now=later)[0] is not None
+    # No quota, nothing held.
+    assert quota.reserve(bob) == (None, None)
+
+
+@pytest.mark.django_db
 def test_a_quota_of_zero_refuses_every_message(alice, machines, idle_session):
     Quota.objects.create(user=alice, tokens_per_day=0)
     with pytest.raises(actions.SessionError, match="quota is 0"):

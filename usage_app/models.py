@@ -84,3 +84,19 @@ class Quota(models.Model):
         else:
             who = f"group {self.group.name}" if self.group is not None else "nobody"
         return f"{who}: {self.tokens_per_day:,} tokens a day"
+
+
+class Hold(models.Model):
+    """One API request of a member with a quota, in flight: until its usage is recorded it
+    holds one token of the member's day, so that requests sent at once cannot all pass a
+    check that none of them has spent anything yet (usage_app.quota.reserve). A hold whose
+    request is lost with its web process lapses at ``until`` (renewed while it runs)."""
+
+    member = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="quota_holds")
+    until = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["member", "until"], name="quota_hold_member_until_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.member.get_username()}: a request in flight until {self.until:%H:%M:%S}"

@@ -5,6 +5,12 @@ A day is a UTC day. What counts is :data:`COUNTED`: the prompt tokens the server
 read (not those it took from its prompt cache) plus the reply's tokens, summed over every
 finished completion of the member's since 00:00 UTC, from sessions and API requests alike.
 A turn under way when the quota runs out finishes; the next message is refused.
+
+An API request is let through by :func:`reserve`, which checks and holds in one step:
+each request in flight holds one token of the day (a :class:`~usage_app.models.Hold`)
+until :func:`release` drops it with its usage recorded, so with ``n`` tokens left at most
+``n`` requests run at once. The check takes a lock on the member's account row, so two
+web processes checking the same member wait for each other.
 """
 
 from __future__ import annotations
@@ -12,12 +18,17 @@ from __future__ import annotations
 from datetime import UTC, datetime, time, timedelta
 
 from django.contrib.auth import get_user_model
+from django.db import transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from .models import Quota, UsageRecord
+from .models import Hold, Quota, UsageRecord
 
-__all__ = ["COUNTED", "day_start", "quota_for", "refusal", "standing", "used_today"]
+__all__ = ["COUNTED", "HOLD", "day_start", "quota_for", "refusal", "release", "renew_hold", "reserve", "standing",
+           "used_today"]
+
+#: How long a request's hold lasts unless renewed (the API renews it every few seconds).
+HOLD = timedelta(seconds=60)
 
 #: What a quota counts, in words (the page and the admin say it).
 COUNTED = "prompt tokens not taken from the prompt cache, plus reply tokens"
@@ -25,6 +36,9 @@ COUNTED = "prompt tokens not taken from the prompt cache, plus reply tokens"
 #: The refusal once the day's tokens are spent.
 SPENT = ("You have used your {quota:,} tokens for today (resets at 00:00 UTC, in {left}). "
          "An admin can give you a larger daily quota.")
+#: The refusal while requests in flight hold the last of the day's tokens.
+HELD = ("Your requests still running hold the last of your {quota:,} tokens for today ({held} in flight); "
+        "send this one when they have finished.")
 #: The refusal for a quota of 0.
 NONE_AT_ALL = "Your daily token quota is 0, so you cannot send messages; an admin can give you one."
 
@@ -70,17 +84,63 @@ def _until_midnight(now: datetime) -> str:
     return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
 
 
-def refusal(member, now: datetime | None = None) -> str | None:
-    """The sentence that refuses new work to ``member`` because today's quota is spent, or
-    None while they may go on (no quota, or tokens left). For a message's Send and for an
-    API request, checked before anything starts."""
-    now = now or timezone.now()
-    state = standing(member, now)
-    if state is None or state["left"] > 0:
+def _held(member, now: datetime) -> int:
+    """How many of ``member``'s API requests are in flight (live holds)."""
+    return Hold.objects.filter(member=member, until__gte=now).count()
+
+
+def _refusal(state: dict | None, held: int, now: datetime) -> str | None:
+    if state is None or state["left"] - held > 0:
         return None
     if state["quota"] == 0:
         return NONE_AT_ALL
+    if state["left"] > 0:
+        return HELD.format(quota=state["quota"], held=held)
     return SPENT.format(quota=state["quota"], left=_until_midnight(now))
+
+
+def refusal(member, now: datetime | None = None) -> str | None:
+    """The sentence that refuses new work to ``member`` because today's quota is spent (or
+    held by their API requests in flight), or None while they may go on (no quota, or
+    tokens left). For a message's Send, checked before anything starts; an API request is
+    checked and held at once by :func:`reserve`."""
+    now = now or timezone.now()
+    state = standing(member, now)
+    return _refusal(state, _held(member, now) if state is not None else 0, now)
+
+
+def reserve(member, now: datetime | None = None) -> tuple[int | None, str | None]:
+    """Check ``member``'s quota for one API request and hold a token of it, atomically.
+
+    Returns ``(hold id, None)`` when the request may go on (release it with
+    :func:`release`), ``(None, None)`` for a member without a quota (nothing held), or
+    ``(None, sentence)`` when it is refused (:func:`refusal`'s sentences). The member's
+    account row is locked for the check, so concurrent requests of one member are checked
+    one after the other, each seeing the holds of those before it."""
+    with transaction.atomic():
+        list(get_user_model().objects.select_for_update().filter(pk=member.pk).values_list("pk", flat=True))
+        now = now or timezone.now()
+        state = standing(member, now)
+        if state is None:
+            return None, None
+        Hold.objects.filter(member=member, until__lt=now).delete()
+        if sentence := _refusal(state, _held(member, now), now):
+            return None, sentence
+        return Hold.objects.create(member=member, until=now + HOLD).pk, None
+
+
+def renew_hold(hold_id: int | None) -> None:
+    """Keep a request's hold for another :data:`HOLD` (no-op for None)."""
+    if hold_id is not None:
+        Hold.objects.filter(pk=hold_id).update(until=timezone.now() + HOLD)
+
+
+def release(hold_id: int | None) -> None:
+    """Drop a request's hold (no-op for None or a hold already gone). Called in the
+    transaction that records the request's usage: the request counts as its hold until
+    its row exists, then as its row."""
+    if hold_id is not None:
+        Hold.objects.filter(pk=hold_id).delete()
 
 
 def refusal_for_id(member_id: int, now: datetime | None = None) -> str | None:
