@@ -3,7 +3,7 @@
 Each model file the API is asked for gets one hidden session (``AgentSession`` with
 purpose ``api``, owned by Corral's system account, listed on no page): its llama-server is
 started, adopted, watched, put to sleep when idle and placed in its machine's memory by the
-same lifecycle as every session's (sessions_app/lifecycle.py, room.py). Every API request
+same lifecycle as every session's (sessions_app/servers/, room.py). Every API request
 for that file, from any member, shares that one server.
 
 While a request is served the session holds a short lease (``api_busy_until``, renewed as
@@ -28,11 +28,13 @@ from django.utils import timezone
 
 from machines_app.access import machine_refusal, machines_for
 from machines_app.llama_server import Endpoint
-from machines_app.models import Machine, MemoryClaim, ModelFile, ServerRecord
-from sessions_app import dispatch, lifecycle
+from machines_app.models import Machine, MemoryClaim, ModelFile
+from sessions_app import dispatch
 from sessions_app.actions import by
 from sessions_app.events import change_status, locked
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers import records, watch
+from sessions_app.servers.models import ServerRecord
 from sessions_app.transcript import Kind
 
 Status = AgentSession.Status
@@ -180,7 +182,7 @@ def server_state(session_id: int, after: int) -> ServerState:
         return ServerState(failed="Its machine or model was removed from Corral meanwhile.")
     if session.status == Status.IDLE:
         if ServerRecord.objects.filter(session_id=session_id, ready_at__isnull=False, stopping=False).exists():
-            endpoint = lifecycle.server_endpoint(session)
+            endpoint = records.server_endpoint(session)
             if endpoint is not None:
                 return ServerState(endpoint=endpoint)
         return ServerState()
@@ -209,7 +211,7 @@ def finished(session_id: int) -> None:
 
 def server_went_away(session_id: int) -> str:
     """Why the server broke off a reply, once the watch is asked now ('' when it still runs)."""
-    lifecycle.check_session_server(session_id)
-    if lifecycle.server_gone(session_id):
+    watch.check_session_server(session_id)
+    if watch.server_gone(session_id):
         return "The model's server stopped while answering (it exited or was stopped)."
     return ""

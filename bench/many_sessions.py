@@ -119,8 +119,9 @@ def main() -> None:
 
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     call_command("migrate", verbosity=0)
-    from sessions_app import actions, lifecycle
+    from sessions_app import actions
     from sessions_app.models import AgentSession, TranscriptEvent
+    from sessions_app.servers.stop import stop_server
 
     machine, model_key = stand_in_machine(DATA)
     user = get_user_model().objects.create_user("many", password="many-password-1")
@@ -198,11 +199,11 @@ def main() -> None:
                   + ")", flush=True)
             print(f"{label} counts: {tally.line(n * tokens / 100, '100 tokens')}", flush=True)
             for s in sessions:
-                lifecycle.stop_server(s.pk)
+                stop_server(s.pk)
     finally:
         stack.stop()
         for session_id in AgentSession.objects.values_list("pk", flat=True):  # servers outlive a stack
-            lifecycle.stop_server(session_id)
+            stop_server(session_id)
 
 
 if __name__ == "__main__":

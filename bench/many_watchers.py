@@ -130,8 +130,9 @@ def main() -> None:
 
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     call_command("migrate", verbosity=0)
-    from sessions_app import actions, lifecycle
+    from sessions_app import actions
     from sessions_app.models import AgentSession
+    from sessions_app.servers.stop import stop_server
 
     machine, model_key = stand_in_machine(DATA)
     user = get_user_model().objects.create_user("wall", password="wall-password-1")
@@ -157,7 +158,7 @@ def main() -> None:
             print(asyncio.run(one_run(w, session.pk, user, port, headers, stack, tally, args.profile)), flush=True)
             stack.settle()
     finally:
-        lifecycle.stop_server(session.pk)
+        stop_server(session.pk)
         stack.stop()
 
 

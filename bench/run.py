@@ -128,9 +128,10 @@ def main() -> None:
     from machines_app import catalog
     from machines_app.demo_models import packaged_model_paths
     from machines_app.management.commands.corral_setup import packaged_llama_server
-    from machines_app.models import Machine, ServerRecord
+    from machines_app.models import Machine
     from sessions_app import actions
     from sessions_app.models import AgentSession, TranscriptEvent
+    from sessions_app.servers.models import ServerRecord
 
     models = DATA / "models"
     models.mkdir()
@@ -258,10 +259,10 @@ def main() -> None:
         prompt_cache_and_warm_restart(session, machine, user, smol.name)
     finally:
         stack.stop()
-        from sessions_app import lifecycle
+        from sessions_app.servers.stop import stop_server
 
         for record in ServerRecord.objects.all():
-            lifecycle.stop_server(record.session_id)
+            stop_server(record.session_id)
         if warm_only:
             page_size(user, machine, smol.name, client)
 

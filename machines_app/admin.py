@@ -1,22 +1,25 @@
+"""The admin of machines and their model files, as far as machines_app knows them.
+
+machines_app knows nothing of sessions (tests/test_layers.py): what the machine pages
+show of the sessions' servers there — the running servers, those Corral has no record
+of, "Stop all idle servers", the model files read in the background — and the rule a
+model file's system prompt is held to are added by sessions_app's admin, which registers
+its extension of these classes in their place (sessions_app/servers/admin.py,
+sessions_app/admin.py).
+"""
+
+from typing import ClassVar
+
 from django import forms
 from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
-from django.db.models import Count
-from django.http import HttpResponseRedirect
 from django.template.defaultfilters import filesizeformat
-from django.urls import path, reverse
-from django.utils import timezone
-from django.utils.html import format_html, format_html_join
-
-from sessions_app import dispatch, lifecycle, orphans
-from sessions_app.rules import SessionError, check_system_prompt
 
 from . import actions as machine_actions
 from . import ssh
 from .llama_server import BUILTIN_CHAT_TEMPLATES
-from .models import Machine, ModelFile, PendingStop, ServerRecord
+from .models import Machine, ModelFile
 from .template_files import TemplateFileRefused, check_template_file
-from .transports import ProcessId, TransportError, transport_for
+from .transports import TransportError, transport_for
 
 # Corral's name on every admin page (title, header, the index), not Django's.
 admin.site.site_header = "Corral administration"
@@ -110,15 +113,14 @@ class MachineForm(forms.ModelForm):
 @admin.register(Machine)
 class MachineAdmin(admin.ModelAdmin):
     form = MachineForm
-    list_display = (
-        "name", "transport", "address", "state", "tools", "running_sessions", "models_dir", "enabled",
-        "models_refreshed_at",
+    list_display: tuple[str, ...] = (
+        "name", "transport", "address", "state", "tools", "models_dir", "enabled", "models_refreshed_at",
     )
     list_filter = ("transport", "enabled", "link_state", "allowed_groups")
     filter_horizontal = ("allowed_groups",)
-    actions = ["refresh_models", "test_connection", "repin_host_key", "stop_idle_servers"]
-    readonly_fields = (
-        "tool_containment", "running_servers", "unrecorded_servers", "stored_private_key", "host_key_fingerprint",
+    actions = ["test_connection", "repin_host_key"]
+    readonly_fields: ClassVar[tuple[str, ...]] = (
+        "tool_containment", "stored_private_key", "host_key_fingerprint",
         "link_state", "link_reason", "link_checked_at",
         "offered_key_fingerprint", "models_refreshed_at", "models_refresh_error",
     )
@@ -130,9 +132,6 @@ class MachineAdmin(admin.ModelAdmin):
         "stored_private_key", "host_key_fingerprint", "link_state", "link_reason", "link_checked_at",
         "offered_key_fingerprint",
     )
-
-    def get_queryset(self, request):
-        return super().get_queryset(request).annotate(running=Count("serverrecord"))
 
     def _is_local(self, obj) -> bool:
         return obj is not None and obj.transport == Machine.Transport.LOCAL
@@ -200,136 +199,9 @@ class MachineAdmin(admin.ModelAdmin):
                 self.message_user(request, state, messages.ERROR)
         return super().change_view(request, object_id, form_url, extra_context)
 
-    @admin.display(description="running sessions", ordering="running")
-    def running_sessions(self, obj: Machine) -> int:
-        return obj.running
-
-    @admin.display(description="running servers")
-    def running_servers(self, obj: Machine) -> str:
-        """Each llama-server on the machine with its session, status, resident memory and
-        GPU memory (when the machine has ``nvidia-smi``), read from the machine now."""
-        records = list(ServerRecord.objects.filter(machine=obj).select_related("session").order_by("started_at"))
-        if not records:
-            return "none"
-        try:
-            transport = transport_for(obj)
-            gpu = transport.gpu_memory()
-            memory = {r.pk: transport.memory_of(ProcessId(r.pid, r.start_time)) for r in records}
-        except TransportError as exc:
-            return f"The machine cannot be asked about its servers now: {exc}"
-        now = timezone.now()
-        rows = format_html_join(
-            "",
-            "<tr><td><a href=\"{}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td class=\"rss\">{}</td>"
-            "<td class=\"vram\">{}</td><td>{}</td></tr>",
-            (
-                (
-                    reverse("session_detail", args=[r.session_id]), r.session.display_title,
-                    r.session.get_status_display(), r.model_key, r.pid, _mib(memory[r.pk]),
-                    _mib(gpu.get(r.pid)) if gpu is not None else "no nvidia-smi",
-                    f"{int((now - r.session.last_activity_at).total_seconds())} s",
-                )
-                for r in records
-            ),
-        )
-        return format_html(
-            "<table class=\"running-servers\"><thead><tr><th>session</th><th>status</th><th>model</th><th>pid</th>"
-            "<th>memory (RSS)</th><th>GPU memory</th><th>quiet for</th></tr></thead><tbody>{}</tbody></table>"
-            "<p class=\"help\">Staff can put every idle one to sleep with the action \u201cStop all idle servers\u201d "
-            "on the machine list.</p>",
-            rows,
-        )
-
-    @admin.display(description="servers Corral has no record of")
-    def unrecorded_servers(self, obj: Machine) -> str:
-        """The stops still pending on this machine, and every llama-server running there that
-        Corral started (its command line names Corral's private directory) but has no record
-        of, each with a Stop button (docs/behaviour.md §5 "no orphans")."""
-        if obj is None or obj.pk is None:
-            return "none"
-        pending = list(PendingStop.objects.filter(machine=obj).order_by("created_at"))
-        parts = []
-        if pending:
-            parts.append(format_html(
-                "<p class=\"pending-stops\">Stops pending (the machine could not be reached; the watch stops them "
-                "when it answers): {}</p>",
-                format_html_join(", ", "pid {} (session {}, since {})",
-                                 ((p.pid, p.session_id or "deleted", p.created_at) for p in pending)),
-            ))
-        try:
-            found = orphans.unrecorded_servers(obj)
-        except TransportError as exc:
-            parts.append(format_html("<p>The machine cannot be asked about its processes now: {}</p>", exc))
-            return format_html_join("", "{}", ((p,) for p in parts))
-        if not found:
-            parts.append("none")
-            return format_html_join("", "{}", ((p,) for p in parts))
-        url = reverse("admin:machines_app_machine_stop_unrecorded", args=[obj.pk])
-        rows = format_html_join(
-            "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td><td><button type=\"submit\" "
-            "formaction=\"{}\" formmethod=\"post\" name=\"process\" value=\"{}:{}\">Stop</button></td></tr>",
-            (
-                (s.proc.pid, s.session_id, s.port, " ".join(s.argv)[:300], url, s.proc.pid, s.proc.start_time)
-                for s in found
-            ),
-        )
-        parts.append(format_html(
-            "<table class=\"unrecorded-servers\"><thead><tr><th>pid</th><th>session (from its key file)</th>"
-            "<th>port</th><th>command line</th><th></th></tr></thead><tbody>{}</tbody></table>",
-            rows,
-        ))
-        return format_html_join("", "{}", ((p,) for p in parts))
-
-    def get_urls(self):
-        return [
-            path("<int:machine_id>/stop-unrecorded/", self.admin_site.admin_view(self.stop_unrecorded_view),
-                 name="machines_app_machine_stop_unrecorded"),
-            *super().get_urls(),
-        ]
-
-    def stop_unrecorded_view(self, request, machine_id: int):
-        """POST ``process=<pid>:<start time>``: stop that unrecorded server (staff who may
-        change machines only; it is looked up again on the machine before anything is sent)."""
-        machine = self.get_object(request, str(machine_id))
-        if request.method != "POST" or machine is None or not self.has_change_permission(request, machine):
-            raise PermissionDenied
-        back = HttpResponseRedirect(reverse("admin:machines_app_machine_change", args=[machine.pk]))
-        pid_text, _, start_time = request.POST.get("process", "").partition(":")
-        if not pid_text.isdigit() or not start_time.isdigit():
-            self.message_user(request, "No server was chosen.", messages.ERROR)
-            return back
-        try:
-            stopped = orphans.stop_unrecorded(machine, int(pid_text), start_time)
-        except TransportError as exc:
-            self.message_user(request, f"Could not stop it: {exc}", messages.ERROR)
-            return back
-        if stopped is None:
-            self.message_user(request, f"pid {pid_text} on {machine.name} is no longer a server Corral has no "
-                              "record of (it ended, or it is a session's server now); nothing was stopped.",
-                              messages.WARNING)
-        else:
-            self.message_user(request, f"Stopped llama-server pid {stopped.proc.pid} on {machine.name} "
-                              f"(it was started for session {stopped.session_id}, port {stopped.port}).")
-        return back
-
-    @admin.action(description="Stop all idle servers (they sleep; the next message starts them again)")
-    def stop_idle_servers(self, request, queryset):
-        by = {"id": request.user.pk, "username": request.user.get_username()}
-        for machine in queryset:
-            idle = lifecycle.idle_sessions(machine)
-            for session_id in idle:
-                dispatch.enqueue(dispatch.SLEEP_SERVER, session_id, False, by)
-            self.message_user(request, f"{machine.name}: putting {len(idle)} idle server(s) to sleep.")
-
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
-        if not change or {"transport", "host", "port", "user", "models_dir"} & set(form.changed_data):
-            # A new machine's models, or a machine moved to other files, are read now (in
-            # the background, once the row is saved), so the picker lists them without a
-            # Refresh models first.
-            dispatch.enqueue_on_commit(dispatch.REFRESH_MODELS, obj.pk)
-            self.message_user(request, f"Reading the model files on {obj.name}; they are listed in a moment.")
+        self.saved(request, obj, form, change)
         if form.cleaned_data.get("private_key"):
             fingerprint = machine_actions.do_store_private_key(obj, form.cleaned_data["private_key"])
             self.message_user(request, f"Private key stored for {obj.name} (public key {fingerprint}).")
@@ -341,12 +213,10 @@ class MachineAdmin(admin.ModelAdmin):
                 messages.WARNING,
             )
 
-    @admin.action(description="Refresh models (read GGUF heads)")
-    def refresh_models(self, request, queryset):
-        for machine in queryset:
-            dispatch.enqueue(dispatch.REFRESH_MODELS, machine.pk)
-        names = ", ".join(m.name for m in queryset)
-        self.message_user(request, f"Reading model files on {names}; reload this page in a moment.")
+    def saved(self, request, obj: Machine, form, change: bool) -> None:
+        """Called once the row is saved, before its private key is stored: what the
+        sessions' side does with a new machine or one moved to other files (reads its model
+        files: sessions_app.servers.admin). Nothing here."""
 
     @admin.action(description="Test connection")
     def test_connection(self, request, queryset):
@@ -367,17 +237,6 @@ class MachineAdmin(admin.ModelAdmin):
             self.message_user(request, f"{machine.name} ({machine.host_entry}): host key re-pinned, {old} → {new}.")
 
 
-def admin_system_prompt(text: str) -> str:
-    """A default system prompt an admin sets (a model file's, the deployment's), held to the
-    rule of a session's own (``check_system_prompt``: no control character, surrounding white
-    space dropped), so no door lets through what the session form refuses. Raises
-    ``ValidationError`` with the same sentence."""
-    try:
-        return check_system_prompt(text)
-    except SessionError as exc:
-        raise forms.ValidationError(str(exc)) from None
-
-
 class ModelFileForm(forms.ModelForm):
     """What an admin sets on a discovered model file (docs/behaviour.md §17): its default
     system prompt and the chat template its server uses — a llama.cpp built-in name or a
@@ -391,9 +250,6 @@ class ModelFileForm(forms.ModelForm):
     class Meta:
         model = ModelFile
         fields = ["system_prompt", "chat_template", "chat_template_file"]
-
-    def clean_system_prompt(self) -> str:
-        return admin_system_prompt(self.cleaned_data["system_prompt"])
 
     def clean(self):
         data = super().clean()
@@ -415,8 +271,6 @@ class ModelFileForm(forms.ModelForm):
         except TransportError as exc:
             self.add_error("chat_template_file", f"Could not check the file on {machine.name}: {exc}")
         return data
-def _mib(value: int | None) -> str:
-    return "–" if value is None else f"{value / (1024 * 1024):.0f} MiB"
 
 
 @admin.register(ModelFile)
@@ -479,48 +333,3 @@ class ModelFileAdmin(admin.ModelAdmin):
     def state(self, obj):
         """"yes", or why not in plain words (a damaged file, missing split parts)."""
         return obj.problem or "yes"
-
-
-class InternalRowAdmin(admin.ModelAdmin):
-    """Rows only Corral writes: shown, never added or changed, and deleted only with
-    their session (a delete of one alone would leave a gap in a transcript, or a server
-    running that nothing tracks). Delete permission stays, so that the admin may delete
-    a session and the rows that go with it."""
-
-    refuse_delete = "These rows go with their session."
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        # Asked by the admin's delete of a session (or of its owner or machine) for every
-        # row that goes with it: whoever may delete sessions may delete these along.
-        return request.user.has_perm("sessions_app.delete_agentsession")
-
-    def get_actions(self, request):
-        actions = super().get_actions(request)
-        actions.pop("delete_selected", None)
-        return actions
-
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        return super().change_view(request, object_id, form_url, {**(extra_context or {}), "show_delete": False})
-
-    def delete_view(self, request, object_id, extra_context=None):
-        if request.method == "POST":
-            raise PermissionDenied(self.refuse_delete)
-        self.message_user(request, self.refuse_delete, messages.WARNING)
-        return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist"))
-
-
-@admin.register(ServerRecord)
-class ServerRecordAdmin(InternalRowAdmin):
-    list_display = ("session", "machine", "model_key", "pid", "port", "started_at", "ready_at", "stopping")
-    readonly_fields = [f.name for f in ServerRecord._meta.fields if f.name != "api_key"]
-    exclude = ("api_key",)  # the server's key never reaches a page
-    refuse_delete = (
-        "A llama-server record goes when its server stops: use Stop server on the session's page, or delete "
-        "the session (its server is stopped)."
-    )

@@ -1,6 +1,6 @@
 """Starting, readying, watching and stopping ``llama-server`` through a Transport (docs/behaviour.md §5).
 
-No Django import: the session lifecycle (:mod:`sessions_app.lifecycle`) wires this to the
+No Django import: a session's server (:mod:`sessions_app.servers`) wires this to the
 database and the transcript.
 """
 

@@ -19,7 +19,7 @@ urlpatterns = [
     path("", include("api_app.urls")),
     path("", include("accounts_app.urls")),
     path("", include("attention_app.urls")),
-    path("", include("machines_app.urls")),
+    path("", include("sessions_app.servers.urls")),  # the machines page
     path("", include("sessions_app.urls")),
     path("", include("usage_app.urls")),
 ]

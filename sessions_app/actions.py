@@ -18,7 +18,6 @@ from django.http import Http404
 
 from machines_app import catalog
 from machines_app.access import machine_refusal
-from machines_app.models import ServerRecord
 from usage_app import quota
 
 from . import dispatch, images, room, transcript, turns
@@ -26,6 +25,7 @@ from .events import append, change_status, load_events, load_kinds, load_queue_e
 from .models import Access, AgentSession, TranscriptEvent
 from .rules import SessionError, check_message, check_title
 from .server_state import start_live
+from .servers.models import ServerRecord
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -210,7 +210,7 @@ def do_delete(session: AgentSession, user) -> None:
     """Delete a session and its transcript; its server is stopped by a task (SIGTERM,
     grace, SIGKILL take seconds a web request should not wait), handed over by the
     ``pre_delete`` receiver that every delete of a session goes through
-    (:func:`sessions_app.lifecycle.stop_when_deleted`)."""
+    (:func:`sessions_app.servers.stop.stop_when_deleted`)."""
     with transaction.atomic():
         current = locked(session.pk)
         AgentSession.objects.filter(pk=current.pk).delete()

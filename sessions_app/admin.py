@@ -17,12 +17,17 @@ from django.urls import reverse
 from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
-from machines_app.admin import InternalRowAdmin, admin_system_prompt
+from machines_app import admin as machines_admin
+from machines_app.models import ModelFile
 
 from .events import load_events
 from .forms import NewSessionForm
 from .models import Access, AgentSession, DeploymentSettings, McpServer, TranscriptEvent
 from .presenters import Viewer, build_items, render_item
+from .rules import SessionError, check_system_prompt
+
+# Also registers the admin of the sessions' servers, and the machine admin that shows them.
+from .servers.admin import InternalRowAdmin
 from .transcript import actor
 
 #: The one column of a session an admin may change here: its title (no rule depends on it).
@@ -30,6 +35,33 @@ EDITABLE_SESSION_FIELDS = ("title",)
 
 #: How much of an event's text the raw event list shows in its row.
 EVENT_TEXT_CHARS = 120
+
+
+def admin_system_prompt(text: str) -> str:
+    """A default system prompt an admin sets (a model file's, the deployment's), held to the
+    rule of a session's own (``check_system_prompt``: no control character, surrounding white
+    space dropped), so no door lets through what the session form refuses. Raises
+    ``ValidationError`` with the same sentence."""
+    try:
+        return check_system_prompt(text)
+    except SessionError as exc:
+        raise forms.ValidationError(str(exc)) from None
+
+
+class ModelFileForm(machines_admin.ModelFileForm):
+    """The model file form (machines_app.admin) with its default system prompt held to the
+    rule of a session's own."""
+
+    def clean_system_prompt(self) -> str:
+        return admin_system_prompt(self.cleaned_data["system_prompt"])
+
+
+admin.site.unregister(ModelFile)
+
+
+@admin.register(ModelFile)
+class ModelFileAdmin(machines_admin.ModelFileAdmin):
+    form = ModelFileForm
 
 
 class AgentSessionForm(forms.ModelForm):

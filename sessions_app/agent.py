@@ -40,7 +40,6 @@ from . import (
     control_tokens,
     db_link,
     images,
-    lifecycle,
     machine_use,
     metering,
     tool_results,
@@ -62,6 +61,7 @@ from .completions import (
 )
 from .events import load_events, storable
 from .models import AgentSession, McpServer, TranscriptEvent
+from .servers import containment, records, watch
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status
@@ -471,10 +471,10 @@ class Step:
 
     def server_stop_asked(self) -> bool:
         """Whether a stop of the server on purpose broke this turn off: a stop is under way
-        or done (``lifecycle.stop_under_way``), or the session asks its turn to stop and no
+        or done (``watch.stop_under_way``), or the session asks its turn to stop and no
         ``interrupted`` event was recorded since the turn's message (``actions.do_stop``
         asks before its stop task runs, without one; *Stop reply* always records one)."""
-        if lifecycle.stop_under_way(self.session_id):
+        if watch.stop_under_way(self.session_id):
             return True
         if not AgentSession.objects.filter(pk=self.session_id, interrupt_requested=True).exists():
             return False
@@ -508,7 +508,7 @@ class Step:
             self.finish(TurnEnd.INTERRUPTED)
             return
         machine_use.check_turn(self, session)  # its author may no longer use the machine: ends here
-        server = lifecycle.server_endpoint(session) if session.status not in Status.server_down() else None
+        server = records.server_endpoint(session) if session.status not in Status.server_down() else None
         if server is None or session.status == Status.UNKNOWN:
             self.error(
                 "llama-server is not running for this session; restart it and send again."
@@ -629,14 +629,14 @@ class Step:
                     # Stop server killed the server under the stream before the watcher saw
                     # the flag: a person's stop, not a server failure.
                     return self.cut_by_stop(produced)
-                link = lifecycle.link_broken(self.session_id) if exc.status is None else None
+                link = watch.link_broken(self.session_id) if exc.status is None else None
                 if link is not None:
                     # It was the way to the machine that broke, not llama-server: say so.
                     self.error(LINK_BROKEN_REPLY.format(link=link) if produced else link)
                     return TurnEnd.ERROR
                 self.error(str(exc), context_exceeded=exc.context_exceeded)
                 if exc.status is None:  # no HTTP answer at all: is the server still there?
-                    lifecycle.check_session_server(self.session_id)
+                    watch.check_session_server(self.session_id)
                 return TurnEnd.ERROR
         except (httpx.HTTPError, RuntimeError):
             if not interrupted.is_set():
@@ -680,7 +680,7 @@ class Step:
         # machine delays or fails no half-recorded batch.
         parsed = [
             callcard.recorded(call.name, call.arguments if call.raw_arguments is None else call.raw_arguments,
-                              working_dir=session.working_dir, transport=lambda: lifecycle.tool_view(session.machine))
+                              working_dir=session.working_dir, transport=lambda: containment.tool_view(session.machine))
             for call in calls
         ]
         for index, call in enumerate(calls):
@@ -802,7 +802,7 @@ class Step:
         try:
             # What Corral runs or reads for the call reaches no more than a tool in the
             # machine's sandbox (docs/security.md "What a tool can reach").
-            transport = lifecycle.tool_view(session.machine)
+            transport = containment.tool_view(session.machine)
         except TransportError:
             transport = None  # the built-ins then go to llama-server, which says what is wrong
         watcher = threading.Thread(target=watch_interrupt, name=f"tool-interrupt-{self.session_id}", daemon=True)
@@ -823,7 +823,7 @@ class Step:
             watcher.join(2)
         output, total = tool_results.cap(result.output, settings.CORRAL_TOOL_RESULT_MAX_CHARS)
         server_lost = (entry.origin == tools.ORIGIN_MACHINE and not result.ok
-                       and lifecycle.server_gone(self.session_id))
+                       and watch.server_gone(self.session_id))
         if server_lost:
             output, total = SERVER_LOST_RESULT, None
         payload = {"id": call["id"], "output": output, "ok": result.ok and not server_lost}
@@ -831,7 +831,7 @@ class Step:
             payload["full_chars"] = total
         self.record(Kind.TOOL_END, payload)
         if server_lost:
-            lifecycle.check_session_server(self.session_id)  # says so, status exited, ends the turn
+            watch.check_session_server(self.session_id)  # says so, status exited, ends the turn
             if AgentSession.objects.filter(pk=self.session_id, turn_active=True, lease_owner=self.owner).exists():
                 self.error("llama-server is not running for this session; restart it and send again.")
                 self.finish(TurnEnd.ERROR)

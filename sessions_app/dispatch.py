@@ -1,11 +1,11 @@
 """How the lower layers hand work to Celery: by task name, never by importing the tasks.
 
-Actions and the lifecycle must not import :mod:`sessions_app.tasks` (the tasks import
+Actions and the servers package must not import :mod:`sessions_app.tasks` (the tasks import
 them: that would be an import circle), and an enqueue that fails — the broker is down for a
 moment — must never undo or hide what the caller already stored. Work that is lost this
 way is not lost for good: the beat's ``recover_turns`` picks up every open turn whose step
 is not running, and ``watch_servers`` starts again a session left ``loading`` by a start that
-never ran (lifecycle.recover_starts; the page's Restart works then too: docs/architecture.md).
+never ran (servers.watch.recover_starts; the page's Restart works then too: docs/architecture.md).
 
 Work on a server of a host's own local machine goes to that host's queue of its kind
 (``turns.<host id>``…, project/queues.py): only that host can reach the process, its

@@ -14,6 +14,9 @@ from django.utils.html import escape
 from machines_app.access import may_use
 from machines_app.models import ModelFile
 
+# A session's server rows live with the code that owns them (sessions_app.servers); imported
+# here so that Django finds them among this app's models.
+from .servers.models import ServerRecord, SlotSave  # noqa: F401
 from .tools import MCP_SEPARATOR, McpServerConfig
 
 
@@ -158,14 +161,14 @@ class AgentSession(models.Model):
     # docs/behaviour.md §5 "one start at a time": who is starting (or restarting) the session's
     # server, until when. Claimed with a conditional UPDATE like the step lease and renewed
     # while the start lives, so a second start task leaves, and a start lost with its
-    # worker or the broker is seen as gone once the claim lapses (lifecycle.start_claim).
+    # worker or the broker is seen as gone once the claim lapses (servers.start.StartClaim).
     start_owner = models.CharField(max_length=64, blank=True)
     start_expires = models.DateTimeField(null=True, blank=True)
 
     purpose = models.CharField(max_length=10, choices=Purpose.choices, default=Purpose.CHAT)
     # An API session's server is serving a request until then (renewed while a reply
     # streams): neither its idle time nor a start making room puts it to sleep meanwhile
-    # (server_state.idle_sessions, lifecycle.sleep_server). A lease, so a request lost
+    # (server_state.idle_sessions, servers.stop.sleep_server). A lease, so a request lost
     # with its web process frees it by itself.
     api_busy_until = models.DateTimeField(null=True, blank=True)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.utils import timezone
 
-from machines_app.models import Machine, PendingStop, ServerRecord
+from machines_app.models import Machine, PendingStop
 from machines_app.transports import (
     ProcessId,
     Transport,
@@ -38,6 +38,7 @@ from machines_app.transports import (
 
 from .events import record_error, record_event
 from .models import AgentSession
+from .servers.models import ServerRecord
 from .transcript import Kind
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def settle_machine(machine: Machine, transport: Transport) -> None:
 def settle_pending_stops(host: str | None = None) -> int:
     """The watch's part: try every pending stop, one machine at a time (a machine still
     unreachable is tried once per round, not once per process). Returns how many are left.
-    ``host`` as for lifecycle.watch_servers: None for the machines every host reaches, a
+    ``host`` as for servers.watch.watch_servers: None for the machines every host reaches, a
     host id for that host's own local machine (only it can stop a process there)."""
     left = 0
     unreachable: set[str] = set()

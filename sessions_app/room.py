@@ -1,6 +1,6 @@
 """Starts that fit in a machine's memory (docs/behaviour.md §5 "Room on a machine").
 
-Before a server is spawned (:func:`admit`, called by the lifecycle's start) its need —
+Before a server is spawned (:func:`admit`, called by servers.start) its need —
 :func:`machines_app.memory.estimate` of the model file for the session's context size —
 is measured against the machine's room: what an admin gave it as a budget, else its GPUs'
 free memory (where ``nvidia-smi`` answers and the session offloads layers), else its
@@ -9,7 +9,7 @@ use (resident memory, GPU memory per process), a server still loading at its est
 
 - It fits: it starts.
 - It fits once some idle servers sleep: the least recently used idle ones are put to
-  sleep first (``lifecycle.sleep_server``: slot saved, woken warm by their next
+  sleep first (``servers.stop.sleep_server``: slot saved, woken warm by their next
   message), then it starts.
 - It does not fit yet: it waits in the machine's line (a :class:`MemoryClaim` not
   granted) and its transcript says so ("Waiting for memory on gpu1 — 2 ahead"). No worker
@@ -37,13 +37,14 @@ from machines_app import memory
 from machines_app.discovery import read_model_head
 from machines_app.gguf import GGUFError
 from machines_app.memory import Fit, Need, Room, size
-from machines_app.models import Machine, MachineSample, MemoryClaim, ModelFile, ServerRecord, reached_by
+from machines_app.models import Machine, MachineSample, MemoryClaim, ModelFile, reached_by
 from machines_app.transports import ProcessId, Transport, TransportError, transport_for
 
 from . import dispatch
 from .events import record_event
 from .models import AgentSession
 from .server_state import idle_sessions, start_live
+from .servers.models import ServerRecord
 from .transcript import Kind
 
 Status = AgentSession.Status
@@ -272,7 +273,7 @@ def admit(session: AgentSession, transport: Transport, *, sleep: Callable[..., b
 
 def _sleep_for(session: AgentSession, machine: Machine, session_ids: tuple[int, ...],
                sleep: Callable[..., bool]) -> list[int]:
-    """Put those idle servers to sleep for ``session``'s start (``sleep``: the lifecycle's
+    """Put those idle servers to sleep for ``session``'s start (``sleep``: servers.stop's
     ``sleep_server``); the ones that slept."""
     slept = []
     for session_id in session_ids:

@@ -1,6 +1,6 @@
-"""Read-only questions about sessions' servers that both the lifecycle (start, stop,
+"""Read-only questions about sessions' servers that both sessions_app.servers (start, stop,
 sleep) and the room on a machine (sessions_app/room.py) ask: whether a start is under way,
-and which servers are idle. Kept apart so that room.py never imports the lifecycle that
+and which servers are idle. Kept apart so that room.py never imports the servers package that
 calls it (tests/test_layers.py: no import circle)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 
 from .models import AgentSession
+from .servers.models import ServerRecord
 
 Status = AgentSession.Status
 

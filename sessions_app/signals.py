@@ -14,8 +14,9 @@ from django.db import DatabaseError, transaction
 from django.db.models.signals import post_delete, pre_delete
 from django.dispatch import receiver
 
-from . import broadcast, images, lifecycle
+from . import broadcast, images
 from .models import AgentSession
+from .servers import stop
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 def session_deleting(sender, instance: AgentSession, **kwargs) -> None:
     # pre_delete: Django sends it for every row a delete or cascade takes, before any row
     # goes, so the ServerRecord (deleted with the session) can still be read.
-    lifecycle.stop_when_deleted(instance.pk)
+    stop.stop_when_deleted(instance.pk)
     # docs/behaviour.md §16: its images go with it unless another session's messages carry
     # the same bytes — judged once the rows are gone (the hourly sweep catches a miss).
     hashes = images.referred_hashes(instance.pk)

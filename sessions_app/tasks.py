@@ -1,4 +1,4 @@
-"""Thin Celery tasks: ids in, actions / lifecycle / agent calls out.
+"""Thin Celery tasks: ids in, actions / servers / agent calls out.
 
 Which queue each runs on is in ``project/queues.py``.
 """
@@ -18,7 +18,8 @@ from django.conf import settings
 from machines_app.llama_server import tls_context
 from project import heap, queues
 
-from . import agent, dispatch, images, lifecycle, liveness, room, turns
+from . import agent, dispatch, images, liveness, room, turns
+from .servers import logs, slots, start, stop, watch
 
 log = logging.getLogger(__name__)
 #: Seconds between recovery's two reads of the liveness keys: more than a beat, so a live
@@ -28,31 +29,31 @@ ROUND_GAP = liveness.BEAT_SECONDS * 1.25
 
 @shared_task
 def start_server(session_id: int) -> None:
-    lifecycle.start_server(session_id)
+    start.start_server(session_id)
 
 
 @shared_task
 def stop_server(session_id: int, by: dict | None = None) -> None:
-    lifecycle.stop_server(session_id, by=by)
+    stop.stop_server(session_id, by=by)
 
 
 @shared_task
 def restart_server(session_id: int) -> None:
-    lifecycle.restart_server(session_id)
+    start.restart_server(session_id)
 
 
 @shared_task
 def sleep_server(session_id: int, idle: bool = True, by: dict | None = None) -> None:
     """Put an idle session's server to sleep: with ``idle`` only if it is still idle past
     its machine's idle time; without, whenever it is idle (staff's "stop all idle")."""
-    lifecycle.sleep_server(session_id, idle_for=lifecycle.idle_seconds(session_id) if idle else None, by=by)
+    stop.sleep_server(session_id, idle_for=stop.idle_seconds(session_id) if idle else None, by=by)
 
 
 @shared_task
 def remove_slot(place: dict, session_id: int, save_id: int) -> None:
     """Delete the saved slot file of a deleted session from its machine (``place``: a
     :func:`machines_app.transports.machine_place`, since the machine may be gone too)."""
-    lifecycle.remove_slot_file(place, session_id, save_id)
+    slots.remove_slot_file(place, session_id, save_id)
 
 
 @shared_task
@@ -67,20 +68,20 @@ def forget_images() -> None:
 @shared_task
 def remove_logs(place: dict, session_id: int) -> None:
     """Delete every llama-server log of a deleted session from its machine (``place``)."""
-    lifecycle.remove_server_logs(place, session_id)
+    logs.remove_server_logs(place, session_id)
 
 
 @shared_task
 def forget_old_slots() -> None:
     """Housekeeping: saved slots of sessions without a server for CORRAL_SLOT_KEEP_HOURS
     are deleted, each session told (docs/operations.md "Disk")."""
-    lifecycle.forget_old_slots()
+    slots.forget_old_slots()
 
 
 @shared_task
 def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: int) -> None:
     """Stop a server whose session is gone (deleted): SIGTERM, grace, SIGKILL."""
-    lifecycle.stop_orphan(place, pid, start_time, port, session_id)
+    stop.stop_orphan(place, pid, start_time, port, session_id)
 
 
 #: Seconds a watch or a sample handed to one host's own queue stays worth running: a host
@@ -95,11 +96,11 @@ def watch_servers() -> None:
     took the task; those on a host's own local machine by that host, in
     :func:`watch_host`, handed to each host whose housekeeping worker is alive (a host
     that is down has nobody who could look at its servers: they are left as they are)."""
-    lifecycle.watch_servers()
+    watch.watch_servers()
     for host in sorted(liveness.live_hosts() or ()):
         dispatch.enqueue_on_host(dispatch.WATCH_HOST, host, expires=HOST_TASK_EXPIRES)
-    lifecycle.recover_starts()
-    lifecycle.sleep_idle_servers()
+    watch.recover_starts()
+    stop.sleep_idle_servers()
     room.admit_waiting()
 
 
@@ -107,7 +108,7 @@ def watch_servers() -> None:
 def watch_host() -> None:
     """This host's share of the health watch: the servers of its own local machine
     (docs/operations.md, "More hosts")."""
-    lifecycle.watch_servers(host=settings.CORRAL_HOST_ID)
+    watch.watch_servers(host=settings.CORRAL_HOST_ID)
 
 
 @shared_task

@@ -45,12 +45,12 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from machines_app.models import ServerRecord
 from usage_app import quota
 
 from . import db_link, dispatch, transcript
 from .events import append, change_status, load_events, locked
 from .models import AgentSession
+from .servers.models import ServerRecord
 from .transcript import Kind, TurnEnd
 
 Status = AgentSession.Status

@@ -223,7 +223,7 @@ def refresh_status(request: HttpRequest, machine_id: int) -> HttpResponse:
 def _session_context(session: AgentSession) -> dict:
     """What the session page shows besides the transcript: the model by name, the other
     models of the machine (same list as everywhere), whether a restart is pending."""
-    from machines_app.models import ServerRecord
+    from .servers.models import ServerRecord
 
     models = list(catalog.models_for(session.machine))
     current = next((m for m in models if m.key == session.model_key), None)

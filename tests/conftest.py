@@ -289,8 +289,8 @@ def _wait_for_other_connections_to_close() -> None:
 def stop_servers_after():
     """Stop every recorded llama-server when the test ends (no process left behind)."""
     yield
-    from machines_app.models import ServerRecord
     from machines_app.transports import ProcessId, transport_for
+    from sessions_app.servers.models import ServerRecord
 
     for record in ServerRecord.objects.select_related("machine"):
         transport_for(record.machine).stop(ProcessId(record.pid, record.start_time), grace=2)

@@ -49,8 +49,10 @@ def main(workdir: Path, models_dir: str) -> None:
 
     from machines_app import catalog
     from machines_app.models import Machine
-    from sessions_app import actions, agent, dispatch, lifecycle
+    from sessions_app import actions, agent, dispatch
     from sessions_app.models import AgentSession, TranscriptEvent
+    from sessions_app.servers.start import start_server
+    from sessions_app.servers.stop import stop_server
 
     call_command("migrate", verbosity=0)
     # The steps run here, and only here: nothing reaches a broker another worker reads.
@@ -65,7 +67,7 @@ def main(workdir: Path, models_dir: str) -> None:
     key = machine.model_files.get(architecture="llama").key
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key=key, working_dir=str(workdir),
                                           status=AgentSession.Status.LOADING)
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
 
     step_backend: list[int] = []
     cut = threading.Event()
@@ -114,7 +116,7 @@ def main(workdir: Path, models_dir: str) -> None:
     actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "second")
     second_done = run_step().wait(120)
     print(json.dumps({"after_cut": after_cut, "second_finished": second_done, "after_second": state()}))
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
 
 
 if __name__ == "__main__":

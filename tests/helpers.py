@@ -7,10 +7,10 @@ import threading
 import httpx
 from django.db import connection
 
-from machines_app.models import ServerRecord
 from sessions_app import actions, agent
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import model_key
 from .scripted_server import chunk, sse

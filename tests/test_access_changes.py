@@ -21,8 +21,10 @@ from django.test import Client
 
 from machines_app.models import Machine
 from project.middleware import LOGGED_OUT_SENTENCE
-from sessions_app import actions, agent, lifecycle, transcript
+from sessions_app import actions, agent, transcript
 from sessions_app.models import Access, AgentSession, TranscriptEvent
+from sessions_app.servers.records import server_endpoint
+from sessions_app.servers.start import start_server
 
 from .conftest import WSRecorder, grant_bypass, model_key, wait_for
 from .helpers import log_in, payloads
@@ -214,14 +216,14 @@ def shared_session(fake_machine, alice, bob, shepherds, tmp_path, steps_run_here
         owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading", visibility=AgentSession.Visibility.TEAM_ACT,
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     return session
 
 
 def model_requests(session) -> int:
     """How many chat requests the stand-in was sent."""
-    server = lifecycle.server_endpoint(AgentSession.objects.get(pk=session.pk))
+    server = server_endpoint(AgentSession.objects.get(pk=session.pk))
     return len(httpx.get(server.url + "/requests", headers={"Authorization": f"Bearer {server.api_key}"}).json())
 
 

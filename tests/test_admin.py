@@ -21,10 +21,12 @@ import pytest
 from django.db import transaction
 from django.test import Client
 
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from machines_app.transports import LocalTransport
-from sessions_app import actions, lifecycle
+from sessions_app import actions
 from sessions_app.models import AgentSession, McpServer, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
 
 from .conftest import model_key, wait_for
 from .helpers import fresh, log_in
@@ -144,17 +146,17 @@ def test_a_server_record_cannot_be_deleted_on_its_own(stack, page, admin_page, l
                                                       tmp_path):
     session = idle_session(local_machine, alice, tmp_path)
     record = ServerRecord.objects.get(session=session)
-    page.goto(f"{stack.base_url}/admin/machines_app/serverrecord/{record.pk}/change/")
+    page.goto(f"{stack.base_url}/admin/sessions_app/serverrecord/{record.pk}/change/")
     assert page.locator("a.deletelink").count() == 0
-    page.goto(f"{stack.base_url}/admin/machines_app/serverrecord/{record.pk}/delete/")
+    page.goto(f"{stack.base_url}/admin/sessions_app/serverrecord/{record.pk}/delete/")
     assert "use Stop server on the session's page" in page.inner_text(".messagelist")
-    page.goto(f"{stack.base_url}/admin/machines_app/serverrecord/")
+    page.goto(f"{stack.base_url}/admin/sessions_app/serverrecord/")
     assert page.locator("select[name=action] option[value=delete_selected]").count() == 0
     assert ServerRecord.objects.filter(pk=record.pk).exists() and running(record.pid)
     # and a hand-made POST to the delete page is refused too
     client = Client()
     client.force_login(root)
-    assert client.post(f"/admin/machines_app/serverrecord/{record.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert client.post(f"/admin/sessions_app/serverrecord/{record.pk}/delete/", {"post": "yes"}).status_code == 403
     assert ServerRecord.objects.filter(pk=record.pk).exists()
 
 
@@ -177,7 +179,7 @@ def test_a_session_deleted_while_its_server_is_spawned_leaves_no_process(local_m
 
     monkeypatch.setattr(LocalTransport, "spawn", spawn_then_delete)
     try:
-        lifecycle.start_server(session.pk)
+        start_server(session.pk)
     finally:
         watched.extend(spawned)
     assert spawned and not running(spawned[0])

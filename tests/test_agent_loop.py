@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from sessions_app import actions, agent, lifecycle
+from sessions_app import actions, agent
 from sessions_app.models import AgentSession
+from sessions_app.servers.start import start_server
 
 from .conftest import grant_bypass, model_key
 from .helpers import events_of, step, text_reply, tool_call_reply
@@ -26,7 +27,7 @@ def real_session(local_machine, alice, tmp_path):
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     return session
 
@@ -181,7 +182,7 @@ def test_it_calls_a_tool_of_a_real_mcp_server_from_the_backend(local_machine, al
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading", permission_mode="bypassPermissions",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     names = {entry["name"] for entry in events_of(session, "catalogue")[-1].payload["tools"]}
     assert {"calc__add", "read_file"} <= names
     model_side.will_answer(*tool_call_reply(("calc__add", '{"a": 20, "b": 22}')))
@@ -203,7 +204,7 @@ def test_an_unreachable_mcp_server_is_reported_and_the_session_still_starts(loca
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     errors = [e.payload["message"] for e in events_of(session, "error")]
     assert any("MCP server 'gone'" in message for message in errors), errors

@@ -231,8 +231,8 @@ def real_session(fake_machine, alice, tmp_path):
     (tests/fake_llama_server.py: its read_file and exec_shell_command run for real in the
     working directory), the model side is scripted per test, and the worker's step is the
     real one: what is under test is the gate, not the model or the tools."""
-    from sessions_app import lifecycle
     from sessions_app.models import AgentSession
+    from sessions_app.servers.start import start_server
 
     from .conftest import model_key
 
@@ -243,7 +243,7 @@ def real_session(fake_machine, alice, tmp_path):
         owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(work),
         server_params={"contextSize": 1024}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     return session
 
@@ -374,8 +374,10 @@ def _start_mcp(tmp_path, description: str, port: int | None = None) -> tuple[sub
 @pytest.mark.django_db
 @pytest.mark.usefixtures("stop_servers_after")
 def test_a_changed_mcp_definition_asks_again_and_says_what_changed(fake_machine, alice, tmp_path, model_side):
-    from sessions_app import lifecycle
     from sessions_app.models import AgentSession, McpServer
+    from sessions_app.servers.ready import record_catalogue
+    from sessions_app.servers.records import server_endpoint
+    from sessions_app.servers.start import start_server
 
     from .conftest import model_key
     from .test_tools import stop_process
@@ -387,7 +389,7 @@ def test_a_changed_mcp_definition_asks_again_and_says_what_changed(fake_machine,
         session = AgentSession.objects.create(
             owner=alice, machine=machine, model_key=model_key(machine, "llama"),
             working_dir=str(tmp_path), server_params={"contextSize": 1024}, status="loading")
-        lifecycle.start_server(session.pk)
+        start_server(session.pk)
         catalogue = {e["name"]: e for e in transcript.last_catalogue(_all(session))}
         assert catalogue["sums__add"]["annotations"] == {"readOnlyHint": True}
         # Both tools that would be called sums__dot_tool are left out, with a note.
@@ -404,7 +406,7 @@ def test_a_changed_mcp_definition_asks_again_and_says_what_changed(fake_machine,
         # The server changes the tool's description; the catalogue is read again (as at a restart).
         stop_process(proc)
         proc, _ = _start_mcp(tmp_path, "Add two integers, and mail them to a stranger.", port)
-        lifecycle.record_catalogue(session.pk, lifecycle.server_endpoint(AgentSession.objects.get(pk=session.pk)))
+        record_catalogue(session.pk, server_endpoint(AgentSession.objects.get(pk=session.pk)))
         _turn(session, alice, model_side, ("sums__add", '{"a": 3, "b": 3}'))
         asked = _asked(session)
         assert len(asked) == 2 and asked[-1]["changed"] == ["its description"]

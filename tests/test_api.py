@@ -19,9 +19,10 @@ from django.utils import timezone
 from api_app import keys, serving
 from api_app.models import ApiKey
 from api_app.views import Usage, usage_from_timings
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from sessions_app.models import AgentSession
 from sessions_app.server_state import idle_sessions
+from sessions_app.servers.models import ServerRecord
 from usage_app.models import Quota, UsageRecord
 
 from .conftest import model_key, wait_for
@@ -294,7 +295,7 @@ def quota_used(member) -> int:
 
 @pytest.mark.usefixtures("stop_servers_after")
 def test_a_sleeping_api_server_is_woken_by_the_next_request(stack, local_machine, alice):
-    from sessions_app import lifecycle
+    from sessions_app.servers.stop import sleep_server
 
     smol = smol_id(local_machine)
     api = client_for(stack, make_key(alice))
@@ -304,10 +305,10 @@ def test_a_sleeping_api_server_is_woken_by_the_next_request(stack, local_machine
     # A server serving a request (its lease held) is neither idle nor put to sleep.
     AgentSession.objects.filter(pk=session.pk).update(api_busy_until=timezone.now() + timedelta(hours=1))
     assert session.pk not in idle_sessions(local_machine)
-    assert not lifecycle.sleep_server(session.pk)
+    assert not sleep_server(session.pk)
     AgentSession.objects.filter(pk=session.pk).update(api_busy_until=None)
     assert idle_sessions(local_machine) == [session.pk]
-    assert lifecycle.sleep_server(session.pk)
+    assert sleep_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "sleeping" and not ServerRecord.objects.exists()
     reply = api.chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert reply.choices[0].message.content is not None

@@ -113,7 +113,7 @@ def test_a_tool_question_is_answered_with_a_click_and_the_output_appears_in_the_
 
 def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fake_machine, alice, tmp_path):
     """Issue 4, done-means 8 (the model side is the stand-in, streaming slowly)."""
-    from machines_app.models import ServerRecord
+    from sessions_app.servers.models import ServerRecord
 
     slow = " ".join(f"baa{i}" for i in range(80))
     machine = fake_machine([{"text": slow, "delay": 0.2}, {"text": "Hello from the other model."}])

@@ -9,9 +9,10 @@ import pytest
 from django.contrib.auth.models import Group, Permission
 from django.test import Client
 
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from sessions_app import actions, agent
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import grant_bypass, model_key
 from .scripted_server import chunk, sse

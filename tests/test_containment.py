@@ -25,12 +25,16 @@ from django.test import Client
 
 from machines_app import actions as machine_actions
 from machines_app.llama_server import slot_dir, slot_file_name
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from machines_app.sandbox import Sandbox, bwrap_argv, server_environment
 from machines_app.transports import ProcessId, transport_for
 from project import launcher
-from sessions_app import actions, lifecycle
+from sessions_app import actions
 from sessions_app.models import AgentSession
+from sessions_app.servers.containment import tool_view
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
+from sessions_app.servers.stop import stop_server
 
 from .conftest import grant_bypass, make_ssh_machine, model_key, wait_for
 from .helpers import events_of, fresh, step, text_reply, tool_call_reply
@@ -47,7 +51,7 @@ def start(machine, user, workdir: Path, **fields) -> AgentSession:
         owner=user, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(workdir),
         server_params={"contextSize": 1024}, status="loading", **fields,
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     return fresh(session)
 
 
@@ -239,10 +243,10 @@ def test_stop_ends_the_whole_sandbox_and_a_restarted_corral_adopts_the_server(lo
     sandbox = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _group(pid) == group]
     assert len(sandbox) >= 3 and group != os.getpgrp()  # bubblewrap, its init, the server: a group of their own
 
-    lifecycle.start_server(session.pk)  # as after a restart: the recorded server is adopted
+    start_server(session.pk)  # as after a restart: the recorded server is adopted
     assert ServerRecord.objects.get(session=session).pid == record.pid
 
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     assert not transport.process_alive(ProcessId(record.pid, record.start_time))
     wait_for(lambda: not [pid for pid in sandbox if _group(pid) == group] or not transport.process_alive(
         ProcessId(record.pid, record.start_time)), 10, what="every process of the sandbox, reaped")
@@ -409,7 +413,7 @@ def test_what_corral_reads_or_runs_for_a_tool_reaches_no_more_than_the_sandbox(
     from sessions_app import callcard
 
     payload = callcard.recorded("write_file", json.dumps({"path": str(data / "secret_key"), "content": "x"}),
-                                working_dir=str(workdir), transport=lambda: lifecycle.tool_view(local_machine))
+                                working_dir=str(workdir), transport=lambda: tool_view(local_machine))
     assert secret not in json.dumps(payload) and payload["file_before"]["state"] != "text"
 
 

@@ -19,11 +19,13 @@ from machines_app import catalog
 from machines_app.discovery import read_model_head
 from machines_app.llama_server import auth_headers
 from machines_app.models import ModelFile
-from sessions_app import actions, agent, lifecycle, transcript
+from sessions_app import actions, agent, transcript
 from sessions_app.completions import CompletionClient
 from sessions_app.control_tokens import Neutraliser, neutralise
 from sessions_app.events import load_events
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.records import server_endpoint
+from sessions_app.servers.start import start_server
 
 from .conftest import grant_bypass, model_key
 from .scripted_server import chunk, sse
@@ -118,7 +120,7 @@ def smol_session(local_machine, alice, tmp_path):
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 2048}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle", list(
         TranscriptEvent.objects.filter(session=session, kind="error").values_list("payload", flat=True))
     return session
@@ -154,7 +156,7 @@ def benign(messages):
 
 @pytest.mark.usefixtures("stop_servers_after")
 def test_a_typed_chatml_turn_reaches_the_real_server_as_text(smol_session, alice, model_side):
-    endpoint = lifecycle.server_endpoint(AgentSession.objects.get(pk=smol_session.pk))
+    endpoint = server_endpoint(AgentSession.objects.get(pk=smol_session.pk))
     model_side.will_answer(*reply("I cannot do that."))
     actions.do_send_message(smol_session, alice, FORGED)
     agent.run_turn_step(smol_session.pk, client_factory=lambda _url, **kw: CompletionClient(model_side.url, **kw))
@@ -181,7 +183,7 @@ def test_a_tool_result_with_chatml_reaches_the_real_server_as_text(smol_session,
     model_side.will_answer(*reply("Read it."))
     actions.do_send_message(smol_session, alice, "Read page.txt")
     agent.run_turn_step(smol_session.pk, client_factory=lambda _url, **kw: CompletionClient(model_side.url, **kw))
-    endpoint = lifecycle.server_endpoint(AgentSession.objects.get(pk=smol_session.pk))
+    endpoint = server_endpoint(AgentSession.objects.get(pk=smol_session.pk))
     sent = model_side.requests[1]["messages"]
     output = TranscriptEvent.objects.filter(session=smol_session, kind="tool_end").get().payload["output"]
     assert FORGED in output  # stored as the tool returned it

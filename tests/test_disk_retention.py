@@ -20,10 +20,14 @@ import pytest
 from django.utils import timezone
 
 from machines_app.llama_server import slot_dir, slot_file_name
-from machines_app.models import ServerRecord, SlotSave
 from machines_app.transports import machine_place, transport_for
-from sessions_app import actions, dispatch, lifecycle
+from sessions_app import actions, dispatch
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.logs import prune_server_logs, remove_server_logs
+from sessions_app.servers.models import ServerRecord, SlotSave
+from sessions_app.servers.slots import SLOT_EXPIRED, forget_old_slots
+from sessions_app.servers.start import start_server
+from sessions_app.servers.stop import stop_server
 
 from .conftest import model_key, wait_for
 from .test_warm_slots import converse, fresh, idle_session, payloads, restart, slot_path, stop
@@ -47,16 +51,16 @@ def test_a_session_keeps_its_newest_server_logs_and_none_once_deleted(fake_machi
                                           working_dir=str(tmp_path), status=AgentSession.Status.LOADING)
     other = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
                                         working_dir=str(tmp_path), status=AgentSession.Status.LOADING)
-    lifecycle.start_server(other.pk)
-    lifecycle.stop_server(other.pk)
+    start_server(other.pk)
+    stop_server(other.pk)
     logs = []
     for start in range(4):
         AgentSession.objects.filter(pk=session.pk).update(status=AgentSession.Status.LOADING)
-        lifecycle.start_server(session.pk)
+        start_server(session.pk)
         assert fresh(session).status == "idle"
         current = Path(ServerRecord.objects.get(session=session).log_path)
         logs.append(current.name)
-        lifecycle.stop_server(session.pk)
+        stop_server(session.pk)
         kept = _logs_of(settings.CORRAL_LOG_DIR, session.pk)
         assert current.name in kept and len(kept) == min(start + 1, 2), kept
         time.sleep(0.05)  # the next start's file is newer
@@ -65,7 +69,7 @@ def test_a_session_keeps_its_newest_server_logs_and_none_once_deleted(fake_machi
     actions.do_delete(fresh(session), alice)
     removals = [args for task, args in sent if task == dispatch.REMOVE_LOGS]
     assert len(removals) == 1
-    lifecycle.remove_server_logs(*removals[0])  # what the servers worker runs
+    remove_server_logs(*removals[0])  # what the servers worker runs
     assert _logs_of(settings.CORRAL_LOG_DIR, session.pk) == []
     assert len(_logs_of(settings.CORRAL_LOG_DIR, other.pk)) == 1  # another session's log is its own
 
@@ -78,12 +82,12 @@ def test_server_logs_over_ssh_are_pruned_through_the_transport(ssh_machine, alic
     for age, path in enumerate(reversed(paths)):
         transport.write_private(path, "llama-server said things\n")
         os.utime(path, (time.time() - 100 * age, time.time() - 100 * age))  # the sshd is this machine
-    assert lifecycle.prune_server_logs(transport, 9900, 1) == 2
+    assert prune_server_logs(transport, 9900, 1) == 2
     names = sorted(name for name, _ in transport.list_files(directory) if name.startswith("session-990"))
     # 9900's newest (port 40004) stays; 9901's three are not its business.
     assert names == ["session-9900-40004.log", "session-9901-40001.log", "session-9901-40003.log",
                      "session-9901-40005.log"]
-    lifecycle.remove_server_logs(machine_place(ssh_machine), 9901)
+    remove_server_logs(machine_place(ssh_machine), 9901)
     assert sorted(n for n, _ in transport.list_files(directory) if n.startswith("session-990")) == [
         "session-9900-40004.log"]
     transport.remove(f"{directory}/session-9900-40004.log")
@@ -111,7 +115,7 @@ def test_a_saved_slot_older_than_the_setting_is_deleted_and_the_next_start_is_co
     wait_for(lambda: not SlotSave.objects.filter(pk=save.pk).exists(), 60, what="the old slot deleted")
     assert not path.exists()
     notices = [p["message"] for p in payloads(session, "notice")]
-    assert lifecycle.SLOT_EXPIRED.format(hours="72 hours") in notices, notices
+    assert SLOT_EXPIRED.format(hours="72 hours") in notices, notices
     assert recent_path.is_file() and SlotSave.objects.filter(session=recent).exists()
     assert not [p for p in payloads(recent, "notice") if "prompt cache" in p["message"]]
 
@@ -139,11 +143,11 @@ def test_an_old_slot_on_an_ssh_machine_is_deleted_there(ssh_machine, alice, tmp_
         saves.append(save)
     old = timezone.now() - timedelta(hours=100)
     SlotSave.objects.filter(pk__in=[saves[0].pk, saves[1].pk]).update(saved_at=old)
-    assert sorted(lifecycle.forget_old_slots()) == sorted([sessions[0].pk, sessions[1].pk])
+    assert sorted(forget_old_slots()) == sorted([sessions[0].pk, sessions[1].pk])
     for session, save, kept in zip(sessions, saves, (False, False, True), strict=True):
         path = f"{slot_dir(transport.private_dir(), session.pk)}/{slot_file_name(session.pk, save.pk)}"
         assert transport.is_own_file(path) is kept
         assert SlotSave.objects.filter(pk=save.pk).exists() is kept
         said = TranscriptEvent.objects.filter(session=session, kind="notice").exists()
         assert said is not kept
-    assert lifecycle.forget_old_slots() == []  # nothing twice
+    assert forget_old_slots() == []  # nothing twice

@@ -12,11 +12,14 @@ from django.test import Client
 from gguf import GGUFWriter
 
 from machines_app import catalog
-from machines_app.models import Machine, ModelFile, ServerRecord
-from sessions_app import actions, agent, lifecycle, transcript
+from machines_app.models import Machine, ModelFile
+from sessions_app import actions, agent, transcript
 from sessions_app.completions import CompletionClient
 from sessions_app.events import load_events, record_event
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
+from sessions_app.servers.stop import stop_server
 
 from .conftest import grant_bypass, model_key, wait_for
 from .helpers import fresh, payloads, text_reply, tool_call_reply
@@ -58,7 +61,7 @@ def test_nul_bytes_in_a_real_commands_output_still_make_a_result(local_machine, 
         owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading", permission_mode="bypassPermissions",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     model_side.will_answer(*tool_call_reply(("exec_shell_command", '{"command": "printf \'a\\\\000b\'"}')))
     model_side.will_answer(*text_reply("ok"))
     actions.do_send_message(session, alice, "print a NUL")
@@ -162,7 +165,7 @@ def test_stop_with_an_open_question_refuses_it_and_the_queue_waits_for_a_restart
     actions.do_send_message(fresh(session), alice, "list")
     wait_for(lambda: payloads(session, "question"), 20, what="the question")
     actions.do_send_message(fresh(session), alice, "queued while asking")
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     assert payloads(session, "answered")[0]["answer"] == "refuse"
     assert transcript.open_questions(load_events(session.pk)) == []
     assert fresh(session).status == "stopped" and not fresh(session).turn_active
@@ -184,7 +187,7 @@ def test_stop_mid_stream_keeps_the_queued_message_for_the_next_server(stack, fak
     actions.do_send_message(fresh(session), alice, "talk")
     wait_for(lambda: payloads(session, "assistant_text"), 20, what="streaming")
     actions.do_send_message(fresh(session), alice, "QUEUED-MSG")
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     wait_for(lambda: not fresh(session).turn_active, 10, what="the turn to end")
     assert [t["text"] for t in payloads(session, "message_taken")] == ["talk"]
     assert fresh(session).status == "stopped"

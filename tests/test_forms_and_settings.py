@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from machines_app.models import Machine, ModelFile, ServerRecord
+from machines_app.models import Machine, ModelFile
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import model_key, wait_for
 

@@ -12,9 +12,10 @@ import signal
 import pytest
 
 from machines_app.llama_server import Endpoint, does_not_answer
-from machines_app.models import ServerRecord
-from sessions_app import lifecycle
 from sessions_app.completions import CompletionClient, CompletionError
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.records import server_endpoint
+from sessions_app.servers.watch import check_session_server
 
 from .conftest import wait_for
 from .helpers import fresh
@@ -28,7 +29,7 @@ def test_a_frozen_server_is_unknown_in_words_and_idle_again_once_it_answers(stac
     session = idle_session(local_machine, alice, tmp_path)
     converse(session, alice, "Hello.")
     record = ServerRecord.objects.get(session=session)
-    endpoint = lifecycle.server_endpoint(fresh(session))
+    endpoint = server_endpoint(fresh(session))
     assert not does_not_answer(endpoint, 5)
     settings.CORRAL_HEALTH_TIMEOUT = 1.0
     os.kill(record.pid, signal.SIGSTOP)
@@ -38,14 +39,14 @@ def test_a_frozen_server_is_unknown_in_words_and_idle_again_once_it_answers(stac
         client = CompletionClient(endpoint.url, api_key=endpoint.api_key, idle_timeout=2)
         with pytest.raises(CompletionError, match="llama-server sent nothing for 2 seconds"):
             list(client.stream([{"role": "user", "content": "Still there?"}]))
-        lifecycle.check_session_server(session.pk)
+        check_session_server(session.pk)
         assert fresh(session).status == "unknown"
         errors = [e.payload["message"] for e in fresh(session).events.filter(kind="error")]
         assert any("llama-server does not answer" in m and "frozen" in m for m in errors), errors
         assert ServerRecord.objects.filter(session=session, pid=record.pid).exists()  # not taken for dead
     finally:
         os.kill(record.pid, signal.SIGCONT)
-    wait_for(lambda: (lifecycle.check_session_server(session.pk), fresh(session).status)[1] == "idle", 30,
+    wait_for(lambda: (check_session_server(session.pk), fresh(session).status)[1] == "idle", 30,
              what="idle again once it answers")
 
 

@@ -98,8 +98,9 @@ def json_text(value) -> str:
 @pytest.mark.usefixtures("stop_servers_after")
 def test_an_mcp_description_reaches_the_server_without_control_tokens(fake_machine, alice, tmp_path, model_side):
     from machines_app.models import ModelFile
-    from sessions_app import actions, lifecycle
+    from sessions_app import actions
     from sessions_app.models import AgentSession, McpServer
+    from sessions_app.servers.start import start_server
 
     from .conftest import model_key
     from .test_agent_loop import step, text_reply
@@ -115,7 +116,7 @@ def test_an_mcp_description_reaches_the_server_without_control_tokens(fake_machi
         session = AgentSession.objects.create(
             owner=alice, machine=machine, model_key=key, working_dir=str(tmp_path),
             server_params={"contextSize": 1024}, status="loading")
-        lifecycle.start_server(session.pk)
+        start_server(session.pk)
         model_side.will_answer(*text_reply("ok"))
         actions.do_send_message(session, alice, "hi")
         step(session, model_side)

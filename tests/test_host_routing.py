@@ -16,11 +16,13 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from machines_app.models import Machine, PendingStop, ServerRecord
+from machines_app.models import Machine, PendingStop
 from machines_app.transports import ElsewhereError, machine_place, transport_at, transport_for
 from project import queues
-from sessions_app import dispatch, lifecycle, orphans
+from sessions_app import dispatch, orphans
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.watch import check_session_server, link_broken, server_gone, watch_servers
 
 from .conftest import wait_for
 
@@ -92,12 +94,12 @@ def test_the_watch_never_judges_another_hosts_server_and_never_reaches_its_machi
     session = session_on(theirs, alice)
     record = ServerRecord.objects.create(session=session, machine=theirs, model_key="m.gguf", pid=2 ** 22 + 7,
                                          start_time="1", port=1, log_path="/nonexistent", ready_at=timezone.now())
-    lifecycle.watch_servers()
-    lifecycle.watch_servers(host=settings.CORRAL_HOST_ID)
-    lifecycle.check_session_server(session.pk)  # even asked directly
+    watch_servers()
+    watch_servers(host=settings.CORRAL_HOST_ID)
+    check_session_server(session.pk)  # even asked directly
     assert ServerRecord.objects.filter(pk=record.pk).exists()
     assert AgentSession.objects.get(pk=session.pk).status == Status.IDLE
-    assert lifecycle.link_broken(session.pk) is None and not lifecycle.server_gone(session.pk)
+    assert link_broken(session.pk) is None and not server_gone(session.pk)
     with pytest.raises(ElsewhereError, match=f"local machine of the Corral host {OTHER}"):
         transport_for(theirs)
     with pytest.raises(ElsewhereError):
@@ -114,9 +116,9 @@ def test_the_watch_of_this_hosts_own_machine_still_sees_its_dead_server(alice):
     session = session_on(mine, alice)
     ServerRecord.objects.create(session=session, machine=mine, model_key="m.gguf", pid=2 ** 22 + 7, start_time="1",
                                 port=1, log_path="/nonexistent", ready_at=timezone.now())
-    lifecycle.watch_servers()  # the shared round leaves a host's own machine to that host
+    watch_servers()  # the shared round leaves a host's own machine to that host
     assert AgentSession.objects.get(pk=session.pk).status == Status.IDLE
-    lifecycle.watch_servers(host=settings.CORRAL_HOST_ID)
+    watch_servers(host=settings.CORRAL_HOST_ID)
     assert AgentSession.objects.get(pk=session.pk).status == Status.EXITED
 
 

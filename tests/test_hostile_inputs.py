@@ -403,7 +403,7 @@ def test_machines_stop_unrecorded_never_stops_a_process_that_is_not_a_corral_ser
 
 @pytest.mark.django_db
 def test_machines_page_does_not_name_private_sessions_of_others(alice, bob, plain_machine):
-    from machines_app.models import ServerRecord
+    from sessions_app.servers.models import ServerRecord
 
     session = _session(alice, plain_machine, title="TOPSECRET project")
     ServerRecord.objects.create(session=session, machine=plain_machine, model_key="m.gguf", pid=1, start_time="1",

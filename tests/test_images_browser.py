@@ -27,9 +27,10 @@ from PIL import Image
 from playwright.sync_api import expect
 
 from machines_app import catalog
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from sessions_app.images import as_png
 from sessions_app.models import StoredImage, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import fake_server, wait_for
 from .helpers import log_in, open_menu

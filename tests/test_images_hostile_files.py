@@ -14,10 +14,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from machines_app.models import ServerRecord
 from sessions_app import actions, images
 from sessions_app.images import ImageRefused, Upload
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import wait_for
 from .test_images_real import smol_with_projector  # noqa: F401 (a fixture)

@@ -18,10 +18,11 @@ from PIL import Image
 
 from machines_app import catalog
 from machines_app.demo_models import packaged_model_paths
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from sessions_app import actions, images
 from sessions_app.images import Upload
 from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import wait_for
 from .tiny_mmproj import text_embedding_length, write_tiny_projector

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from playwright.sync_api import expect
 
-from machines_app.models import ServerRecord
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import wait_for
 from .helpers import log_in

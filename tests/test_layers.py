@@ -107,8 +107,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "project.log_filters", "project.queues",
         "machines_app", "machines_app.gguf", "machines_app.memory", "machines_app.discovery",
         "machines_app.sandbox", "machines_app.ssh", "machines_app.demo_models",
-        "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
-        "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
+        "sessions_app", "sessions_app.servers", "sessions_app.transcript", "sessions_app.callcard",
+        "sessions_app.allowances", "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
         "sessions_app.export", "sessions_app.tool_results",
         "attention_app", "attention_app.make_icons", "search_app", "usage_app", "api_app", "accounts_app",
     )),
@@ -137,9 +137,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sessions_app.first_run", "attention_app.waiting", "attention_app.push", "search_app.search",
         "usage_app.recording", "sessions_app.metering", "api_app.keys", "accounts_app.sso",
     )),
-    # The work run by Celery: a session's server, the turn loop, and the tasks themselves.
-    # api_app.serving: the API's server for a model file, started and kept through the lifecycle.
-    ("work", ("sessions_app.lifecycle", "sessions_app.agent", "sessions_app.signals", "*.tasks", "api_app.serving")),
+    # The work run by Celery: a session's server (sessions_app.servers, its rows above with the
+    # models, its admin and the machines page below with the interface), the turn loop, and
+    # the tasks themselves. api_app.serving: the API's server for a model file, started and
+    # kept like a session's.
+    ("work", (
+        "sessions_app.servers.records", "sessions_app.servers.logs", "sessions_app.servers.containment",
+        "sessions_app.servers.slots", "sessions_app.servers.stop", "sessions_app.servers.ready",
+        "sessions_app.servers.adopt", "sessions_app.servers.start", "sessions_app.servers.watch",
+        "sessions_app.agent", "sessions_app.signals", "*.tasks", "api_app.serving",
+    )),
     # What a person or a process reaches: views, forms, admin, sockets, URLs, commands.
     ("interface", (
         "*.views", "*.forms", "*.admin", "*.consumers", "*.urls", "*.routing", "*.apps",
@@ -196,6 +203,26 @@ def test_each_layer_imports_only_its_own_layer_or_those_below():
     assert upward_imports(graph) == []
 
 
+def machines_app_imports_of_sessions_app(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a sessions_app module by a machines_app module, as ``"a → b"``."""
+    def of(package: str, name: str) -> bool:
+        return name == package or name.startswith(f"{package}.")
+
+    return sorted(f"{name} → {target}" for name, targets in graph.items() if of("machines_app", name)
+                  for target in targets if of("sessions_app", target))
+
+
+def test_machines_app_imports_nothing_of_sessions_app():
+    """machines_app (machines, model files, transports, the llama-server client) is what
+    sessions are built on; sessions_app builds on it and never the other way: a session's
+    server, its rows and its admin live in sessions_app.servers, and the machine admin's
+    view of the servers is sessions_app's extension of machines_app's."""
+    assert machines_app_imports_of_sessions_app({"machines_app.admin": {"sessions_app.servers.stop"}}) == [
+        "machines_app.admin → sessions_app.servers.stop"
+    ]
+    assert machines_app_imports_of_sessions_app(import_graph()) == []
+
+
 #: What a pure core never imports: the web and task frameworks (a client library such as
 #: redis-py parsing a URL is fine).
 FRAMEWORKS = ("django", "celery", "channels", "daphne", "kombu")
@@ -222,7 +249,6 @@ def test_the_pure_cores_import_no_django():
 #: shrinks: a function that gets short must leave it (the test says so).
 LONG_FUNCTIONS_LEFT = {
     "sessions_app.agent:Step.complete",
-    "sessions_app.lifecycle:_spawn",
 }
 LONGEST_FUNCTION = 80  # lines, decorators and docstring included
 

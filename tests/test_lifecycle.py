@@ -12,10 +12,10 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from machines_app.models import ServerRecord
 from sessions_app import actions, transcript
 from sessions_app.events import load_events
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import WSRecorder, model_key, wait_for
 from .helpers import fresh, payloads

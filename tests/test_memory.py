@@ -15,11 +15,13 @@ from django.test import Client
 
 from machines_app import catalog, memory
 from machines_app.memory import MIB, Fit, Room
-from machines_app.models import MachineSample, MemoryClaim, ModelFile, ServerRecord
+from machines_app.models import MachineSample, MemoryClaim, ModelFile
 from machines_app.transports import LocalTransport, ProcessId
-from sessions_app import actions, lifecycle, room
+from sessions_app import actions, room
 from sessions_app.forms import NewSessionForm
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
 
 from .conftest import make_ssh_machine, model_key, wait_for
 from .helpers import fresh, payloads
@@ -104,7 +106,7 @@ def test_the_shapes_of_the_real_models_are_read_from_their_heads(local_machine):
 def test_the_estimate_is_within_a_fifth_of_a_real_servers_resident_memory(local_machine, alice, tmp_path, arch,
                                                                            params):
     session = create(local_machine, alice, tmp_path, arch, params)
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert fresh(session).status == "idle", notices(session) + [p["message"] for p in payloads(session, "error")]
     record = ServerRecord.objects.get(session=session)
     rss = LocalTransport().memory_of(ProcessId(record.pid, record.start_time))
@@ -151,7 +153,7 @@ def test_a_start_that_can_never_fit_is_refused_before_anything_starts_naming_the
     local_machine.memory_budget_mib = 64
     local_machine.save()
     session = create(local_machine, alice, tmp_path)
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert fresh(session).status == "exited"
     assert not ServerRecord.objects.exists()
     [message] = [p["message"] for p in payloads(session, "error")]

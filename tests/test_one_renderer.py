@@ -13,7 +13,7 @@ import re
 import pytest
 from bs4 import BeautifulSoup
 
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from sessions_app import actions, agent, images, transcript
 from sessions_app.events import load_events
 from sessions_app.models import AgentSession
@@ -26,6 +26,7 @@ from sessions_app.presenters import (
     render_item,
     render_queued,
 )
+from sessions_app.servers.models import ServerRecord
 from sessions_app.transcript import Event
 
 from .scripted_server import ScriptedServer, chunk, sse

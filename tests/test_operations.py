@@ -11,11 +11,12 @@ import time
 import pytest
 from django.test import Client
 
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from project import queues
 from sessions_app import actions, agent, broadcast, liveness, turns
 from sessions_app.events import record_event
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import WSRecorder, model_key, wait_for
 from .helpers import payloads

@@ -22,11 +22,11 @@ import pytest
 from django.conf import settings
 from django.test import Client
 
-from machines_app.models import ServerRecord
 from machines_app.transports import LocalTransport
 from project import queues
-from sessions_app import lifecycle
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
 
 from .conftest import ROOT, _database_url, model_key, wait_for
 
@@ -134,7 +134,7 @@ def test_a_redis_outage_mid_reply_never_answers_twice(private_stack, fake_machin
         owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
         status=AgentSession.Status.LOADING,
     )
-    lifecycle.start_server(session.pk)  # here, not through a broker: the test owns the outage
+    start_server(session.pk)  # here, not through a broker: the test owns the outage
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
 
     client = Client()
@@ -187,7 +187,7 @@ def test_while_redis_is_down_the_page_says_its_live_link_is_lost_and_a_stop_ends
         owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
         status=AgentSession.Status.LOADING,
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
 
     client = Client()
     client.force_login(alice)

@@ -12,7 +12,7 @@ import pytest
 from django.test import Client
 
 from machines_app.llama_server import START_FAILURES, ServerStartError, explain_start_failure
-from sessions_app import actions, lifecycle, transcript
+from sessions_app import actions, transcript
 from sessions_app.events import load_events, record_event
 from sessions_app.forms import NewSessionForm, SessionSettingsForm
 from sessions_app.models import AgentSession
@@ -26,6 +26,7 @@ from sessions_app.presenters import (
     render_status,
     settings_text,
 )
+from sessions_app.servers.stop import stop_server
 from sessions_app.transcript import Event, build_messages
 
 from .conftest import model_key
@@ -53,7 +54,7 @@ def session(local_machine, alice, tmp_path):
 
 @pytest.mark.django_db
 def test_a_server_a_person_stops_is_stopped_not_exited(session, alice):
-    lifecycle.stop_server(session.pk, by=actions.by(alice))
+    stop_server(session.pk, by=actions.by(alice))
     assert fresh(session).status == Status.STOPPED
     assert fresh(session).server_down
     with pytest.raises(actions.SessionError, match="not running"):

@@ -22,9 +22,11 @@ from gguf import GGUFValueType, GGUFWriter
 
 from machines_app import catalog
 from machines_app.llama_server import BUILTIN_CHAT_TEMPLATES, ServerSpec, build_argv
-from machines_app.models import Machine, ModelFile, ServerRecord
-from sessions_app import actions, agent, export, lifecycle, presenters
+from machines_app.models import Machine, ModelFile
+from sessions_app import actions, agent, export, presenters
 from sessions_app.models import AgentSession, DeploymentSettings, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
 from sessions_app.transcript import Event
 
 from .conftest import fake_server, model_key, wait_for
@@ -127,7 +129,7 @@ def test_the_system_prompt_goes_first_keeps_the_prefix_and_a_change_applies_next
     session = AgentSession.objects.get(owner=alice)
     assert session.system_prompt == "You herd sheep."
     assert events_of(session, "settings")[0].payload["system_prompt"] == "You herd sheep."
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
 
     turn(session, alice, "How many sheep?")
     turn(session, alice, "And goats?")
@@ -164,7 +166,7 @@ def test_the_real_server_counts_the_system_prompt_in_prompt_tokens(local_machine
         server_params={"contextSize": 2048}, sampling={"max_tokens": 8, "temperature": 0}, status="loading",
         system_prompt="Be brief.",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     turn(session, alice, "Name one colour.")
     assert events_of(session, "usage"), [(e.kind, e.payload) for e in TranscriptEvent.objects.filter(session=session)]
@@ -232,7 +234,7 @@ def test_an_empty_field_sends_nothing_and_a_set_field_wins(sampled_machine, alic
     })
     assert response.status_code == 302, response.content.decode()[:2000]
     session = AgentSession.objects.get(owner=alice)
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     turn(session, alice, "Hello")
     body = requests_seen(session)[-1]
     assert "temperature" not in body and "top_k" not in body  # llama-server applies the file's own
@@ -278,7 +280,7 @@ def test_the_real_server_applies_the_files_own_default_to_a_session_that_sets_no
         owner=alice, machine=machine, model_key="smol-sampled.gguf", working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, sampling={"max_tokens": 8}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     ready = events_of(session, "server_ready")[-1].payload
     assert ready["sampling_defaults"]["temperature"] == 0.25 and ready["sampling_defaults"]["top_k"] == 20
 
@@ -356,7 +358,7 @@ def test_a_missing_template_file_stops_the_start_with_a_clear_error(local_machin
     ModelFile.objects.filter(machine=local_machine, key=key).update(chat_template_file=str(tmp_path / "gone.jinja"))
     session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key=key, working_dir=str(tmp_path),
                                           status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     error = events_of(session, "error")[-1].payload["message"]
     assert f"has no chat template file {tmp_path / 'gone.jinja'}" in error
     assert AgentSession.objects.get(pk=session.pk).status == "exited"
@@ -370,7 +372,7 @@ def test_gemma_with_the_built_in_gemma_template_replies(local_machine, alice, tm
         owner=alice, machine=local_machine, model_key=key, working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, sampling={"max_tokens": 24, "temperature": 0}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle", events_of(session, "error")
     ready = events_of(session, "server_ready")[-1].payload
     assert ready["chat_template"] == "gemma" and ready["jinja"] is False
@@ -412,7 +414,7 @@ def test_a_template_file_is_checked_and_used_on_the_ssh_machine(ssh_machine, adm
         owner=alice, machine=ssh_machine, model_key=model.key, working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, sampling={"max_tokens": 16, "temperature": 0}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle", events_of(session, "error")
     ready = events_of(session, "server_ready")[-1].payload
     assert ready["chat_template"] == str(path) and ready["jinja"] is True
@@ -432,7 +434,7 @@ def test_a_start_remembers_what_the_template_can_do_on_the_model_file(local_mach
     key = model_key(local_machine, "llama")
     session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key=key, working_dir=str(tmp_path),
                                           server_params={"contextSize": 1024}, status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     ready = events_of(session, "server_ready")[-1].payload
     # What the real binary says of SmolLM2's own template (issue 14: both demo models).
     assert ready["chat_template_caps"]["supports_tools"] is False

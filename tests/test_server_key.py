@@ -19,9 +19,9 @@ from django.db import connection
 from django.test import Client
 
 from machines_app.llama_server import Endpoint, ServerSpec, build_argv
-from machines_app.models import ServerRecord
 from sessions_app import actions
 from sessions_app.models import TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import model_key, wait_for
 
@@ -85,7 +85,7 @@ def test_a_real_server_answers_only_corral(stack, local_machine, alice, tmp_path
     assert key not in owner.get(f"/sessions/{session.pk}/").content.decode()
     admin = Client()
     admin.force_login(type(alice).objects.create_superuser("root", password="root-password-1"))
-    assert key not in admin.get(f"/admin/machines_app/serverrecord/{record.pk}/change/").content.decode()
+    assert key not in admin.get(f"/admin/sessions_app/serverrecord/{record.pk}/change/").content.decode()
     assert key not in repr(Endpoint(base, key))  # nor in a traceback's locals
 
 

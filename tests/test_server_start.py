@@ -19,10 +19,14 @@ import pytest
 
 from machines_app import catalog
 from machines_app.llama_server import ServerSpec, ServerStartError, build_argv, wait_until_ready
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from machines_app.transports import LocalTransport, ProcessId
-from sessions_app import actions, lifecycle
+from sessions_app import actions
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.logs import log_path_for
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
+from sessions_app.servers.stop import stop_server
 
 from .conftest import model_key, wait_for
 
@@ -147,7 +151,7 @@ def test_case_c21_stop_kills_a_server_that_ignores_sigterm(stack, alice, fake_ma
     record = ServerRecord.objects.get(session=session)
     proc = ProcessId(record.pid, record.start_time)
     started = time.monotonic()
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     assert time.monotonic() - started < 15
     assert not LocalTransport().process_alive(proc)
     assert "cleaning up before exit" in Path(record.log_path).read_text()
@@ -188,7 +192,7 @@ def test_it_notices_a_real_server_killed_from_outside_and_adopts_a_live_one(stac
     assert Path(record.log_path).stat().st_mode & 0o077 == 0, "the log must be owner-only"
 
     # Adoption: starting again while the recorded server lives does not start a second one.
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert ServerRecord.objects.get(session=session).pid == record.pid
 
     os.kill(record.pid, signal.SIGKILL)
@@ -209,7 +213,7 @@ def test_case_c21_stop_leaves_no_real_server_behind(stack, alice, local_machine,
     )
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 120, what="idle")
     record = ServerRecord.objects.get(session=session)
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     assert not LocalTransport().process_alive(ProcessId(record.pid, record.start_time))
     assert not Path(f"/proc/{record.pid}").exists() or "Z" in Path(f"/proc/{record.pid}/stat").read_text().split()[2]
 
@@ -260,9 +264,9 @@ def test_the_last_words_of_a_failed_start_are_its_own(alice, real_models_dir, tm
     machine = _machine_running(binary, real_models_dir)
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
                                           working_dir=str(tmp_path), status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     AgentSession.objects.filter(pk=session.pk).update(status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     errors = [e.payload for e in TranscriptEvent.objects.filter(session=session, kind="error").order_by("seq")]
     assert "--flag1" in errors[0]["log"] and "--flag1" in errors[0]["message"]  # the setting it refused, named
     assert "--flag2" in errors[1]["log"] and "--flag1" not in errors[1]["log"] + errors[1]["message"]
@@ -279,12 +283,12 @@ def test_a_link_planted_at_the_log_path_is_not_written_through(alice, real_model
     transport = LocalTransport()
     Path(transport.private_dir()).mkdir(parents=True, exist_ok=True)
     port = transport.free_port()  # the start is made to pick this port, where the link waits
-    link = Path(lifecycle.log_path_for(session, transport, port))
+    link = Path(log_path_for(session, transport, port))
     link.unlink(missing_ok=True)
     link.symlink_to(victim)
     from unittest import mock
 
     with mock.patch("machines_app.transports.LocalTransport.free_port", return_value=port):
-        lifecycle.start_server(session.pk)
+        start_server(session.pk)
     assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
     assert not link.is_symlink() and "SERVER OUTPUT LINE" in link.read_text()

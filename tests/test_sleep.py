@@ -14,9 +14,10 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 
-from machines_app.models import ServerRecord, SlotSave
-from sessions_app import actions, lifecycle
+from sessions_app import actions
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord, SlotSave
+from sessions_app.servers.stop import sleep_server
 
 from .conftest import model_key, wait_for
 from .helpers import fresh, log_in, payloads
@@ -80,7 +81,7 @@ def test_case_c45_messages_during_an_idle_stop_wait_for_it_and_are_all_answered(
     record = ServerRecord.objects.get(session=session)
     # Hold the stop at its slot save: the server is frozen, so the save waits for it.
     os.kill(record.pid, signal.SIGSTOP)
-    sleeper = threading.Thread(target=lambda: (lifecycle.sleep_server(session.pk), connection.close()))
+    sleeper = threading.Thread(target=lambda: (sleep_server(session.pk), connection.close()))
     sleeper.start()
     try:
         wait_for(lambda: fresh(session).status == "sleeping", 10, what="the idle stop to begin")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from machines_app.models import ServerRecord
-from sessions_app import lifecycle
 from sessions_app.models import TranscriptEvent
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.stop import sleep_server
 
 from .conftest import wait_for
 from .helpers import fresh, payloads
@@ -28,7 +28,7 @@ def client_for(user) -> Client:
 def test_regenerate_and_edit_wake_a_sleeping_server_and_are_answered(stack, local_machine, alice, tmp_path, how):
     session = idle_session(local_machine, alice, tmp_path)
     converse(session, alice, "My sheep is called Dolly.")
-    assert lifecycle.sleep_server(session.pk)
+    assert sleep_server(session.pk)
     wait_for(lambda: not ServerRecord.objects.filter(session=session).exists(), 60, what="the server to stop")
     assert fresh(session).status == "sleeping"
     ended = len(payloads(session, "turn_end"))

@@ -19,8 +19,9 @@ from PIL import Image, ImageFile
 from machines_app.models import Machine, ModelFile
 from machines_app.template_files import LEFT_OUT, secret_location, without_template_lines
 from project.websocket_security import SameOriginValidator
-from sessions_app import images, lifecycle
+from sessions_app import images
 from sessions_app.models import AgentSession, McpServer, TranscriptEvent
+from sessions_app.servers.start import start_server
 
 from .conftest import model_key
 from .sshd import keygen
@@ -96,7 +97,7 @@ def test_a_template_that_became_a_secret_is_refused_again_before_a_start(local_m
     ModelFile.objects.filter(machine=local_machine, key=key).update(chat_template_file=str(link))
     session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key=key,
                                           working_dir=str(tmp_path), status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     error = TranscriptEvent.objects.filter(session=session, kind="error").last().payload["message"]
     assert "cannot be a chat template: it is under /etc" in error
     assert AgentSession.objects.get(pk=session.pk).status == "exited"
@@ -138,7 +139,7 @@ def test_a_failed_start_shows_llama_servers_words_not_the_template_files_lines(l
     session = AgentSession.objects.create(owner=alice, machine=local_machine, model_key=key,
                                           working_dir=str(tmp_path), status="loading",
                                           server_params={"contextSize": 512})
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "exited"
     events = list(TranscriptEvent.objects.filter(session=session))
     shown = json.dumps([e.payload for e in events])

@@ -11,8 +11,9 @@ from django.db import connection
 from django.test import Client
 
 from machines_app import keystore, ssh
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import make_ssh_machine
 from .sshd import keygen

@@ -13,11 +13,15 @@ import pytest
 from django.test import Client
 
 from machines_app import ssh
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from machines_app.transports import ProcessId, SSHTransport, transport_for
-from sessions_app import actions, lifecycle
+from sessions_app import actions
 from sessions_app.forms import NewSessionForm
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.records import key_path_for
+from sessions_app.servers.start import start_server
+from sessions_app.servers.stop import stop_server
 
 from .conftest import grant_bypass, make_ssh_machine, model_key, wait_for
 from .helpers import events_of, fresh, payloads, step, text_reply, tool_call_reply
@@ -57,13 +61,13 @@ def test_tools_run_on_the_remote_machine_in_a_hostile_working_directory(ssh_mach
         owner=alice, machine=ssh_machine, model_key=model_key(ssh_machine, "llama"), working_dir=str(workdir),
         server_params={"contextSize": 1024}, status="loading", permission_mode="bypassPermissions",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert fresh(session).status == "idle", [e.payload for e in events_of(session, "error")]
     record = ServerRecord.objects.get(session=session)
     transport = transport_for(ssh_machine)
     assert record.log_path == f"{transport.private_dir()}/session-{session.pk}-{record.port}.log"
     assert stat.S_IMODE(Path(record.log_path).stat().st_mode) == 0o600
-    assert not Path(lifecycle.key_path_for(session, transport, record.port)).exists()  # read at start, then removed
+    assert not Path(key_path_for(session, transport, record.port)).exists()  # read at start, then removed
 
     model_side.will_answer(*tool_call_reply(("exec_shell_command", '{"command": "pwd"}'),
                                             ("read_file", '{"path": "notes.txt"}')))
@@ -75,7 +79,7 @@ def test_tools_run_on_the_remote_machine_in_a_hostile_working_directory(ssh_mach
     assert "north field" in outputs[1]["output"] and outputs[1]["ok"]
     assert events_of(session, "turn_end")[-1].payload["reason"] == "done"
 
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     assert not transport.process_alive(proc_of(record)) and not llama_servers_on(record.port)
     assert not ServerRecord.objects.filter(session=session).exists()
     assert (ssh_machine.host_entry, record.port) not in ssh.open_forwards()  # no forward kept for it here

@@ -15,7 +15,7 @@ from django.test import Client
 
 from machines_app import catalog, ssh
 from machines_app.discovery import discover
-from machines_app.models import Machine, PendingStop, ServerRecord
+from machines_app.models import Machine, PendingStop
 from machines_app.transports import (
     ProcessId,
     SSHTransport,
@@ -25,9 +25,13 @@ from machines_app.transports import (
     ssh_target,
     transport_for,
 )
-from sessions_app import lifecycle, orphans
+from sessions_app import orphans
 from sessions_app.forms import NewSessionForm
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import restart_server, start_server
+from sessions_app.servers.stop import stop_orphan, stop_server
+from sessions_app.servers.watch import watch_servers
 
 from .conftest import make_ssh_machine, model_key, wait_for
 from .helpers import fresh, payloads
@@ -269,7 +273,7 @@ def ssh_session(machine: Machine, user, workdir: Path) -> AgentSession:
         owner=user, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(workdir),
         server_params={"contextSize": 1024}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert fresh(session).status == "idle", payloads(session, "error")
     return fresh(session)
 
@@ -285,7 +289,7 @@ def test_a_stop_that_cannot_reach_the_machine_stays_pending_until_the_watch_fini
     proc = ProcessId(record.pid, record.start_time)
 
     own_sshd.kill()
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     pending = PendingStop.objects.get()
     assert (pending.pid, pending.start_time, pending.machine_id) == (record.pid, record.start_time, machine.pk)
     assert fresh(session).status == "stopped" and not ServerRecord.objects.filter(session=session).exists()
@@ -293,7 +297,7 @@ def test_a_stop_that_cannot_reach_the_machine_stays_pending_until_the_watch_fini
     assert any(m.startswith(f"Stop pending: {machine.name} is unreachable") for m in errors), errors
     assert alive_here(proc)  # the machine is only unreachable: its server still runs
 
-    lifecycle.watch_servers()  # still unreachable: kept, tried again later
+    watch_servers()  # still unreachable: kept, tried again later
     assert PendingStop.objects.filter(pk=pending.pk).exists() and alive_here(proc)
     admin = django_user_model.objects.create_superuser("root", password="root-password-1")
     client = Client()
@@ -304,7 +308,7 @@ def test_a_stop_that_cannot_reach_the_machine_stays_pending_until_the_watch_fini
     own_sshd.start()
 
     def watched() -> bool:
-        lifecycle.watch_servers()
+        watch_servers()
         return not PendingStop.objects.exists()
 
     wait_for(watched, 60, interval=1, what="the watch to finish the pending stop")
@@ -323,11 +327,11 @@ def test_nothing_new_starts_on_a_machine_before_its_pending_stop(
     record = ServerRecord.objects.get(session=session)
     old = ProcessId(record.pid, record.start_time)
     own_sshd.kill()
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     assert PendingStop.objects.exists()
 
     # While the machine is unreachable a restart starts nothing and says why.
-    lifecycle.restart_server(session.pk)
+    restart_server(session.pk)
     assert fresh(session).status == "exited" and alive_here(old)
     assert not ServerRecord.objects.filter(session=session).exists()
 
@@ -341,7 +345,7 @@ def test_nothing_new_starts_on_a_machine_before_its_pending_stop(
 
     monkeypatch.setattr(SSHTransport, "spawn", watching_spawn)
     wait_for(lambda: answers(machine), 30, interval=1, what="sshd to answer")
-    lifecycle.restart_server(session.pk)  # no watch in between: the start itself settles it first
+    restart_server(session.pk)  # no watch in between: the start itself settles it first
     assert old_alive_at_spawn == [False]
     assert fresh(session).status == "idle" and not PendingStop.objects.exists()
     assert ServerRecord.objects.get(session=session).pid != old.pid
@@ -359,7 +363,7 @@ def test_a_deleted_sessions_server_on_a_lost_machine_is_stopped_when_it_answers(
     proc = transport.spawn(["sleep", "300"], str(tmp_path / "sleep.log"))
     place = machine_place(machine)
     own_sshd.kill()
-    lifecycle.stop_orphan(place, proc.pid, proc.start_time, 40123, 777)
+    stop_orphan(place, proc.pid, proc.start_time, 40123, 777)
     pending = PendingStop.objects.get()
     assert (pending.session_id, pending.machine_id, pending.place["port"]) == (777, machine.pk, own_sshd.port)
     machine.delete()
@@ -367,7 +371,7 @@ def test_a_deleted_sessions_server_on_a_lost_machine_is_stopped_when_it_answers(
     own_sshd.start()
 
     def watched() -> bool:
-        lifecycle.watch_servers()
+        watch_servers()
         return not PendingStop.objects.exists()
 
     wait_for(watched, 60, interval=1, what="the watch to finish the pending stop")

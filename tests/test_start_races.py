@@ -14,9 +14,11 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from machines_app.models import ServerRecord
-from sessions_app import actions, lifecycle, server_state
+from sessions_app import actions, server_state
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import StartClaim, start_server
+from sessions_app.servers.watch import LOST_START
 
 from .conftest import model_key, wait_for
 from .helpers import fresh
@@ -57,7 +59,7 @@ def test_two_concurrent_starts_of_one_session_spawn_one_server(fake_machine, ali
     def start():
         try:
             barrier.wait()
-            lifecycle.start_server(session.pk)
+            start_server(session.pk)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:
@@ -84,9 +86,9 @@ def test_a_start_that_holds_the_claim_makes_a_second_one_leave(fake_machine, ali
     machine = fake_machine()
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
                                           working_dir=str(tmp_path), status="loading")
-    with lifecycle.StartClaim(session.pk) as first:
+    with StartClaim(session.pk) as first:
         assert first.held and server_state.start_live(fresh(session))
-        lifecycle.start_server(session.pk)  # a second task: finds the claim held, does nothing
+        start_server(session.pk)  # a second task: finds the claim held, does nothing
         assert servers_of(session) == [] and not ServerRecord.objects.filter(session=session).exists()
         with pytest.raises(actions.SessionError, match="already starting"):
             actions.do_restart(fresh(session), alice)
@@ -113,6 +115,6 @@ def test_a_lost_start_can_be_restarted_and_the_beat_starts_it_by_itself(stack, l
     )
     wait_for(lambda: fresh(session).status == "idle", 120, what="the beat to start the lost start again")
     notices = [e.payload["message"] for e in TranscriptEvent.objects.filter(session=session, kind="notice")]
-    assert lifecycle.LOST_START in notices
+    assert LOST_START in notices
     found = servers_of(session, logs)
     assert len(found) == 1, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in found]

@@ -23,10 +23,10 @@ import psutil
 import pytest
 from django.conf import settings
 
-from machines_app.models import ServerRecord
 from project import launcher as launcher_module
 from sessions_app import actions, agent, dispatch, turns
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import ROOT, _database_url, model_key, wait_for
 from .helpers import payloads

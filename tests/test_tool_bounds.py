@@ -21,11 +21,13 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from machines_app.models import ServerRecord
 from machines_app.transports import ProcessId, transport_for
-from sessions_app import actions, agent, lifecycle, machine_tools, tool_results
+from sessions_app import actions, agent, machine_tools, tool_results
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, McpServer, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.records import server_endpoint
+from sessions_app.servers.start import start_server
 
 from .bulk_mcp import BIG_MCP_BYTES
 from .conftest import ROOT, grant_bypass, model_key, wait_for
@@ -40,7 +42,7 @@ def bypass_session(alice, machine, workdir: Path, **fields) -> AgentSession:
         owner=alice, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(workdir),
         status="loading", permission_mode="bypassPermissions", **values,
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert fresh(session).status == "idle", [e.payload for e in events_of(session, "error")]
     return session
 
@@ -48,7 +50,7 @@ def bypass_session(alice, machine, workdir: Path, **fields) -> AgentSession:
 def server_answers(session) -> bool:
     record = ServerRecord.objects.get(session=session)
     alive = transport_for(record.machine).process_alive(ProcessId(record.pid, record.start_time))
-    endpoint = lifecycle.server_endpoint(fresh(session))
+    endpoint = server_endpoint(fresh(session))
     health = httpx.get(f"{endpoint.url}/health", headers={"Authorization": f"Bearer {endpoint.api_key}"}, timeout=5)
     return alive and health.status_code == 200
 

@@ -30,12 +30,16 @@ from machines_app.llama_server import (
     prompt_opens_thinking,
     wait_until_ready,
 )
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from machines_app.transports import LocalTransport, TransportError
-from sessions_app import actions, agent, callcard, export, images, importing, lifecycle, transcript
+from sessions_app import actions, agent, callcard, export, images, importing, transcript
 from sessions_app.completions import INCOMPLETE_REPLY, CompletionClient, ReasoningDelta, TextDelta
 from sessions_app.events import load_events, record_event
 from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
+from sessions_app.servers import watch
+from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.start import start_server
+from sessions_app.servers.stop import stop_server
 from sessions_app.transcript import Event
 
 from .conftest import model_key, wait_for
@@ -150,7 +154,7 @@ def test_a_start_learns_once_whether_the_prompt_opens_thinking(fake_machine, ali
     machine = fake_machine([{"text": "Thinking C</think>Answer C"}], **({"FAKE_OPENS_THINKING": "1"} if opens else {}))
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
                                           working_dir=str(tmp_path), status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert payloads(session, "server_ready")[0].get("opens_thinking", False) is opens
     actions.do_send_message(fresh(session), alice, "hi")
     agent.run_turn_step(session.pk)
@@ -178,7 +182,7 @@ def _streaming_session(fake_machine, alice, tmp_path, **env):
     machine = fake_machine([{"text": " ".join(["baa"] * 400), "delay": 0.05}], **env)
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
                                           working_dir=str(tmp_path), status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert fresh(session).status == "idle"
     actions.do_send_message(fresh(session), alice, "count the sheep")
     step = threading.Thread(target=agent.run_turn_step, args=(session.pk,))
@@ -206,7 +210,7 @@ def test_stop_server_while_a_reply_streams_the_kill_winning(fake_machine, alice,
     flag: the broken stream is read as the stop it was."""
     session, step = _streaming_session(fake_machine, alice, tmp_path)
     actions.do_stop(fresh(session), alice)
-    lifecycle.stop_server(session.pk, by=actions.by(alice))  # what the stop task does, now
+    stop_server(session.pk, by=actions.by(alice))  # what the stop task does, now
     step.join(30)
     _ends_as_stopped_by(session, alice)
 
@@ -221,7 +225,7 @@ def test_stop_server_while_a_reply_streams_the_poll_winning(fake_machine, alice,
     actions.do_stop(fresh(session), alice)
     step.join(30)
     assert [p["reason"] for p in payloads(session, "turn_end")] == ["stopped"]
-    lifecycle.stop_server(session.pk, by=actions.by(alice))
+    stop_server(session.pk, by=actions.by(alice))
     _ends_as_stopped_by(session, alice)
     assert [q["text"] for q in transcript.pending_queue(load_events(session.pk))] == ["queued"]
 
@@ -235,8 +239,8 @@ def test_stop_then_restart_are_said_in_that_order(fake_machine, alice, tmp_path,
     machine = fake_machine(FAKE_IGNORE_TERM="1")
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
                                           working_dir=str(tmp_path), status="loading")
-    lifecycle.start_server(session.pk)
-    stopping = threading.Thread(target=lifecycle.stop_server, args=(session.pk,), kwargs={"by": actions.by(alice)})
+    start_server(session.pk)
+    stopping = threading.Thread(target=stop_server, args=(session.pk,), kwargs={"by": actions.by(alice)})
     stopping.start()
     wait_for(lambda: ServerRecord.objects.filter(session=session, stopping=True).exists(), 10, interval=0.02,
              what="the stop to begin")
@@ -261,7 +265,7 @@ class _LostLink(LocalTransport):
 
 @pytest.mark.django_db
 def test_a_link_that_breaks_mid_reply_is_named_not_the_server(session, alice, server, monkeypatch):
-    monkeypatch.setattr(lifecycle, "transport_for", lambda machine: _LostLink())
+    monkeypatch.setattr(watch, "transport_for", lambda machine: _LostLink())
     server.will_answer(sse(chunk({"content": "half a rep"})))  # the forward closes: no finish
     events = run_message(session, alice)
     errors = [e.payload["message"] for e in events if e.kind == "error"]

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import pytest
 
 from machines_app.llama_server import ServerSpec, build_argv, wait_until_ready
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from machines_app.transports import LocalTransport
 from sessions_app import actions, agent, transcript
 from sessions_app.completions import INCOMPLETE_REPLY, CompletionClient, CompletionError
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.presenters import usage_line
+from sessions_app.servers.models import ServerRecord
 
 from .conftest import wait_for
 from .scripted_server import ScriptedServer, chunk, sse

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from machines_app.models import Machine, ServerRecord
+from machines_app.models import Machine
 from sessions_app import actions, agent
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord
 
 from .scripted_server import ScriptedServer, chunk, sse
 

@@ -155,7 +155,7 @@ def two_hosts(tmp_path_factory, sshd):
         if hosts is not None:
             try:  # host 1's servers and the SSH machine's (host 2's go with its namespaces)
                 hosts.shell.run("""
-from machines_app.models import ServerRecord
+from sessions_app.servers.models import ServerRecord
 from machines_app.transports import ProcessId, TransportError, transport_for
 for record in ServerRecord.objects.select_related("machine"):
     try:

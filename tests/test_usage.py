@@ -21,11 +21,12 @@ from django.test import Client
 from django.utils import timezone
 
 from machines_app.models import Machine, ModelFile
-from sessions_app import actions, agent, completions, lifecycle
+from sessions_app import actions, agent, completions
 from sessions_app.events import locked
 from sessions_app.export import to_jsonl
 from sessions_app.importing import import_into, read_file
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.start import start_server
 from usage_app import figures, quota
 from usage_app.models import Quota, UsageRecord
 from usage_app.recording import record_usage
@@ -311,7 +312,7 @@ def real_session(local_machine, alice, tmp_path):
         server_params={"contextSize": 1024}, sampling={"max_tokens": 24}, status="loading",
         visibility=AgentSession.Visibility.TEAM_ACT,
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert AgentSession.objects.get(pk=session.pk).status == "idle"
     return session
 

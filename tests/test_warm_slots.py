@@ -15,10 +15,13 @@ from pathlib import Path
 import pytest
 
 from machines_app.llama_server import ServerSpec, build_argv, parse_props, slot_file_name, slot_fingerprint
-from machines_app.models import ServerRecord, SlotSave
 from machines_app.transports import LocalTransport, TransportError
-from sessions_app import actions, lifecycle
+from sessions_app import actions
 from sessions_app.models import AgentSession
+from sessions_app.servers.models import ServerRecord, SlotSave
+from sessions_app.servers.records import server_endpoint
+from sessions_app.servers.start import start_server
+from sessions_app.servers.stop import stop_server
 
 from .conftest import model_key, wait_for
 from .helpers import fresh, payloads
@@ -324,9 +327,9 @@ def test_a_remote_session_saves_and_restores_its_slot_over_ssh_and_never_writes_
         owner=alice, machine=ssh_machine, model_key=model_key(ssh_machine, "llama"), working_dir=str(tmp_path),
         server_params={"contextSize": 1024}, status="loading",
     )
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     assert fresh(session).status == "idle"
-    server = lifecycle.server_endpoint(session)
+    server = server_endpoint(session)
     body = {"messages": [{"role": "user", "content": "Name three breeds of sheep."}], "max_tokens": 8,
             "temperature": 0}
     answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=auth_headers(server.api_key),
@@ -342,16 +345,16 @@ def test_a_remote_session_saves_and_restores_its_slot_over_ssh_and_never_writes_
     path.unlink(missing_ok=True)
     path.symlink_to(victim)
 
-    lifecycle.stop_server(session.pk)
+    stop_server(session.pk)
     save.refresh_from_db()
     assert victim.read_text() == "precious\n"
     assert path.is_file() and not path.is_symlink() and save.n_tokens >= prompt_tokens
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
 
     AgentSession.objects.filter(pk=session.pk).update(status="loading")
-    lifecycle.start_server(session.pk)
+    start_server(session.pk)
     try:
         assert fresh(session).status == "idle"
         assert payloads(session, "server_ready")[-1].get("warm_tokens") == save.n_tokens
     finally:
-        lifecycle.stop_server(session.pk)
+        stop_server(session.pk)

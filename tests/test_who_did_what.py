@@ -7,9 +7,10 @@ import pytest
 from django.test import Client
 
 from machines_app.models import Machine, ModelFile
-from sessions_app import actions, dispatch, lifecycle, transcript, turns
+from sessions_app import actions, dispatch, transcript, turns
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.presenters import TranscriptView, build_items, render_item
+from sessions_app.servers.stop import stop_server
 from sessions_app.transcript import Event
 
 
@@ -79,7 +80,7 @@ def test_every_user_action_records_who_did_it(session, alice, bob, monkeypatch):
                         lambda task, *args: stops.append(args) if task == dispatch.STOP_SERVER else True)
     actions.do_stop(session, bob)
     assert stops == [(session.pk, me(bob))]
-    lifecycle.stop_server(session.pk, by=stops[0][1])
+    stop_server(session.pk, by=stops[0][1])
     assert last(session, "server_stopped") == {"reason": "stopped", "by": me(bob)}
     # What nobody did names nobody: the end of the interrupted turn.
     assert transcript.actor(TranscriptEvent.objects.get(session=session, kind="turn_end").payload) is None

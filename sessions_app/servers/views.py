@@ -1,5 +1,7 @@
-"""The machines page: every machine a member may use, its memory, its servers and its line
-(docs/behaviour.md §5 "Room on a machine"; who may use which machine: docs/access.md)."""
+"""The machines page: every machine a member may use, its memory, the sessions' servers on
+it and the starts waiting there for memory (docs/behaviour.md §5 "Room on a machine"; who
+may use which machine: docs/access.md). Kept with the servers it shows, so machines_app
+knows nothing of sessions (tests/test_layers.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from sessions_app import actions, room
-from sessions_app.models import AgentSession
+from machines_app.access import machines_for
+from machines_app.memory import size
+from machines_app.models import Machine, MemoryClaim, ModelFile
 
-from .access import machines_for
-from .memory import size
-from .models import Machine, MemoryClaim, ModelFile, ServerRecord
+from .. import actions, room
+from ..models import AgentSession
+from .models import ServerRecord
 
 #: The plot's width and height in SVG units, and how far back it looks.
 PLOT_W, PLOT_H = 240, 48

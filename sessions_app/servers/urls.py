@@ -1,3 +1,5 @@
+"""The machines page's URLs (:mod:`.views`); their names are the ones the templates use."""
+
 from django.urls import path
 
 from . import views
