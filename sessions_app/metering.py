@@ -16,7 +16,7 @@ from usage_app.models import UsageRecord
 from usage_app.recording import record_usage
 
 from . import machine_use, turns
-from .completions import Usage
+from .completions.deltas import Usage
 from .models import AgentSession
 from .transcript import Kind
 

@@ -807,8 +807,7 @@ def test_paced_reads_start_pausing_only_once_the_hook_has_something_to_show(monk
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from sessions_app import completions
-    from sessions_app.completions import AbortableHTTP
+    from sessions_app.completions import AbortableHTTP, pacing
 
     class Chunks(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -835,7 +834,7 @@ def test_paced_reads_start_pausing_only_once_the_hook_has_something_to_show(monk
         sleeps.append(len(reads))
         real_sleep(seconds)
 
-    monkeypatch.setattr(completions.time, "sleep", counted_sleep)
+    monkeypatch.setattr(pacing.time, "sleep", counted_sleep)
     shown_from = 4  # the hook has "shown" something from its 4th call on
 
     def before_read():

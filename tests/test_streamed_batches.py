@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from sessions_app import agent, turns
+from sessions_app.agent import fragments
 
 SHOW = agent.FRAGMENT_FLUSH_EVERY
 STORE = agent.FRAGMENT_STORE_EVERY
@@ -29,7 +30,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(agent.time, "monotonic", clock)
+    monkeypatch.setattr(fragments.time, "monotonic", clock)
     return clock
 
 

@@ -22,6 +22,8 @@ from django.utils import timezone
 
 from machines_app.models import Machine, ModelFile
 from sessions_app import actions, agent, completions
+from sessions_app import actions, agent, completions, lifecycle
+from sessions_app.completions import client as completion_client
 from sessions_app.events import locked
 from sessions_app.export import to_jsonl
 from sessions_app.importing import import_into, read_file
@@ -329,7 +331,7 @@ def test_the_figures_equal_the_real_servers_own_reports(real_session, alice, bob
             reports.append(copy.deepcopy(dict(data)))
         return parse(data)
 
-    monkeypatch.setattr(completions, "parse_chunk", keep_reports)
+    monkeypatch.setattr(completion_client, "parse_chunk", keep_reports)  # where the client reads it
     model = ModelFile.objects.get(machine=real_session.machine, key=real_session.model_key)
     # alice's session, shared to act: the second message is bob's, and so is its usage.
     for author, text in ((alice, "Say hello."), (bob, "Now say goodbye.")):
