@@ -107,7 +107,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "project.log_filters", "project.queues",
         "machines_app", "machines_app.gguf", "machines_app.memory", "machines_app.discovery",
         "machines_app.sandbox", "machines_app.ssh", "machines_app.demo_models",
-        "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
+        "sessions_app", "sessions_app.callcard", "sessions_app.allowances",
+        # The transcript's vocabulary and folds: a package of pure modules.
+        "sessions_app.transcript", "sessions_app.transcript.vocabulary", "sessions_app.transcript.payloads",
+        "sessions_app.transcript.reading", "sessions_app.transcript.messages", "sessions_app.transcript.folds",
+        "sessions_app.transcript.versions",
+        # What a tool is (plain data) and the plain reason it could not be reached.
+        "sessions_app.tools.catalogue", "sessions_app.tools.failures",
         "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
         "sessions_app.export", "sessions_app.tool_results",
         "attention_app", "attention_app.make_icons", "search_app", "usage_app", "api_app", "accounts_app",
@@ -123,7 +129,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", (
         "*.models", "machines_app.keystore", "machines_app.access", "machines_app.transports", "machines_app.llama_server",
         "machines_app.workspaces", "machines_app.template_files", "machines_app.catalog",
-        "sessions_app.completions", "sessions_app.tools", "sessions_app.machine_tools",
+        "sessions_app.completions",
+        "sessions_app.tools", "sessions_app.tools.builtin", "sessions_app.tools.machine", "sessions_app.tools.mcp",
+        "sessions_app.tools.use",
         "sessions_app.server_state", "sessions_app.presence", "sessions_app.presence_board", "sessions_app.dispatch",
         "sessions_app.broadcast", "sessions_app.liveness", "sessions_app.live_link", "sessions_app.db_link",
         "sessions_app.images", "sessions_app.text_files",

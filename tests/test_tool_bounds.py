@@ -23,9 +23,10 @@ from django.db import connection
 
 from machines_app.models import ServerRecord
 from machines_app.transports import ProcessId, transport_for
-from sessions_app import actions, agent, lifecycle, machine_tools, tool_results
+from sessions_app import actions, agent, lifecycle, tool_results
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, McpServer, TranscriptEvent
+from sessions_app.tools import machine as machine_tools
 
 from .bulk_mcp import BIG_MCP_BYTES
 from .conftest import ROOT, grant_bypass, model_key, wait_for
