@@ -141,9 +141,10 @@ def _depth(value: Any) -> int:
 
 
 def _conforms(value: Any, hint: Any) -> bool:
-    """Whether ``value`` (read from JSON) has the type ``hint`` of a payload key
-    (transcript.py's TypedDicts): str, int (within ±MAX_INT), float (finite), bool, dict,
-    list[X], X | None, a TypedDict (an object; ``Actor``: a name or {id, username}), Any."""
+    """Whether ``value`` (read from JSON) has the type ``hint`` of a payload key (the
+    TypedDicts of sessions_app/transcript/payloads.py): str, int (within ±MAX_INT), float
+    (finite), bool, dict, list[X], X | None, a TypedDict (an object; ``Actor``: a name or
+    {id, username}), Any."""
     origin, args = get_origin(hint), get_args(hint)
     if hint is Any:
         return True

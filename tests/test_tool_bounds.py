@@ -28,6 +28,10 @@ from sessions_app.models import AgentSession, McpServer, TranscriptEvent
 from sessions_app.servers.models import ServerRecord
 from sessions_app.servers.records import server_endpoint
 from sessions_app.servers.start import start_server
+from sessions_app import actions, agent, lifecycle, tool_results
+from sessions_app.completions import CompletionClient
+from sessions_app.models import AgentSession, McpServer, TranscriptEvent
+from sessions_app.tools import machine as machine_tools
 
 from .bulk_mcp import BIG_MCP_BYTES
 from .conftest import ROOT, grant_bypass, model_key, wait_for

@@ -1,4 +1,4 @@
-"""Tests for the transcript folds (docs/behaviour.md §7, §8, §10): sessions_app/transcript.py.
+"""Tests for the transcript folds (docs/behaviour.md §7, §8, §10): the sessions_app/transcript package.
 
 Pure functions over events; no database, no Django.
 """
