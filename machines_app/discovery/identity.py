@@ -47,8 +47,9 @@ def _words(text: str) -> list[str]:
 
 
 def model_name(head: GGUFHead, file_stem: str = "") -> str | None:
-    """The name of a model from its GGUF identity (the module docstring's rules), or None
-    when the file says nothing of itself (the caller shows the file name).
+    """The name of a model from its GGUF identity (the rules in the docstring of
+    :mod:`machines_app.discovery`), or None when the file says nothing of itself (the
+    caller shows the file name).
 
     ``file_stem``: the file name without ``.gguf`` (and the split suffix). Examples:
     ``general.name`` "Gemma 3 270m It" → "Gemma 3 270m It"; "Llama 3.1" with size label

@@ -25,7 +25,7 @@ class ModelInfo:
     Attributes:
         key: path relative to the models directory; for split sets the key of part 1
             (or of the lowest present part when part 1 is missing).
-        display_name: what the UI shows (see the module docstring for the rules).
+        display_name: what the UI shows (see the rules in the docstring of machines_app.discovery).
         name: ``general.name`` as read (None when absent).
         architecture, size_label, quantization, context_length: from the metadata, see
             :class:`machines_app.gguf.GGUFHead`; context_length is in tokens.
@@ -249,7 +249,7 @@ def discover(
 
     Returns:
         one ModelInfo per single file or split set (projectors excluded), sorted by
-        display_name ignoring case, then key. See the module docstring for the rules.
+        display_name ignoring case, then key. See the rules in the docstring of machines_app.discovery.
     """
     files = list(files)
     sizes = dict(files)
