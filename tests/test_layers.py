@@ -116,6 +116,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sessions_app.transcript.versions",
         # What a tool is (plain data) and the plain reason it could not be reached.
         "sessions_app.tools.catalogue", "sessions_app.tools.failures",
+        "machines_app", "machines_app.gguf", "machines_app.memory",
+        "machines_app.discovery", "machines_app.discovery.keys", "machines_app.discovery.heads",
+        "machines_app.discovery.identity", "machines_app.discovery.listing",
+        "machines_app.sandbox", "machines_app.demo_models",
+        "machines_app.ssh", "machines_app.ssh.keys", "machines_app.ssh.sftp", "machines_app.ssh.connection",
+        "machines_app.ssh.links", "machines_app.ssh.forwards",
+        "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
         "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
         "sessions_app.export", "sessions_app.tool_results",
         "sessions_app.completions.deltas", "sessions_app.completions.errors", "sessions_app.completions.sse",
@@ -132,7 +139,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Rows and what reaches a machine: models, transports, the llama-server client, reads
     # and renderers of stored events; pushes and task hand-offs by name.
     ("models", (
-        "*.models", "machines_app.keystore", "machines_app.access", "machines_app.transports", "machines_app.llama_server",
+        "*.models", "machines_app.keystore", "machines_app.access",
+        "machines_app.transports", "machines_app.transports.base", "machines_app.transports.commands",
+        "machines_app.transports.local", "machines_app.transports.remote", "machines_app.transports.places",
+        "machines_app.transports.tool_view", "machines_app.llama_server",
         "machines_app.workspaces", "machines_app.template_files", "machines_app.catalog",
         "sessions_app.completions", "sessions_app.completions.client", "sessions_app.completions.pacing",
         "sessions_app.tools", "sessions_app.machine_tools",

@@ -16,6 +16,9 @@ from django.test import Client
 from machines_app import catalog, ssh
 from machines_app.discovery import discover
 from machines_app.models import Machine, PendingStop
+from machines_app.models import Machine, PendingStop, ServerRecord
+from machines_app.ssh import connection as ssh_connection
+from machines_app.ssh import sftp as ssh_sftp
 from machines_app.transports import (
     ProcessId,
     SSHTransport,
@@ -158,7 +161,7 @@ def test_a_connection_kept_full_is_busy_not_lost(tmp_path, monkeypatch):
         assert time.monotonic() - started >= 1.5 and link._sessions.limit == 1
         link.release_channel(held)
 
-        monkeypatch.setattr(ssh, "SESSION_WAIT", 1.0)
+        monkeypatch.setattr(ssh_connection, "SESSION_WAIT", 1.0)  # where Link looks it up
         held = link.start("sleep 4")
         with pytest.raises(TransportError, match="busy: all 1 sessions its sshd allows"):
             transport.run_probe(["true"])
@@ -233,14 +236,14 @@ def test_discovery_costs_round_trips_per_batch_not_per_file(sshd, tmp_path, llam
     catalog._HEADS.clear()
     link = ssh.link_for(ssh_target(machine))
     opened: list[bytes] = []
-    send = ssh._SFTP._async_request
+    send = ssh_sftp._SFTP._async_request
 
     def counting(sftp, fileobj, t, *args):
-        if t == ssh.CMD_OPEN:
+        if t == ssh_sftp.CMD_OPEN:
             opened.append(bytes(args[0]))
         return send(sftp, fileobj, t, *args)
 
-    monkeypatch.setattr(ssh._SFTP, "_async_request", counting)
+    monkeypatch.setattr(ssh_sftp._SFTP, "_async_request", counting)
 
     def refresh() -> tuple[int, int]:
         before = (link.sftp_counts.requests, link.sftp_counts.round_trips)
