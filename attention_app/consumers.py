@@ -22,7 +22,7 @@ from datetime import timedelta
 from importlib import import_module
 from types import SimpleNamespace
 
-from channels.db import database_sync_to_async
+from sessions_app.live.db_thread import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 from django.contrib import auth

@@ -27,7 +27,7 @@ from importlib import import_module
 from types import SimpleNamespace
 from urllib.parse import parse_qs
 
-from channels.db import database_sync_to_async
+from .live.db_thread import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 from django.conf import settings
 from django.contrib import auth
@@ -111,15 +111,19 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
         self.group = broadcast.group_name(self.session_id)
         self.joined: list[str] = []
-        # Two trips to the database thread in all (each one a connection opened and
-        # closed): many pages opening at once each wait behind every other's trips, and
-        # daphne drops a handshake not accepted within 5 s (docs/live-page.md).
+        # Two trips to the database thread in all: many pages opening at once each wait
+        # behind every other's trips, and daphne drops a handshake not accepted within 5 s
+        # (docs/live-page.md). The thread keeps its connection from one trip to the next
+        # while pages are open (sessions_app/live/db_thread.py).
         refusal = await database_sync_to_async(self._open)()
         if refusal is not None:
             await self.accept()
             await self.close(code=refusal.value)
             return
         await self.accept()
+        # Counted as open from here (Redis lost closes it too), so its next trip to the
+        # database thread keeps that thread's connection (sessions_app/live/db_thread.py).
+        live_link.watch(self)
         # The account's and the machine's groups: a change to either (a deactivation, a
         # new password, a group left, the machine disabled) asks this socket again at once.
         groups = [self.group, broadcast.user_group_name(self.scope["user"].pk),
@@ -137,7 +141,6 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             # Redis is down: nothing could reach this page; it says so and tries again.
             await live_link.lost(self)
             return
-        live_link.watch(self)
         await self._send_events(missed)
 
     def _open(self) -> CloseCode | None:

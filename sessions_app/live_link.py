@@ -48,6 +48,12 @@ def watch(consumer) -> None:
         _task = asyncio.get_running_loop().create_task(_ping_while_open())
 
 
+def pages_open() -> bool:
+    """Whether any socket of this process is open (counted by :func:`watch`); the live
+    pages' database connection is kept only while one is (sessions_app/live/db_thread.py)."""
+    return bool(_open)
+
+
 def forget(consumer) -> None:
     """The socket of ``consumer`` closed."""
     _open.discard(consumer)

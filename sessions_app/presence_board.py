@@ -27,7 +27,7 @@ import logging
 import weakref
 from typing import Protocol
 
-from channels.db import database_sync_to_async
+from .live.db_thread import database_sync_to_async
 
 from . import presence
 from .presenters import render_presence

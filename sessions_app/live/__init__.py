@@ -1,0 +1,1 @@
+"""The live session page, server side (docs/live-page.md)."""
