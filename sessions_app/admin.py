@@ -21,8 +21,9 @@ from machines_app.admin import InternalRowAdmin, admin_system_prompt
 
 from .events import load_events
 from .forms import NewSessionForm
+from .live.items import Viewer, render_item
+from .live.transcript_view import build_items
 from .models import Access, AgentSession, DeploymentSettings, McpServer, TranscriptEvent
-from .presenters import Viewer, build_items, render_item
 from .transcript import actor
 
 #: The one column of a session an admin may change here: its title (no rule depends on it).

@@ -34,7 +34,6 @@ from machines_app.transports import TransportError
 from . import (
     actions,
     allowances,
-    broadcast,
     callcard,
     completions,
     control_tokens,
@@ -61,6 +60,7 @@ from .completions import (
     Usage,
 )
 from .events import load_events, storable
+from .live import broadcast
 from .models import AgentSession, McpServer, TranscriptEvent
 from .transcript import Kind, TurnEnd
 

@@ -61,8 +61,9 @@ from machines_app.transports import (
     transport_for,
 )
 
-from . import dispatch, orphans, presenters, room, tools, turns
+from . import dispatch, orphans, room, tools, turns
 from .events import append, change_status, locked, record_error, record_event, set_status
+from .live.header import model_facts
 from .models import AgentSession, McpServer
 from .server_state import idle_sessions
 from .transcript import Kind, TurnEnd
@@ -643,7 +644,7 @@ def server_facts(model: ModelFile | None, props: ServerProps | None) -> dict:
         "chat_template": (model.chat_template_file or model.chat_template) if model else "",
         "jinja": not (model and model.chat_template and not model.chat_template_file),
         # What the header's model details say of the file (size, quantisation, images).
-        "model_facts": presenters.model_facts(model),
+        "model_facts": model_facts(model),
     }
     if props is None:
         return facts

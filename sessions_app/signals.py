@@ -14,7 +14,8 @@ from django.db import DatabaseError, transaction
 from django.db.models.signals import post_delete, pre_delete
 from django.dispatch import receiver
 
-from . import broadcast, images, lifecycle
+from . import images, lifecycle
+from .live import broadcast
 from .models import AgentSession
 
 log = logging.getLogger(__name__)

@@ -108,7 +108,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "machines_app", "machines_app.gguf", "machines_app.memory", "machines_app.discovery",
         "machines_app.sandbox", "machines_app.ssh", "machines_app.demo_models",
         "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
-        "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
+        "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex",
+        "sessions_app.live", "sessions_app.live.markdown",
         "sessions_app.export", "sessions_app.tool_results",
         "attention_app", "attention_app.make_icons", "search_app", "usage_app", "api_app", "accounts_app",
     )),
@@ -124,10 +125,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "*.models", "machines_app.keystore", "machines_app.access", "machines_app.transports", "machines_app.llama_server",
         "machines_app.workspaces", "machines_app.template_files", "machines_app.catalog",
         "sessions_app.completions", "sessions_app.tools", "sessions_app.machine_tools",
-        "sessions_app.server_state", "sessions_app.presence", "sessions_app.presence_board", "sessions_app.dispatch",
-        "sessions_app.broadcast", "sessions_app.liveness", "sessions_app.live_link", "sessions_app.db_link",
-        "sessions_app.images", "sessions_app.text_files",
-        "sessions_app.presenters", "sessions_app.templatetags*", "usage_app.quota", "usage_app.figures",
+        "sessions_app.server_state", "sessions_app.dispatch", "sessions_app.liveness", "sessions_app.db_link",
+        "sessions_app.images", "sessions_app.text_files", "sessions_app.templatetags*", "usage_app.quota", "usage_app.figures",
+        # The live page (sessions_app/live/): its pushes, who is watching, its database
+        # thread, its socket's Redis watch, and the renderers of stored events.
+        "sessions_app.live.broadcast", "sessions_app.live.presence", "sessions_app.live.presence_board",
+        "sessions_app.live.db_thread", "sessions_app.live.live_link", "sessions_app.live.sentences",
+        "sessions_app.live.header", "sessions_app.live.items", "sessions_app.live.transcript_view",
         "accounts_app.backends",
     )),
     # Writes: each change with its event and its push (Zulip's do_*).

@@ -20,8 +20,8 @@ from django.db import connection, connections
 
 from machines_app.models import Machine
 from project.asgi import application
-from sessions_app import broadcast
-from sessions_app.consumers import SessionConsumer
+from sessions_app.live import broadcast
+from sessions_app.live.consumers import SessionConsumer
 from sessions_app.models import AgentSession
 
 from .test_live_connection import HOST, cookie_of

@@ -14,7 +14,7 @@ one left outside autocommit, or one older than :data:`KEEP_SECONDS` is closed; a
 call's first query the connection is asked ``SELECT 1``, so one that PostgreSQL cut while
 it sat idle (a restart, ``pg_terminate_backend``) is replaced, not failed on.
 
-It is kept only while this process has a page open (:func:`sessions_app.live_link.pages_open`):
+It is kept only while this process has a page open (:func:`sessions_app.live.live_link.pages_open`):
 the call that finds none open — every page's last one, as it closes — closes it, so an idle
 daphne holds no connection, and neither does a test process once its sockets are closed
 (PostgreSQL would refuse to drop the test database).
@@ -29,7 +29,7 @@ from __future__ import annotations
 from channels.db import DatabaseSyncToAsync
 from django.db import connections
 
-from .. import live_link
+from . import live_link
 
 #: Seconds a kept connection lives at most (Django's ``CONN_MAX_AGE``, for these calls only).
 KEEP_SECONDS = 600

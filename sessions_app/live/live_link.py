@@ -1,6 +1,6 @@
 """Pages' sockets and Redis: a page must not say "live" while nothing can reach it.
 
-Every push to a page goes through Redis (the Channels layer, sessions_app/broadcast.py).
+Every push to a page goes through Redis (the Channels layer, sessions_app/live/broadcast.py).
 When Redis stops — killed, restarting — channels_redis keeps each daphne's subscription
 and retries in the background; the sockets stay open and the pages went on showing *live*
 while every push was lost. Here one task per daphne process asks Redis ``PING`` every
