@@ -36,7 +36,8 @@ CHILD = textwrap.dedent("""
     from django.conf import settings
     from channels.layers import get_channel_layer
     from project.celery import app
-    from sessions_app import broadcast, liveness
+    from sessions_app import liveness
+    from sessions_app.live import broadcast
 
     app.send_task("sessions_app.tasks.recover_turns")  # lands on the housekeeping queue
 
