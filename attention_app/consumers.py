@@ -22,14 +22,14 @@ from datetime import timedelta
 from importlib import import_module
 from types import SimpleNamespace
 
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 from django.contrib import auth
 from django.utils import timezone
 
-from sessions_app import broadcast, live_link, presence
-from sessions_app.consumers import CloseCode
+from sessions_app.live import broadcast, live_link, presence
+from sessions_app.live.consumers import CloseCode
+from sessions_app.live.db_thread import database_sync_to_async
 
 from .models import OpenPage
 from .waiting import waiting_for
@@ -58,7 +58,7 @@ class AttentionConsumer(AsyncJsonWebsocketConsumer):
                 await self.channel_layer.group_add(group, self.channel_name)
                 self.joined.append(group)
         except live_link.UNREACHABLE:
-            await live_link.lost(self)  # Redis is down: the page tries again (sessions_app/live_link.py)
+            await live_link.lost(self)  # Redis is down: the page tries again (sessions_app/live/live_link.py)
             return
         live_link.watch(self)
         await database_sync_to_async(self._keep_page)()
@@ -146,7 +146,7 @@ class AttentionConsumer(AsyncJsonWebsocketConsumer):
 
     def _login_holds(self) -> bool:
         """Whether this browser's login still stands (the rule of
-        ``sessions_app.consumers.SessionConsumer._login_holds``: Django's own ``get_user`` on
+        ``sessions_app.live.consumers.SessionConsumer._login_holds``: Django's own ``get_user`` on
         the login's session read afresh)."""
         key = self._login_key()
         if not key:

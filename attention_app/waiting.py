@@ -20,8 +20,8 @@ from django.template.loader import render_to_string
 
 from sessions_app import callcard
 from sessions_app.actions import may_grant_always
+from sessions_app.live.items import TOOL_KINDS, tool_item
 from sessions_app.models import Access, AgentSession, TranscriptEvent
-from sessions_app.presenters import TOOL_KINDS, tool_item
 from sessions_app.transcript import Kind
 
 #: The most characters of a call's summary in a notification (the card shows all of it).
@@ -141,7 +141,7 @@ def count_for(user) -> int:
 
 def render_card(user, waiting: Waiting) -> str:
     """The call's row as its session page draws it (``sessions_app/_item.html`` from
-    ``presenters.tool_item``: the same card, the same answer buttons posting to the same
+    ``live.items.tool_item``: the same card, the same answer buttons posting to the same
     view), for ``user``; its ids made unique across sessions."""
     session = AgentSession.objects.select_related("owner").get(pk=waiting.session_id)
     events = (TranscriptEvent.objects.filter(session=session, kind__in=list(TOOL_KINDS), payload__id=waiting.call_id)

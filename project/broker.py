@@ -1,7 +1,7 @@
 """Celery's broker, read from ``REDIS_URL``.
 
 ``REDIS_URL`` is read by redis-py everywhere else — the Channels layer (channels_redis),
-the pushes from synchronous code (sessions_app/broadcast.py), the workers' liveness keys
+the pushes from synchronous code (sessions_app/live/broadcast.py), the workers' liveness keys
 (sessions_app/liveness.py) — and the layer's channel prefix names the database redis-py
 selects (project/channel_layer.py). Celery's broker is kombu's Redis transport, which reads
 URLs its own way: it knows no ``unix://`` scheme (its name is ``redis+socket://``), takes

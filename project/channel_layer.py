@@ -36,6 +36,6 @@ def channel_prefix(redis_url: str) -> str:
 def group_channel(prefix: str, group: str) -> str:
     """The Redis pub/sub channel of a Channels group in channels_redis's pub/sub layer
     configured with ``prefix`` (``RedisPubSubLoopLayer._get_group_channel_name``), for
-    publishing to it without the layer (sessions_app/broadcast.py).
+    publishing to it without the layer (sessions_app/live/broadcast.py).
     tests/test_live_connection.py checks it against the layer's own."""
     return f"{prefix}__group__{group}"

@@ -27,8 +27,8 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 from django.urls import reverse
 
+from sessions_app.live.items import NOTE_KINDS, QUEUE_KINDS, SILENT_KINDS, TOOL_KINDS
 from sessions_app.models import AgentSession, TranscriptEvent
-from sessions_app.presenters import NOTE_KINDS, QUEUE_KINDS, SILENT_KINDS, TOOL_KINDS
 from sessions_app.transcript import Kind, actor
 
 from .models import Indexed, Passage
@@ -42,7 +42,7 @@ SNIPPET_BEFORE, SNIPPET_AFTER = 60, 160
 #: Events read per query while catching up a long transcript.
 CHUNK = 2000
 
-#: Kinds that leave a reply open on the page (sessions_app.presenters.TranscriptView):
+#: Kinds that leave a reply open on the page (sessions_app.live.transcript_view.TranscriptView):
 #: the reply's later text joins the same bubble, so the same passage.
 _KEEP_OPEN = SILENT_KINDS | QUEUE_KINDS | NOTE_KINDS | (TOOL_KINDS - {Kind.TOOL_START}) | {Kind.ALLOWANCE_REVOKED}
 

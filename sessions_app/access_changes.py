@@ -18,7 +18,7 @@ from django.dispatch import receiver
 
 from machines_app.models import Machine
 
-from . import broadcast
+from .live import broadcast
 
 User = get_user_model()
 

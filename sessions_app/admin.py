@@ -22,6 +22,8 @@ from machines_app.models import ModelFile
 
 from .events import load_events
 from .forms import NewSessionForm
+from .live.items import Viewer, render_item
+from .live.transcript_view import build_items
 from .models import Access, AgentSession, DeploymentSettings, McpServer, TranscriptEvent
 from .presenters import Viewer, build_items, render_item
 from .rules import SessionError, check_system_prompt

@@ -2,7 +2,7 @@
 
 - :func:`record_event` appends one event: it takes the session's row lock, hands out the
   next sequence number (gap-free per session) and pushes the event to watchers after
-  commit (:mod:`sessions_app.broadcast`).
+  commit (:mod:`sessions_app.live.broadcast`).
 - :func:`append` does the same inside a transaction that already holds the lock (see
   :func:`locked`), so an action can change columns and record events atomically.
 - :func:`change_status` is "set the status, then record a ``status`` event" — written once.
@@ -15,7 +15,8 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
-from . import broadcast, dispatch
+from . import dispatch
+from .live import broadcast
 from .models import AgentSession, TranscriptEvent
 from .transcript import Kind, check_payload
 

@@ -2,7 +2,7 @@ from django.urls import path, re_path
 
 from attention_app.consumers import AttentionConsumer
 
-from .consumers import RefusedConsumer, SessionConsumer
+from .live.consumers import RefusedConsumer, SessionConsumer
 
 websocket_urlpatterns = [
     path("ws/sessions/<int:session_id>/", SessionConsumer.as_asgi()),

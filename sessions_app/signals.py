@@ -15,6 +15,8 @@ from django.db.models.signals import post_delete, pre_delete
 from django.dispatch import receiver
 
 from . import broadcast, images
+from . import images, lifecycle
+from .live import broadcast
 from .models import AgentSession
 from .servers import stop
 

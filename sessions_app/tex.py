@@ -2,7 +2,7 @@
 
 A model writes ``$E=mc^2$`` (inline) and ``$$…$$`` (display); the page shows them as
 MathML, which Chromium, Firefox and Safari draw natively: no script, and the same
-sanitiser as the rest of the reply (sessions_app/markdown.py keeps the MathML elements
+sanitiser as the rest of the reply (sessions_app/live/markdown.py keeps the MathML elements
 and attributes listed here, nothing else).
 
 Delimiters follow pandoc's ``tex_math_dollars``, so prices stay text:

@@ -15,42 +15,15 @@ from django.views.decorators.http import require_GET, require_POST
 from machines_app import catalog
 from machines_app.access import machine_refusal, machines_for
 
-from . import (
-    actions,
-    dispatch,
-    export,
-    first_run,
-    images,
-    importing,
-    markdown,
-    presence,
-    room,
-    rules,
-    tex,
-    text_files,
-    transcript,
-    turns,
-)
-from .consumers import CloseCode
+from . import actions, dispatch, export, first_run, images, importing, room, rules, tex, text_files, transcript, turns
 from .events import load_events, load_kinds, load_queue_events, load_turns, turns_since
 from .forms import MachineChoiceForm, MessageForm, NewSessionForm, SessionSettingsForm
+from .live import markdown, presence
+from .live.consumers import CloseCode
+from .live.header import context_size, model_details, model_facts, template_info
+from .live.items import ALLOWANCE_KINDS, TOOL_KINDS, VERSION_KINDS, Viewer, allowance_items, attach_context, queued_item
+from .live.transcript_view import TURNS_PER_PAGE, gauge_of, turn_items
 from .models import Access, AgentSession, TranscriptEvent
-from .presenters import (
-    ALLOWANCE_KINDS,
-    TOOL_KINDS,
-    TURNS_PER_PAGE,
-    VERSION_KINDS,
-    Viewer,
-    allowance_items,
-    attach_context,
-    context_size,
-    gauge_of,
-    model_details,
-    model_facts,
-    queued_item,
-    template_info,
-    turn_items,
-)
 from .transcript import Versions
 
 ACT, MANAGE = Access.ACT, Access.MANAGE

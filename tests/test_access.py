@@ -6,8 +6,8 @@ import pytest
 from django.test import Client
 
 from machines_app.models import Machine
-from sessions_app.consumers import CloseCode
 from sessions_app.events import record_event
+from sessions_app.live.consumers import CloseCode
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import WSRecorder, wait_for

@@ -310,7 +310,7 @@ def test_the_page_drops_to_watching_then_says_it_is_logged_out(stack, page, alic
 @pytest.fixture
 def pushed(monkeypatch):
     """The groups told to ask again, in order (broadcast.push_access_changed replaced)."""
-    from sessions_app import broadcast
+    from sessions_app.live import broadcast
 
     groups: list[str] = []
     monkeypatch.setattr(broadcast, "push_access_changed", groups.append)

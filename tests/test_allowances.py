@@ -508,8 +508,8 @@ def test_a_member_who_may_only_act_is_offered_no_always_and_a_forged_one_is_refu
 
 def test_bypass_holders_may_grant_and_the_page_lists_and_revokes(asked_session, alice, bob, monkeypatch):
     from sessions_app import turns
+    from sessions_app.live.transcript_view import TranscriptView
     from sessions_app.models import TranscriptEvent
-    from sessions_app.presenters import TranscriptView
 
     from .conftest import grant_bypass
 

@@ -1,7 +1,7 @@
 """Issue 20, part 1: the card shows what will run (docs/behaviour.md §8, "What the card shows").
 
 The renderer (sessions_app/callcard.py) is pure: its tests here need no database. Then the
-same card through every way out: the page's item (presenters), the Markdown export and the
+same card through every way out: the page's item (sessions_app/live/items.py), the Markdown export and the
 JSON Lines export read back; and a file's "before" read through the real transports, the
 local machine's and the test sshd's. The browser cards are in tests/test_call_card_browser.py.
 """
@@ -22,7 +22,8 @@ from machines_app import ssh
 from machines_app.transports import LocalTransport, SSHTransport
 from sessions_app import callcard
 from sessions_app.export import _plain_line, read_jsonl, to_jsonl, to_markdown
-from sessions_app.presenters import build_items, render_item
+from sessions_app.live.items import render_item
+from sessions_app.live.transcript_view import build_items
 from sessions_app.transcript import Event, check_payload
 
 DUPLICATE = '{"command": "echo harmless",' + "\n" * 60 + '"command": "rm -rf ~/victim"}'

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from sessions_app.markdown import render_markdown
+from sessions_app.live.markdown import render_markdown
 
 from .conftest import ROOT
 

@@ -183,7 +183,7 @@ def test_an_allowance_is_said_with_its_invisible_characters_escaped_and_its_word
     bidirectional override in an exact command or a path would make it read in another
     order than it is, and a quoted word must not read as two."""
     from sessions_app.allowances import label
-    from sessions_app.presenters import always_button
+    from sessions_app.live.items import always_button
 
     exact = label("exec_shell_command", {"kind": "exact", "command": "echo \u202eevil"})
     assert "\u202e" not in exact and "\\u202e" in exact

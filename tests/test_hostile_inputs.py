@@ -600,7 +600,7 @@ def _reparse_dangerous(html: str) -> list[str]:
 
 @pytest.mark.parametrize("text", XSS)
 def test_tex_mathml_carries_no_script_no_link_no_style(text):
-    from sessions_app.markdown import formula_html, render_markdown, reply_formulas
+    from sessions_app.live.markdown import formula_html, render_markdown, reply_formulas
 
     html = render_markdown(text)
     assert _reparse_dangerous(html) == [], html
@@ -623,7 +623,7 @@ def test_tex_mathml_carries_no_script_no_link_no_style(text):
     ("$" + "\\\\" * 5000) * 10,
 ])
 def test_tex_pathological_formulas_render_fast(text):
-    from sessions_app.markdown import render_markdown, reply_formulas
+    from sessions_app.live.markdown import render_markdown, reply_formulas
 
     started = time.monotonic()
     render_markdown(text)

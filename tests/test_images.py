@@ -25,8 +25,8 @@ from machines_app.llama_server import ServerSpec, build_argv
 from machines_app.models import Machine, ModelFile
 from sessions_app import actions, images, tasks, transcript, views
 from sessions_app.images import ImageRefused, Upload
+from sessions_app.live.transcript_view import TranscriptView
 from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
-from sessions_app.presenters import TranscriptView
 from sessions_app.transcript import IMAGE_MISSING, IMAGE_NOT_SHOWN, USER_JOIN, Event, build_messages
 
 

@@ -123,7 +123,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "machines_app.ssh", "machines_app.ssh.keys", "machines_app.ssh.sftp", "machines_app.ssh.connection",
         "machines_app.ssh.links", "machines_app.ssh.forwards",
         "sessions_app", "sessions_app.transcript", "sessions_app.callcard", "sessions_app.allowances",
-        "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex", "sessions_app.markdown",
+        "sessions_app.control_tokens", "sessions_app.rules", "sessions_app.tex",
+        "sessions_app.live", "sessions_app.live.markdown",
         "sessions_app.export", "sessions_app.tool_results",
         "sessions_app.completions.deltas", "sessions_app.completions.errors", "sessions_app.completions.sse",
         "sessions_app.completions.chunks", "sessions_app.completions.tool_calls",
@@ -153,6 +154,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sessions_app.broadcast", "sessions_app.liveness", "sessions_app.live_link", "sessions_app.db_link",
         "sessions_app.images", "sessions_app.text_files",
         "sessions_app.presenters", "sessions_app.templatetags*", "usage_app.quota", "usage_app.figures",
+        "sessions_app.completions", "sessions_app.tools", "sessions_app.machine_tools",
+        "sessions_app.server_state", "sessions_app.dispatch", "sessions_app.liveness", "sessions_app.db_link",
+        "sessions_app.images", "sessions_app.text_files", "sessions_app.templatetags*", "usage_app.quota", "usage_app.figures",
+        # The live page (sessions_app/live/): its pushes, who is watching, its database
+        # thread, its socket's Redis watch, and the renderers of stored events.
+        "sessions_app.live.broadcast", "sessions_app.live.presence", "sessions_app.live.presence_board",
+        "sessions_app.live.db_thread", "sessions_app.live.live_link", "sessions_app.live.sentences",
+        "sessions_app.live.header", "sessions_app.live.items", "sessions_app.live.transcript_view",
         "accounts_app.backends",
     )),
     # Writes: each change with its event and its push (Zulip's do_*).

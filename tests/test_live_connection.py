@@ -28,8 +28,9 @@ from machines_app.models import Machine
 from machines_app.transports import LocalTransport
 from project.asgi import application
 from project.channel_layer import group_channel
-from sessions_app import actions, broadcast
-from sessions_app.consumers import CloseCode
+from sessions_app import actions
+from sessions_app.live import broadcast
+from sessions_app.live.consumers import CloseCode
 from sessions_app.models import AgentSession
 
 from .conftest import Stack, WSRecorder, wait_for
@@ -184,7 +185,7 @@ def test_frames_from_the_browser_are_ignored_and_the_socket_stays_live(alice, se
 
 def test_the_socket_and_the_first_paint_read_one_context_size(alice, session):
     """The gauge's n_ctx is the last server_ready's, else the session's contextSize — for
-    the page's first paint and for the socket alike (presenters.context_size), also when
+    the page's first paint and for the socket alike (live.header.context_size), also when
     the last server did not say it and an earlier one did."""
     AgentSession.objects.filter(pk=session.pk).update(server_params={"contextSize": 1024})
     actions.record_event(session.pk, "server_ready", {"model_key": "m.gguf", "model": "M", "n_ctx": 2048})

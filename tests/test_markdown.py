@@ -1,4 +1,4 @@
-"""Tests for sessions_app/markdown.py: assistant text as safe Markdown (docs/behaviour.md §12)."""
+"""Tests for sessions_app/live/markdown.py: assistant text as safe Markdown (docs/behaviour.md §12)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from sessions_app.markdown import ALLOWED_TAGS, pygments_css, render_markdown
+from sessions_app.live.markdown import ALLOWED_TAGS, pygments_css, render_markdown
 
 # (name, markdown, must appear in the HTML, must not appear (case-insensitive))
 CASES: list[tuple[str, str, list[str], list[str]]] = [

@@ -16,6 +16,8 @@ from bs4 import BeautifulSoup
 from machines_app.models import Machine
 from sessions_app import actions, agent, images, transcript
 from sessions_app.events import load_events
+from sessions_app.live.items import TOOL_KINDS, VERSION_KINDS, prime_window, render_item, render_queued
+from sessions_app.live.transcript_view import TranscriptView, build_items
 from sessions_app.models import AgentSession
 from sessions_app.presenters import (
     TOOL_KINDS,

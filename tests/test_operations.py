@@ -13,8 +13,9 @@ from django.test import Client
 
 from machines_app.models import Machine
 from project import queues
-from sessions_app import actions, agent, broadcast, liveness, turns
+from sessions_app import actions, agent, liveness, turns
 from sessions_app.events import record_event
+from sessions_app.live import broadcast
 from sessions_app.models import AgentSession
 from sessions_app.servers.models import ServerRecord
 

@@ -15,6 +15,10 @@ from machines_app.llama_server import START_FAILURES, ServerStartError, explain_
 from sessions_app import actions, transcript
 from sessions_app.events import load_events, record_event
 from sessions_app.forms import NewSessionForm, SessionSettingsForm
+from sessions_app.live.header import context_size, render_status
+from sessions_app.live.items import OWNER, Viewer, render_item
+from sessions_app.live.sentences import settings_text
+from sessions_app.live.transcript_view import TranscriptView, build_items
 from sessions_app.models import AgentSession
 from sessions_app.presenters import (
     OWNER,

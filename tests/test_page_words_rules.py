@@ -12,8 +12,10 @@ from django.utils import timezone
 
 from machines_app.models import Machine
 from sessions_app import actions, first_run, rules
+from sessions_app.live.header import model_details, model_facts, template_info
+from sessions_app.live.items import event_item
+from sessions_app.live.sentences import settings_text
 from sessions_app.models import AgentSession
-from sessions_app.presenters import event_item, model_details, model_facts, settings_text, template_info
 from sessions_app.templatetags.corral import ago
 from sessions_app.transcript import Event, Kind
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sessions_app.presenters import TranscriptView, build_items
+from sessions_app.live.transcript_view import TranscriptView, build_items
 from sessions_app.transcript import Event
 
 
@@ -44,7 +44,7 @@ def test_it_escapes_what_people_and_models_write():
         ("tool_start", {"id": "c1", "tool": "read_file", "arguments": hostile, "display_name": hostile}),
         ("tool_end", {"id": "c1", "output": hostile}),
     ), session_id=1)
-    from sessions_app.presenters import render_item
+    from sessions_app.live.items import render_item
 
     html = "".join(render_item(item) for item in items)
     assert "<script>" not in html and "<img" not in html and "<b>mallory" not in html
@@ -80,7 +80,7 @@ def test_settings_and_usage_lines_read_the_same_whatever_order_the_database_keep
     """PostgreSQL's jsonb stores a payload's keys in an order of its own (shorter keys
     first), so a line drawn from a stored event must not follow the payload's order: the
     page (read back) and the live op (the payload as written) would differ."""
-    from sessions_app.presenters import settings_text, usage_line
+    from sessions_app.live.sentences import settings_text, usage_line
 
     written = {"model_key": "m.gguf", "permission_mode": "manual", "server_params": {"threads": 2, "contextSize": 1024},
                "sampling": {"top_k": 40, "temperature": 0.2}, "by": {"id": 1, "username": "alice"}}
@@ -100,7 +100,7 @@ def test_settings_and_usage_lines_read_the_same_whatever_order_the_database_keep
 
 def test_the_usage_line_shows_the_servers_float_defaults_as_they_were_set():
     # llama-server reports its defaults as 32-bit floats widened to 64 bits.
-    from sessions_app.presenters import usage_line
+    from sessions_app.live.sentences import usage_line
 
     usage = {"sampling": {"temperature": 0.800000011920929, "top_p": 0.949999988079071, "top_k": 40},
              "sampling_from": {"temperature": "server", "top_p": "server", "top_k": "server"}}

@@ -16,7 +16,7 @@ import pytest
 from machines_app.demo_models import packaged_model_paths
 from machines_app.transports import LocalTransport
 from sessions_app.completions import CompletionClient, Progress, TextDelta, Usage, parse_chunk
-from sessions_app.presenters import progress_text, usage_line
+from sessions_app.live.sentences import progress_text, usage_line
 
 from .conftest import wait_for
 

@@ -1,7 +1,7 @@
 """Every REDIS_URL that settings accept works for every part that uses Redis.
 
 ``REDIS_URL`` feeds four clients: Celery's broker (kombu), the Channels layer
-(channels_redis), the pushes from synchronous code (sessions_app/broadcast.py) and the
+(channels_redis), the pushes from synchronous code (sessions_app/live/broadcast.py) and the
 workers' liveness keys (sessions_app/liveness.py). Settings accept what redis-py reads —
 ``unix://`` sockets, a database as ``/n`` or ``?db=n``, client options such as
 ``?socket_timeout=1`` (docs/live-page.md) — and the layer's channel prefix names that
@@ -36,7 +36,8 @@ CHILD = textwrap.dedent("""
     from django.conf import settings
     from channels.layers import get_channel_layer
     from project.celery import app
-    from sessions_app import broadcast, liveness
+    from sessions_app import liveness
+    from sessions_app.live import broadcast
 
     app.send_task("sessions_app.tasks.recover_turns")  # lands on the housekeeping queue
 
@@ -163,7 +164,7 @@ def test_two_deployments_on_one_redis_in_two_databases_never_see_each_others_pus
     from channels_redis.pubsub import RedisPubSubChannelLayer
 
     from project.channel_layer import channel_prefix
-    from sessions_app import broadcast
+    from sessions_app.live import broadcast
 
     port, _ = private_redis
     urls = [f"redis://:{PASSWORD}@127.0.0.1:{port}/{db}" for db in (1, 2)]

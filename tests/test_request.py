@@ -24,6 +24,9 @@ from machines_app import catalog
 from machines_app.llama_server import BUILTIN_CHAT_TEMPLATES, ServerSpec, build_argv
 from machines_app.models import Machine, ModelFile
 from sessions_app import actions, agent, export, presenters
+from machines_app.models import Machine, ModelFile, ServerRecord
+from sessions_app import actions, agent, export, lifecycle
+from sessions_app.live import sentences
 from sessions_app.models import AgentSession, DeploymentSettings, TranscriptEvent
 from sessions_app.servers.models import ServerRecord
 from sessions_app.servers.start import start_server
@@ -240,8 +243,8 @@ def test_an_empty_field_sends_nothing_and_a_set_field_wins(sampled_machine, alic
     assert "temperature" not in body and "top_k" not in body  # llama-server applies the file's own
     usage = events_of(session, "usage")[-1].payload
     assert usage["sampling"]["temperature"] == 0.25 and usage["sampling_from"]["temperature"] == "model"
-    assert "temperature 0.25 (model)" in presenters.usage_line(usage)
-    assert f"seed {usage['seed']}" in presenters.usage_line(usage)
+    assert "temperature 0.25 (model)" in sentences.usage_line(usage)
+    assert f"seed {usage['seed']}" in sentences.usage_line(usage)
 
     html = client.get(f"/sessions/{session.pk}/").content.decode()
     assert 'placeholder="model default: 0.25"' in input_tag(html, "temperature")  # settings form too

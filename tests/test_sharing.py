@@ -21,7 +21,8 @@ from django.utils import timezone
 from machines_app.models import Machine
 from machines_app.transports import LocalTransport
 from project.asgi import application
-from sessions_app import actions, broadcast, dispatch, turns
+from sessions_app import actions, dispatch, turns
+from sessions_app.live import broadcast
 from sessions_app.models import Access, AgentSession, TranscriptEvent, Watcher
 
 from .conftest import Stack, WSRecorder, wait_for

@@ -19,7 +19,8 @@ import pytest
 from django.db import connection
 
 from machines_app.transports import LocalTransport
-from sessions_app import actions, agent, broadcast
+from sessions_app import actions, agent
+from sessions_app.live import broadcast
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import wait_for

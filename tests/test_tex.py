@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from bs4 import BeautifulSoup
 
-from sessions_app.markdown import render_markdown, reply_formulas
-from sessions_app.presenters import TranscriptView
+from sessions_app.live.markdown import render_markdown, reply_formulas
+from sessions_app.live.transcript_view import TranscriptView
 from sessions_app.tex import MATHML_TAGS
 from sessions_app.transcript import Event
 

@@ -18,6 +18,7 @@ from machines_app.models import Machine
 from machines_app.transports import LocalTransport
 from sessions_app import actions, agent, transcript
 from sessions_app.completions import INCOMPLETE_REPLY, CompletionClient, CompletionError
+from sessions_app.live.sentences import usage_line
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.presenters import usage_line
 from sessions_app.servers.models import ServerRecord
@@ -119,7 +120,7 @@ def test_an_empty_reply_is_said_to_be_empty(session, alice, server, body):
     notices = [e.payload["message"] for e in events if e.kind == "notice"]
     assert notices == [agent.EMPTY_REPLY]
     assert last_turn_end(events) == "done"
-    from sessions_app.presenters import build_items
+    from sessions_app.live.transcript_view import build_items
 
     assert any(item.get("text") == agent.EMPTY_REPLY for item in build_items(events))
     if any(b is not DONE and b"usage" in b for b in body):

@@ -10,8 +10,9 @@ from django.test import Client
 
 from sessions_app import actions, transcript
 from sessions_app.events import load_events, record_event
+from sessions_app.live.items import render_item
+from sessions_app.live.transcript_view import build_items
 from sessions_app.models import AgentSession
-from sessions_app.presenters import build_items, render_item
 from sessions_app.transcript import Event, Versions, build_messages
 
 

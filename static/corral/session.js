@@ -63,7 +63,7 @@
   // --- Markdown while it streams (docs/live-page.md, "Markdown while it streams").
   // The server sends a streaming reply as plain text (.raw); at most every PREVIEW_EVERY ms
   // the page renders that text as Markdown with markdown-it and sanitises it with DOMPurify,
-  // to the server's own allow-list (data-md-tags: sessions_app/markdown.py), into a
+  // to the server's own allow-list (data-md-tags: sessions_app/live/markdown.py), into a
   // .preview beside it. When the reply ends the server's rendering replaces both.
   const PREVIEW_EVERY = 150;
   const mdTags = (root.dataset.mdTags || "").split(" ").filter(Boolean);
@@ -74,7 +74,7 @@
     // Never load an image a model names (a remote image leaks data by its URL): its alt text.
     md.renderer.rules.image = function (tokens, idx) { return md.utils.escapeHtml(tokens[idx].content); };
     mathRules(md);
-    // A table column's alignment as a class, as the server renders it (sessions_app/markdown.py,
+    // A table column's alignment as a class, as the server renders it (sessions_app/live/markdown.py,
     // ALIGN_CLASSES): a style attribute breaks the page's CSP (style-src-attr) even while
     // DOMPurify parses it.
     md.core.ruler.push("alignment_as_class", function (state) {
@@ -308,7 +308,7 @@
   }
 
   // What the header says of the live link. "reconnecting" follows a socket that closed
-  // (network, a daphne restart, Redis down: sessions_app/live_link.py): the page no longer
+  // (network, a daphne restart, Redis down: sessions_app/live/live_link.py): the page no longer
   // shows what happens until it is back, and says so in words.
   const CONN_WORDS = {
     live: "live",

@@ -158,7 +158,7 @@ def push_login_ended(session_key: str) -> None:
 def push_access_changed(group: str) -> None:
     """Tell every socket in ``group`` (:func:`user_group_name`, :func:`machine_group_name`)
     that what its reader may do may have changed: each asks again, and closes or reloads
-    its page (sessions_app.consumers). Lost ones are caught by the presence heartbeat."""
+    its page (sessions_app.live.consumers). Lost ones are caught by the presence heartbeat."""
     _send(group, {"type": "access.changed"})
 
 
@@ -198,7 +198,7 @@ def push_progress(session_id: int, state: dict) -> None:
 async def push_presence(session_id: int) -> None:
     """Tell every watcher of the session that who is watching changed. The message
     carries no list: each daphne's board reads the list once when the message arrives
-    (sessions_app.presence_board), so the last list sent after several changes always
+    (sessions_app.live.presence_board), so the last list sent after several changes always
     shows the last state (two lists computed by two processes could arrive in either
     order)."""
     layer = get_channel_layer()

@@ -16,7 +16,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from .models import Watcher
+from ..models import Watcher
 
 #: A row expires this many heartbeats after its last refresh.
 MISSED_BEATS = 3

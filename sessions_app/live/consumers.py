@@ -27,29 +27,22 @@ from importlib import import_module
 from types import SimpleNamespace
 from urllib.parse import parse_qs
 
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 from django.conf import settings
 from django.contrib import auth
 from django.contrib.auth import get_user_model
 
+from ..actions import find_session, may_grant_always
+from ..events import load_kinds
+from ..models import Access, AgentSession, TranscriptEvent
+from ..transcript import Kind
 from . import broadcast, live_link, presence
-from .actions import find_session, may_grant_always
-from .events import load_kinds
-from .models import Access, AgentSession, TranscriptEvent
+from .db_thread import database_sync_to_async
+from .header import context_size
+from .items import ALLOWANCE_KINDS, BLOCK_KINDS, TOOL_KINDS, VERSION_KINDS, Viewer, prime_window
 from .presence_board import board
-from .presenters import (
-    ALLOWANCE_KINDS,
-    BLOCK_KINDS,
-    TOOL_KINDS,
-    VERSION_KINDS,
-    TranscriptView,
-    Viewer,
-    context_size,
-    prime_window,
-    progress_text,
-)
-from .transcript import Kind
+from .sentences import progress_text
+from .transcript_view import TranscriptView
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +104,19 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         self.session_id = int(self.scope["url_route"]["kwargs"]["session_id"])
         self.group = broadcast.group_name(self.session_id)
         self.joined: list[str] = []
-        # Two trips to the database thread in all (each one a connection opened and
-        # closed): many pages opening at once each wait behind every other's trips, and
-        # daphne drops a handshake not accepted within 5 s (docs/live-page.md).
+        # Two trips to the database thread in all: many pages opening at once each wait
+        # behind every other's trips, and daphne drops a handshake not accepted within 5 s
+        # (docs/live-page.md). The thread keeps its connection from one trip to the next
+        # while pages are open (sessions_app/live/db_thread.py).
         refusal = await database_sync_to_async(self._open)()
         if refusal is not None:
             await self.accept()
             await self.close(code=refusal.value)
             return
         await self.accept()
+        # Counted as open from here (Redis lost closes it too), so its next trip to the
+        # database thread keeps that thread's connection (sessions_app/live/db_thread.py).
+        live_link.watch(self)
         # The account's and the machine's groups: a change to either (a deactivation, a
         # new password, a group left, the machine disabled) asks this socket again at once.
         groups = [self.group, broadcast.user_group_name(self.scope["user"].pk),
@@ -137,7 +134,6 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             # Redis is down: nothing could reach this page; it says so and tries again.
             await live_link.lost(self)
             return
-        live_link.watch(self)
         await self._send_events(missed)
 
     def _open(self) -> CloseCode | None:
@@ -228,7 +224,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
     def presence_changed(self, message: dict) -> None:
         """Who watches may have changed: this process's board reads the list once for all
         its sockets of the session, and sends it to those whose page shows another
-        (sessions_app.presence_board: one read per change, not one per socket)."""
+        (sessions_app.live.presence_board: one read per change, not one per socket)."""
         if not self.cut_off:
             board().changed(self.session_id)
 
@@ -324,7 +320,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         if kind in TOOL_KINDS or kind in ALLOWANCE_KINDS or (kind in MESSAGE_KINDS and payload.get("images")):
             # A tool call's row may need the call's earlier events from the database, the
             # list of allowances every grant and revoke, a message's images whether their
-            # bytes are still stored (presenters.image_items).
+            # bytes are still stored (live.items.image_items).
             ops = await database_sync_to_async(self.renderer.feed)(event)
         else:
             # Every other kind is folded from the event alone (templates and Markdown, no
@@ -411,7 +407,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         return session is not None and user is not None and may_grant_always(session, user)
 
     def _n_ctx(self) -> int | None:
-        """The context size the page's gauge shows now (presenters.context_size: the last
+        """The context size the page's gauge shows now (live.header.context_size: the last
         ``server_ready``'s, else the session's contextSize; the view takes later ones from
         the events). Reads that one event, never the whole transcript."""
         ready = (TranscriptEvent.objects.filter(session_id=self.session_id, kind="server_ready", seq__lte=self.last_sent)

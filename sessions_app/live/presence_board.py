@@ -27,10 +27,9 @@ import logging
 import weakref
 from typing import Protocol
 
-from channels.db import database_sync_to_async
-
 from . import presence
-from .presenters import render_presence
+from .db_thread import database_sync_to_async
+from .items import render_presence
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ COALESCE_SECONDS = 0.25
 
 
 class Watching(Protocol):
-    """A session socket as the board sees it (sessions_app.consumers.SessionConsumer)."""
+    """A session socket as the board sees it (sessions_app.live.consumers.SessionConsumer)."""
 
     async def show_presence(self, names: list[str], html: str) -> None: ...
 

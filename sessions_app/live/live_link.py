@@ -1,6 +1,6 @@
 """Pages' sockets and Redis: a page must not say "live" while nothing can reach it.
 
-Every push to a page goes through Redis (the Channels layer, sessions_app/broadcast.py).
+Every push to a page goes through Redis (the Channels layer, sessions_app/live/broadcast.py).
 When Redis stops — killed, restarting — channels_redis keeps each daphne's subscription
 and retries in the background; the sockets stay open and the pages went on showing *live*
 while every push was lost. Here one task per daphne process asks Redis ``PING`` every
@@ -46,6 +46,12 @@ def watch(consumer) -> None:
     _open.add(consumer)
     if _task is None or _task.done():
         _task = asyncio.get_running_loop().create_task(_ping_while_open())
+
+
+def pages_open() -> bool:
+    """Whether any socket of this process is open (counted by :func:`watch`); the live
+    pages' database connection is kept only while one is (sessions_app/live/db_thread.py)."""
+    return bool(_open)
 
 
 def forget(consumer) -> None:

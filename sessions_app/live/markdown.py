@@ -44,7 +44,7 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
 
-from .tex import MATHML_ATTRIBUTES, MATHML_TAGS, formulas, math_plugin, to_mathml
+from ..tex import MATHML_ATTRIBUTES, MATHML_TAGS, formulas, math_plugin, to_mathml
 
 __all__ = [
     "ALIGN_CLASSES",
