@@ -137,7 +137,6 @@ def test_interrupt_works_while_the_stream_stalls(scripted_session, alice, model_
     step.start()
     wait_for(lambda: fresh(scripted_session).status == "running", 10, what="the step to start")
     time.sleep(0.5)
-    clicked = time.monotonic()
     actions.do_interrupt(fresh(scripted_session), alice)
     # 60 s only guards against a hang; it is half the stall, so a turn that ends proves it did not wait.
     wait_for(lambda: payloads(scripted_session, "turn_end"), 60, interval=0.02, what="the turn to end")
