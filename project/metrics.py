@@ -183,20 +183,22 @@ def _latencies(events, kind) -> tuple[list[float], list[float]]:
     rows = (events.filter(created_at__gte=since,
                           kind__in=[kind.MESSAGE_QUEUED, kind.MESSAGE_TAKEN, kind.ASSISTANT_TEXT, kind.REASONING,
                                     kind.TOOL_START])
-            .order_by("session_id", "seq").values_list("session_id", "kind", "payload", "created_at"))
+            .order_by("session_id", "seq")
+            # Only the two ids, never the whole payload: a message's text can be 200,000 characters.
+            .values_list("session_id", "kind", KT("payload__id"), KT("payload__queued_id"), "created_at"))
     first_text: list[float] = []
     queue_wait: list[float] = []
     queued_at: dict[tuple[int, str], object] = {}
     taken_at = None
     session = None
-    for session_id, event_kind, payload, created_at in rows.iterator():
+    for session_id, event_kind, queue_id, queued_id, created_at in rows.iterator():
         if session_id != session:
             session, taken_at = session_id, None
         if event_kind == kind.MESSAGE_QUEUED:
-            queued_at[(session_id, payload.get("id"))] = created_at
+            queued_at[(session_id, queue_id)] = created_at
         elif event_kind == kind.MESSAGE_TAKEN:
             taken_at = created_at
-            queued = queued_at.pop((session_id, payload.get("queued_id")), None)
+            queued = queued_at.pop((session_id, queued_id), None)
             if queued is not None:
                 queue_wait.append((created_at - queued).total_seconds())
         elif taken_at is not None:

@@ -128,7 +128,7 @@ def test_a_call_id_that_is_not_a_plain_token_is_replaced_and_the_page_renders(sc
 
 @pytest.mark.django_db(transaction=True)
 def test_interrupt_works_while_the_stream_stalls(scripted_session, alice, model_side, steps_run_here):
-    model_side.will_answer(20.0, sse(chunk({"content": "late"})), b"data: [DONE]\n\n")  # a long prompt: nothing for 20 s
+    model_side.will_answer(120.0, sse(chunk({"content": "late"})), b"data: [DONE]\n\n")  # a long prompt: nothing for 120 s
     actions.do_send_message(scripted_session, alice, "a very long prompt")
     def run_step() -> None:
         try:
@@ -140,11 +140,12 @@ def test_interrupt_works_while_the_stream_stalls(scripted_session, alice, model_
     step.start()
     wait_for(lambda: fresh(scripted_session).status == "running", 10, what="the step to start")
     time.sleep(0.5)
-    clicked = time.monotonic()
     actions.do_interrupt(fresh(scripted_session), alice)
-    wait_for(lambda: payloads(scripted_session, "turn_end"), 5, interval=0.02, what="the turn to end")
-    assert time.monotonic() - clicked < 2
+    # 60 s only guards against a hang; it is half the stall, so a turn that ends proves it did not wait.
+    wait_for(lambda: payloads(scripted_session, "turn_end"), 60, interval=0.02, what="the turn to end")
     assert payloads(scripted_session, "turn_end")[0]["reason"] == "interrupted"
+    assert not model_side.finished.is_set(), "the step waited out the stall"
+    assert "late" not in "".join(p["text"] for p in payloads(scripted_session, "assistant_text"))
     assert not payloads(scripted_session, "error")  # an interrupt is not a failure
     step.join(5)
 

@@ -76,6 +76,41 @@ PIECES = 40
 PACE = 0.05  # seconds between two pieces: the reply takes about 2 s
 
 
+@pytest.fixture
+def pushes(monkeypatch):
+    """What became of each push from this process: ``.waited`` (monotonic times of pushes
+    that went to Redis and failed, each after waiting out PUSH_TIMEOUT) and ``.skipped`` (a
+    count of pushes dropped at once, within QUIET_AFTER_FAILURE of a failure)."""
+    real = broadcast._publisher.publish
+
+    class Seen:
+        waited: list[float] = []
+        skipped = 0
+
+    def publish(layer, group: str, message: dict) -> None:
+        try:
+            real(layer, group, message)
+        except broadcast.PushSkipped:
+            Seen.skipped += 1
+            raise
+        except Exception:
+            Seen.waited.append(time.monotonic())
+            raise
+
+    monkeypatch.setattr(broadcast._publisher, "publish", publish)
+    return Seen
+
+
+def assert_one_wait_per_quiet(pushes) -> None:
+    """A silent Redis cost the step one PUSH_TIMEOUT per QUIET_AFTER_FAILURE at most, the
+    other pushes dropped without waiting: what keeps a reply at its pace (counted, not timed —
+    the gaps are lower bounds, which a loaded box only widens)."""
+    assert pushes.waited, "no push went to the silent Redis"
+    assert pushes.skipped > 0, "every push waited for Redis"
+    gaps = [b - a for a, b in zip(pushes.waited, pushes.waited[1:], strict=False)]
+    assert all(gap >= broadcast.QUIET_AFTER_FAILURE for gap in gaps), gaps
+
+
 def start_step(session_pk: int) -> threading.Thread:
     def run() -> None:
         try:
@@ -93,39 +128,38 @@ def first_text_stored(watched) -> None:
              what="text to stream")
 
 
-def test_a_silent_redis_never_slows_a_reply(session, alice, server, silent_redis):  # noqa: F811
+def test_a_silent_redis_never_slows_a_reply(session, alice, server, silent_redis, pushes):  # noqa: F811
     server.will_answer(*[p for i in range(PIECES) for p in (sse(chunk({"content": f"w{i} "})), PACE)],
                        sse(chunk({}, finish_reason="stop")), DONE)
     actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "count")
     step = start_step(session.pk)
     first_text_stored(session)
     silent_redis.pause()
-    paused_at = time.monotonic()
     step.join(60)
-    took = time.monotonic() - paused_at
     assert not step.is_alive()
     text = "".join(e.payload["text"] for e in TranscriptEvent.objects.filter(session=session, kind="assistant_text"))
     assert text == "".join(f"w{i} " for i in range(PIECES))
-    # The whole reply streams in ~2 s: the rest of it must not wait for pushes that time out.
-    assert took < PIECES * PACE + 2, f"the reply took {took:.1f} s after Redis went silent"
+    # The rest of the reply did not wait for each push to time out.
+    assert_one_wait_per_quiet(pushes)
 
 
-def test_an_interrupt_is_honoured_promptly_while_redis_is_silent(session, alice, server, silent_redis):  # noqa: F811
-    server.will_answer(*[p for i in range(400) for p in (sse(chunk({"content": f"w{i} "})), PACE)],
+def test_an_interrupt_is_honoured_promptly_while_redis_is_silent(session, alice, server, silent_redis, pushes):  # noqa: F811
+    # A 100 s reply: one the interrupt did not cut would still be streaming at the join's 60 s.
+    server.will_answer(*[p for i in range(2000) for p in (sse(chunk({"content": f"w{i} "})), PACE)],
                        sse(chunk({}, finish_reason="stop")), DONE)
     actions.do_send_message(AgentSession.objects.get(pk=session.pk), alice, "count")
     step = start_step(session.pk)
     first_text_stored(session)
     silent_redis.pause()
     time.sleep(0.3)
-    asked_at = time.monotonic()
     actions.do_interrupt(AgentSession.objects.get(pk=session.pk), alice)
     step.join(60)
-    took = time.monotonic() - asked_at
     assert not step.is_alive()
     ends = [e.payload["reason"] for e in TranscriptEvent.objects.filter(session=session, kind="turn_end")]
     assert ends == ["interrupted"], ends
-    assert took < 3, f"the interrupt took {took:.1f} s with Redis silent"
+    assert not server.finished.is_set(), "the reply ran to its end: the interrupt was not honoured"
+    # The interrupt poll shares the pushes' lock: it never queued behind one timeout per push.
+    assert_one_wait_per_quiet(pushes)
 
 
 def test_a_message_of_these_tests_is_never_run_by_the_suites_worker(stack, session, alice):  # noqa: F811

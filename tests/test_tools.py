@@ -565,11 +565,11 @@ def test_it_summarises_non_text_mcp_content(calc_tools, mcp_server):
 
 
 def test_it_gives_up_on_a_slow_mcp_tool_after_the_timeout(calc_tools, mcp_server):
-    started = time.monotonic()
+    # The tool answers after 30 s; this sentence exists only on the timeout's path (the
+    # answer, had it been waited for, would be the tool's own).
     result = run_tool(
         calc_tools["slow"], {"seconds": 30}, base_url="", cwd="/", mcp_servers={"calc": mcp_server}, timeout=1
     )
-    assert time.monotonic() - started < 10
     assert result == ToolResult("The tool calc__slow could not be reached: no answer within 1 second.", ok=False)
 
 
@@ -582,11 +582,28 @@ def test_it_runs_mcp_calls_from_inside_a_running_event_loop(calc_tools, mcp_serv
     assert asyncio.run(inside()) == ToolResult("2", ok=True)
 
 
-def test_it_takes_well_under_a_second_per_local_mcp_call(calc_tools, mcp_server):
-    started = time.monotonic()
+def test_a_local_mcp_call_is_one_short_exchange(calc_tools, mcp_server, monkeypatch):
+    """Each call is its own connection: a handshake, the call and the close, every request
+    answered — none waited out, none repeated. Counted, not timed (its cost is bench/'s)."""
+    import httpx2
+
+    sent: list[tuple[str, int]] = []
+    real_send = httpx2.AsyncClient.send
+
+    async def send(self, request, *args, **kwargs):
+        response = await real_send(self, request, *args, **kwargs)
+        sent.append((request.method, response.status_code))
+        return response
+
+    monkeypatch.setattr(httpx2.AsyncClient, "send", send)
+    per_call = []
     for _ in range(5):
-        run_tool(calc_tools["add"], {"a": 1, "b": 2}, base_url="", cwd="/", mcp_servers={"calc": mcp_server})
-    assert (time.monotonic() - started) / 5 < 1.0
+        before = len(sent)
+        assert run_tool(calc_tools["add"], {"a": 1, "b": 2}, base_url="", cwd="/",
+                        mcp_servers={"calc": mcp_server}) == ToolResult("3", ok=True)
+        per_call.append(sent[before:])
+    assert all(calls == per_call[0] for calls in per_call), per_call
+    assert 1 <= len(per_call[0]) <= 4 and all(status < 400 for _, status in per_call[0]), per_call[0]
 
 
 # --------------------------------------------------------------------------- the catalogue, and servers gone
