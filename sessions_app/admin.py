@@ -25,7 +25,6 @@ from .forms import NewSessionForm
 from .live.items import Viewer, render_item
 from .live.transcript_view import build_items
 from .models import Access, AgentSession, DeploymentSettings, McpServer, TranscriptEvent
-from .presenters import Viewer, build_items, render_item
 from .rules import SessionError, check_system_prompt
 
 # Also registers the admin of the sessions' servers, and the machine admin that shows them.

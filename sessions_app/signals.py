@@ -14,8 +14,7 @@ from django.db import DatabaseError, transaction
 from django.db.models.signals import post_delete, pre_delete
 from django.dispatch import receiver
 
-from . import broadcast, images
-from . import images, lifecycle
+from . import images
 from .live import broadcast
 from .models import AgentSession
 from .servers import stop

@@ -19,15 +19,6 @@ from sessions_app.events import load_events
 from sessions_app.live.items import TOOL_KINDS, VERSION_KINDS, prime_window, render_item, render_queued
 from sessions_app.live.transcript_view import TranscriptView, build_items
 from sessions_app.models import AgentSession
-from sessions_app.presenters import (
-    TOOL_KINDS,
-    VERSION_KINDS,
-    TranscriptView,
-    build_items,
-    prime_window,
-    render_item,
-    render_queued,
-)
 from sessions_app.servers.models import ServerRecord
 from sessions_app.transcript import Event
 

@@ -20,16 +20,6 @@ from sessions_app.live.items import OWNER, Viewer, render_item
 from sessions_app.live.sentences import settings_text
 from sessions_app.live.transcript_view import TranscriptView, build_items
 from sessions_app.models import AgentSession
-from sessions_app.presenters import (
-    OWNER,
-    TranscriptView,
-    Viewer,
-    build_items,
-    context_size,
-    render_item,
-    render_status,
-    settings_text,
-)
 from sessions_app.servers.stop import stop_server
 from sessions_app.transcript import Event, build_messages
 

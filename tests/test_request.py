@@ -23,9 +23,7 @@ from gguf import GGUFValueType, GGUFWriter
 from machines_app import catalog
 from machines_app.llama_server import BUILTIN_CHAT_TEMPLATES, ServerSpec, build_argv
 from machines_app.models import Machine, ModelFile
-from sessions_app import actions, agent, export, presenters
-from machines_app.models import Machine, ModelFile, ServerRecord
-from sessions_app import actions, agent, export, lifecycle
+from sessions_app import actions, agent, export
 from sessions_app.live import sentences
 from sessions_app.models import AgentSession, DeploymentSettings, TranscriptEvent
 from sessions_app.servers.models import ServerRecord

@@ -152,10 +152,7 @@ def test_case_c21_stop_kills_a_server_that_ignores_sigterm(stack, alice, fake_ma
     wait_for(lambda: AgentSession.objects.get(pk=session.pk).status == "idle", 30, what="idle")
     record = ServerRecord.objects.get(session=session)
     proc = ProcessId(record.pid, record.start_time)
-    started = time.monotonic()
     stop_server(session.pk)
-    assert time.monotonic() - started < 15
-    lifecycle.stop_server(session.pk)
     # The stand-in ignores SIGTERM (its log says it got one): gone now, only SIGKILL after
     # the grace can have ended it.
     assert not LocalTransport().process_alive(proc)

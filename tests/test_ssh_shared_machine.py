@@ -16,7 +16,6 @@ from django.test import Client
 from machines_app import catalog, ssh
 from machines_app.discovery import discover
 from machines_app.models import Machine, PendingStop
-from machines_app.models import Machine, PendingStop, ServerRecord
 from machines_app.ssh import connection as ssh_connection
 from machines_app.ssh import sftp as ssh_sftp
 from machines_app.transports import (

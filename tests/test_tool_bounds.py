@@ -22,15 +22,12 @@ from django.conf import settings
 from django.db import connection
 
 from machines_app.transports import ProcessId, transport_for
-from sessions_app import actions, agent, machine_tools, tool_results
+from sessions_app import actions, agent, tool_results
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, McpServer, TranscriptEvent
 from sessions_app.servers.models import ServerRecord
 from sessions_app.servers.records import server_endpoint
 from sessions_app.servers.start import start_server
-from sessions_app import actions, agent, lifecycle, tool_results
-from sessions_app.completions import CompletionClient
-from sessions_app.models import AgentSession, McpServer, TranscriptEvent
 from sessions_app.tools import machine as machine_tools
 
 from .bulk_mcp import BIG_MCP_BYTES

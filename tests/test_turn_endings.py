@@ -20,7 +20,6 @@ from sessions_app import actions, agent, transcript
 from sessions_app.completions import INCOMPLETE_REPLY, CompletionClient, CompletionError
 from sessions_app.live.sentences import usage_line
 from sessions_app.models import AgentSession, TranscriptEvent
-from sessions_app.presenters import usage_line
 from sessions_app.servers.models import ServerRecord
 
 from .conftest import wait_for

@@ -22,7 +22,6 @@ from django.utils import timezone
 
 from machines_app.models import Machine, ModelFile
 from sessions_app import actions, agent, completions
-from sessions_app import actions, agent, completions, lifecycle
 from sessions_app.completions import client as completion_client
 from sessions_app.events import locked
 from sessions_app.export import to_jsonl

@@ -8,13 +8,10 @@ from django.test import Client
 
 from machines_app.models import Machine, ModelFile
 from sessions_app import actions, dispatch, transcript, turns
-from sessions_app.models import AgentSession, TranscriptEvent
-from sessions_app.presenters import TranscriptView, build_items, render_item
-from sessions_app.servers.stop import stop_server
-from sessions_app import actions, dispatch, lifecycle, transcript, turns
 from sessions_app.live.items import render_item
 from sessions_app.live.transcript_view import TranscriptView, build_items
 from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.stop import stop_server
 from sessions_app.transcript import Event
 
 

@@ -18,9 +18,10 @@ from django.db import connection
 from machines_app.llama_server import Endpoint
 from machines_app.transports import TransportError
 
-from .. import actions, allowances, callcard, db_link, lifecycle, machine_use, tool_results, tools, transcript, turns
+from .. import actions, allowances, callcard, db_link, machine_use, tool_results, tools, transcript, turns
 from ..completions.tool_calls import ToolCall, arguments_problem
 from ..models import AgentSession, McpServer
+from ..servers import containment, watch
 from ..transcript import Kind, TurnEnd
 from .folds import catalogue_of
 from .lease import LeasedStep
@@ -99,7 +100,7 @@ def record_calls(step: LeasedStep, session: AgentSession, events, request: Reque
     # machine delays or fails no half-recorded batch.
     parsed = [
         callcard.recorded(call.name, call.arguments if call.raw_arguments is None else call.raw_arguments,
-                          working_dir=session.working_dir, transport=lambda: lifecycle.tool_view(session.machine))
+                          working_dir=session.working_dir, transport=lambda: containment.tool_view(session.machine))
         for call in calls
     ]
     for index, call in enumerate(calls):
@@ -220,7 +221,7 @@ def execute(step: LeasedStep, session: AgentSession, entry: tools.ToolEntry, cal
     try:
         # What Corral runs or reads for the call reaches no more than a tool in the
         # machine's sandbox (docs/security.md "What a tool can reach").
-        transport = lifecycle.tool_view(session.machine)
+        transport = containment.tool_view(session.machine)
     except TransportError:
         transport = None  # the built-ins then go to llama-server, which says what is wrong
     watcher = threading.Thread(target=watch_interrupt, name=f"tool-interrupt-{step.session_id}", daemon=True)
@@ -241,7 +242,7 @@ def execute(step: LeasedStep, session: AgentSession, entry: tools.ToolEntry, cal
         watcher.join(2)
     output, total = tool_results.cap(result.output, settings.CORRAL_TOOL_RESULT_MAX_CHARS)
     server_lost = (entry.origin == tools.ORIGIN_MACHINE and not result.ok
-                   and lifecycle.server_gone(step.session_id))
+                   and watch.server_gone(step.session_id))
     if server_lost:
         output, total = SERVER_LOST_RESULT, None
     payload = {"id": call["id"], "output": output, "ok": result.ok and not server_lost}
@@ -249,7 +250,7 @@ def execute(step: LeasedStep, session: AgentSession, entry: tools.ToolEntry, cal
         payload["full_chars"] = total
     step.record(Kind.TOOL_END, payload)
     if server_lost:
-        lifecycle.check_session_server(step.session_id)  # says so, status exited, ends the turn
+        watch.check_session_server(step.session_id)  # says so, status exited, ends the turn
         if AgentSession.objects.filter(pk=step.session_id, turn_active=True, lease_owner=step.owner).exists():
             step.error("llama-server is not running for this session; restart it and send again.")
             step.finish(TurnEnd.ERROR)

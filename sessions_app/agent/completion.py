@@ -15,11 +15,12 @@ from django.db import connection
 
 from machines_app.llama_server import Endpoint
 
-from .. import db_link, lifecycle, metering
+from .. import db_link, metering
 from ..completions.deltas import Delta, Finish, Progress, ReasoningDelta, TextDelta, ToolCallFragment, Usage
 from ..completions.errors import CompletionError
 from ..completions.pacing import AbortableHTTP
 from ..completions.tool_calls import ToolCall, ToolCallAssembler
+from ..servers import watch
 from ..transcript import Kind, TurnEnd
 from .fragments import READ_EVERY, Fragments
 from .lease import LeasedStep
@@ -169,14 +170,14 @@ class Completion:
             # Stop server killed the server under the stream before the watcher saw
             # the flag: a person's stop, not a server failure.
             return step.cut_by_stop(self.produced)
-        link = lifecycle.link_broken(step.session_id) if exc.status is None else None
+        link = watch.link_broken(step.session_id) if exc.status is None else None
         if link is not None:
             # It was the way to the machine that broke, not llama-server: say so.
             step.error(LINK_BROKEN_REPLY.format(link=link) if self.produced else link)
             return TurnEnd.ERROR
         step.error(str(exc), context_exceeded=exc.context_exceeded)
         if exc.status is None:  # no HTTP answer at all: is the server still there?
-            lifecycle.check_session_server(step.session_id)
+            watch.check_session_server(step.session_id)
         return TurnEnd.ERROR
 
     def record_usage(self) -> None:

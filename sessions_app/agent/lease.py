@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .. import broadcast, images, lifecycle, tools, transcript, turns
+from .. import images, tools, transcript, turns
 from ..completions.client import CompletionClient
 from ..events import storable
+from ..live import broadcast
 from ..models import AgentSession, TranscriptEvent
+from ..servers import watch
 from ..transcript import Kind, TurnEnd
 
 #: The notice after a reply that a person's *Stop server* broke off (docs/transcript.md).
@@ -82,10 +84,10 @@ class LeasedStep:
 
     def server_stop_asked(self) -> bool:
         """Whether a stop of the server on purpose broke this turn off: a stop is under way
-        or done (``lifecycle.stop_under_way``), or the session asks its turn to stop and no
+        or done (``watch.stop_under_way``), or the session asks its turn to stop and no
         ``interrupted`` event was recorded since the turn's message (``actions.do_stop``
         asks before its stop task runs, without one; *Stop reply* always records one)."""
-        if lifecycle.stop_under_way(self.session_id):
+        if watch.stop_under_way(self.session_id):
             return True
         if not AgentSession.objects.filter(pk=self.session_id, interrupt_requested=True).exists():
             return False

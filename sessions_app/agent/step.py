@@ -12,11 +12,12 @@ import httpx
 
 from machines_app.llama_server import Endpoint
 
-from .. import db_link, lifecycle, machine_use, tools, transcript, turns
+from .. import db_link, machine_use, tools, transcript, turns
 from ..completions.client import CompletionClient
 from ..completions.errors import CompletionError
 from ..events import load_events
 from ..models import AgentSession
+from ..servers import records
 from ..transcript import TurnEnd
 from .calls import record_calls, run_calls
 from .completion import Completion
@@ -62,7 +63,7 @@ class Step(LeasedStep):
             self.finish(TurnEnd.INTERRUPTED)
             return
         machine_use.check_turn(self, session)  # its author may no longer use the machine: ends here
-        server = lifecycle.server_endpoint(session) if session.status not in Status.server_down() else None
+        server = records.server_endpoint(session) if session.status not in Status.server_down() else None
         if server is None or session.status == Status.UNKNOWN:
             self.error(
                 "llama-server is not running for this session; restart it and send again."

@@ -44,7 +44,7 @@ def model_facts(model) -> dict:
     """What the header's model details say of a model file (a ``ModelFile``, or None when
     the file is gone from the machine's list): its GGUF identity as read from its head
     (docs/behaviour.md §3) and the template its server uses. The same dict rides on
-    ``server_ready`` (``lifecycle.server_facts``), so a live page says it of a new model."""
+    ``server_ready`` (``servers.ready.server_facts``), so a live page says it of a new model."""
     if model is None:
         return {}
     return {"size_label": model.size_label, "quantization": model.quantization,

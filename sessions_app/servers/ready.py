@@ -24,8 +24,9 @@ from machines_app.llama_server import (
 from machines_app.models import ModelFile
 from machines_app.transports import Transport, TransportError
 
-from .. import dispatch, presenters, tools, turns
+from .. import dispatch, tools, turns
 from ..events import record_error, record_event, set_status
+from ..live.header import model_facts
 from ..models import AgentSession, McpServer
 from ..transcript import Kind
 from .models import ServerRecord
@@ -163,7 +164,7 @@ def server_facts(model: ModelFile | None, props: ServerProps | None) -> dict:
         "chat_template": (model.chat_template_file or model.chat_template) if model else "",
         "jinja": not (model and model.chat_template and not model.chat_template_file),
         # What the header's model details say of the file (size, quantisation, images).
-        "model_facts": presenters.model_facts(model),
+        "model_facts": model_facts(model),
     }
     if props is None:
         return facts

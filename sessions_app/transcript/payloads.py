@@ -56,7 +56,7 @@ class ServerReadyPayload(_ServerReadyPayloadRequired, total=False):
     n_ctx: int  # the slot's context size in tokens, from GET /props (when the server says)
     warm_tokens: int  # prompt tokens restored from a saved slot (docs/behaviour.md §5 warm prompts)
     opens_thinking: bool  # the generation prompt ends inside "<think>": replies start as reasoning
-    # What the header's model details say of the file (presenters.model_facts): size_label,
+    # What the header's model details say of the file (live.header.model_facts): size_label,
     # quantization, context_length, takes_images, own_template, template_label.
     model_facts: dict
 
