@@ -7,7 +7,7 @@ from .base import CommandResult, FileInfo, Transport
 
 class ToolView:
     """A machine as a tool call sees it: what Corral does there *for a tool* (the built-ins
-    it runs itself, sessions_app.machine_tools; the file a write's card compares with,
+    it runs itself, sessions_app.tools.machine; the file a write's card compares with,
     sessions_app.callcard) reaches no more than a tool in that machine's sandbox would
     (docs/security.md "What a tool can reach").
 
