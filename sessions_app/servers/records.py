@@ -34,10 +34,12 @@ def key_file(session_id: int, transport: Transport, port: int) -> str:
 
 
 def proc_of(record: ServerRecord) -> ProcessId:
+    """The recorded process: its pid and start time together, so a reused pid is never taken for it."""
     return ProcessId(record.pid, record.start_time)
 
 
-def endpoint_of(transport, record: ServerRecord) -> Endpoint:
+def endpoint_of(transport: Transport, record: ServerRecord) -> Endpoint:
+    """How this backend reaches the recorded server through ``transport``: its URL and its own key."""
     return Endpoint(transport.base_url(record.port), record.api_key)
 
 
@@ -75,4 +77,5 @@ def fail(session: AgentSession, message: str, log: str = "") -> None:
 
 
 def unknown_sentence(exc: TransportError) -> str:
+    """What a session says when its machine cannot be asked whether its server runs."""
     return f"{exc} The session's server cannot be checked; its status is unknown until the machine answers again."
