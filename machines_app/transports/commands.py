@@ -140,3 +140,4 @@ def _drain(channel: paramiko.Channel, take: Callable[[bytes], None], *, seconds:
             continue
         if not chunk:
             return
+        take(chunk)
