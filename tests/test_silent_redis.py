@@ -78,23 +78,24 @@ PACE = 0.05  # seconds between two pieces: the reply takes about 2 s
 
 @pytest.fixture
 def pushes(monkeypatch):
-    """What became of each push from this process: ``.waited`` (monotonic times of pushes
-    that went to Redis and failed, each after waiting out PUSH_TIMEOUT) and ``.skipped`` (a
-    count of pushes dropped at once, within QUIET_AFTER_FAILURE of a failure)."""
+    """What became of each push from this process: ``.waited`` (``(began, failed)``, monotonic
+    times, of each push that went to Redis and failed after waiting out PUSH_TIMEOUT) and
+    ``.skipped`` (a count of pushes dropped at once, within QUIET_AFTER_FAILURE of a failure)."""
     real = broadcast._publisher.publish
 
     class Seen:
-        waited: list[float] = []
+        waited: list[tuple[float, float]] = []
         skipped = 0
 
     def publish(layer, group: str, message: dict) -> None:
+        began = time.monotonic()
         try:
             real(layer, group, message)
         except broadcast.PushSkipped:
             Seen.skipped += 1
             raise
         except Exception:
-            Seen.waited.append(time.monotonic())
+            Seen.waited.append((began, time.monotonic()))
             raise
 
     monkeypatch.setattr(broadcast._publisher, "publish", publish)
@@ -102,13 +103,19 @@ def pushes(monkeypatch):
 
 
 def assert_one_wait_per_quiet(pushes) -> None:
-    """A silent Redis cost the step one PUSH_TIMEOUT per QUIET_AFTER_FAILURE at most, the
-    other pushes dropped without waiting: what keeps a reply at its pace (counted, not timed —
-    the gaps are lower bounds, which a loaded box only widens)."""
+    """A silent Redis cost the process one PUSH_TIMEOUT per QUIET_AFTER_FAILURE at most: no
+    push begun within that window after a failure went to Redis, the rest were dropped
+    without waiting — what keeps a reply at its pace and an interrupt prompt (an order of
+    events, not a number of seconds a loaded box could blur). Pushes already under way
+    when one fails (another thread's) may fail too."""
     assert pushes.waited, "no push went to the silent Redis"
     assert pushes.skipped > 0, "every push waited for Redis"
-    gaps = [b - a for a, b in zip(pushes.waited, pushes.waited[1:], strict=False)]
-    assert all(gap >= broadcast.QUIET_AFTER_FAILURE for gap in gaps), gaps
+    # The window's last half second is left out: slack for the scheduler between this
+    # wrapper's clock reads and the publisher's own (a wide margin on a loaded box).
+    window = broadcast.QUIET_AFTER_FAILURE - 0.5
+    for began, _ in pushes.waited:
+        quiet = [failed for _, failed in pushes.waited if failed <= began < failed + window]
+        assert not quiet, f"a push begun {began - quiet[0]:.2f} s after a failure still waited for Redis"
 
 
 def start_step(session_pk: int) -> threading.Thread:
