@@ -22,7 +22,8 @@ from api_app.views import Usage, usage_from_timings
 from machines_app.models import Machine
 from sessions_app.models import AgentSession
 from sessions_app.server_state import idle_sessions
-from sessions_app.servers.models import ServerRecord
+from sessions_app.servers import stop
+from sessions_app.servers.models import ServerRecord, SlotSave
 from usage_app.models import Quota, UsageRecord
 
 from .conftest import model_key, wait_for
@@ -229,6 +230,12 @@ def test_replies_stream_or_not_from_one_shared_server(stack, local_machine, alic
     counted = usage_from_timings(seen.timings)
     assert counted["prompt_tokens"] > 0 and 0 < counted["completion_tokens"] <= 8
     assert ServerRecord.objects.get().pid == first.pid
+
+    # Stopped, the shared server leaves no saved slot: it reads every request cold, and its
+    # slot would only keep members' prompts on the machine's disk.
+    stop.stop_server(session.pk)
+    assert not ServerRecord.objects.filter(session_id=session.pk).exists()
+    assert not SlotSave.objects.filter(session_id=session.pk).exists()
 
     # Hidden from every page: not in the staff's session list, listed as Corral's own on the machines page.
     assert not AgentSession.objects.visible_to(alice).filter(purpose="api").exists()

@@ -217,7 +217,7 @@ from machines_app.transports import LocalTransport, ProcessId
 LocalTransport().stop(ProcessId({pid}, {start_time!r}), grace=1)
 """)
     wait_for(lambda: two_hosts.status(second) == "exited", 60, interval=0.5, what="host 2 to see its server exit")
-    assert any("exited by itself" in p["message"] for p in two_hosts.events(second, "error"))
+    assert any("Corral did not stop it" in p["message"] for p in two_hosts.events(second, "error"))
     assert two_hosts.status(first) == "idle"
     assert "exited" not in two_hosts.all_text(first)
     assert two_hosts.sql("SELECT count(*) FROM machines_app_serverrecord WHERE session_id = %s", first)[0][0] == 1

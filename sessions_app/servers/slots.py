@@ -110,8 +110,11 @@ def restore_saved(
 def save_before_stop(record: ServerRecord, transport: Transport) -> None:
     """Save the server's slot before it stops, keyed by its model and fingerprint (see
     SlotSave). Nothing when the server never became ready or has no slot key; a failed
-    save deletes what it may have left."""
+    save deletes what it may have left. Never for the API's shared server (docs/api.md): it
+    reads every request cold, so its slot would only keep members' prompts on disk."""
     if record.ready_at is None or not record.slot_key:
+        return
+    if AgentSession.objects.filter(pk=record.session_id, purpose=AgentSession.Purpose.API).exists():
         return
     saved, _ = SlotSave.objects.get_or_create(
         session_id=record.session_id, machine=record.machine, model_key=record.model_key,

@@ -173,6 +173,7 @@ def check_server(record: ServerRecord) -> None:
         tail = transport.log_tail(record.log_path)
     except TransportError:
         tail = ""
-    message = "llama-server exited by itself (nobody stopped it). Restart it to go on."
+    # Corral knows only that it did not stop it: a crash and a kill from outside look alike.
+    message = "llama-server exited, and Corral did not stop it. Restart it to go on."
     session = AgentSession.objects.select_related("machine").get(pk=record.session_id)
     fail(session, message, log=template_safe(session, transport, tail.strip()))
