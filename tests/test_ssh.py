@@ -244,7 +244,7 @@ def test_nothing_listening_is_unreachable_quickly(real_models_dir, llama_server_
             tries.append(target)
             super().__init__(target)
 
-    monkeypatch.setattr(ssh, "Link", CountedLink)
+    monkeypatch.setattr(ssh.links, "Link", CountedLink)  # where machines' links are made
     with pytest.raises(TransportError, match="is unreachable") as info:
         transport_for(machine).is_dir("/")
     assert len(tries) == 1
