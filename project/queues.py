@@ -8,7 +8,8 @@ queue, docs/operations.md shows the production units)::
                   deleted session's slot files and logs
     housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
                   watch_host, sample_host (each host's share of those),
-                  forget_old_slots (beat, every 10 minutes), refresh_models,
+                  forget_old_slots (beat, every 10 minutes) and forget_host_slots
+                  (each host's share of it), refresh_models,
                   Web Push of a question (attention_app.tasks.push_question)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
@@ -47,6 +48,7 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.sample_machines": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.forget_old_slots": {"queue": HOUSEKEEPING},
+    "sessions_app.tasks.forget_host_slots": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},
     "attention_app.tasks.push_question": {"queue": HOUSEKEEPING},
 }

@@ -39,6 +39,7 @@ PUSH_QUESTION = "attention_app.tasks.push_question"
 REFRESH_MODELS = "machines_app.tasks.refresh_models"
 WATCH_HOST = "sessions_app.tasks.watch_host"
 SAMPLE_HOST = "sessions_app.tasks.sample_host"
+FORGET_HOST_SLOTS = "sessions_app.tasks.forget_host_slots"
 
 
 def owner_host(task: str, args: tuple) -> str:

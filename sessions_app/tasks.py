@@ -71,11 +71,26 @@ def remove_logs(place: dict, session_id: int) -> None:
     logs.remove_server_logs(place, session_id)
 
 
+#: Seconds a host's share of the slot clean-up stays worth running (it comes every 10 minutes).
+SLOTS_TASK_EXPIRES = 300
+
+
 @shared_task
 def forget_old_slots() -> None:
     """Housekeeping: saved slots of sessions without a server for CORRAL_SLOT_KEEP_HOURS
-    are deleted, each session told (docs/operations.md "Disk")."""
+    are deleted, each session told (docs/operations.md "Disk"): those on SSH machines
+    here, those on a host's own local machine by that host (:func:`forget_host_slots`),
+    handed to each host whose housekeeping worker is alive."""
     slots.forget_old_slots()
+    for host in sorted(liveness.live_hosts() or ()):
+        dispatch.enqueue_on_host(dispatch.FORGET_HOST_SLOTS, host, expires=SLOTS_TASK_EXPIRES)
+
+
+@shared_task
+def forget_host_slots() -> None:
+    """This host's share of :func:`forget_old_slots`: the saved slots on its own local
+    machine, whose files only it can reach."""
+    slots.forget_old_slots(host=settings.CORRAL_HOST_ID)
 
 
 @shared_task

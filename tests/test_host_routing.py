@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import timedelta
 
 import pytest
 from django.conf import settings
@@ -19,10 +20,18 @@ from django.utils import timezone
 from machines_app.models import Machine, PendingStop
 from machines_app.transports import ElsewhereError, machine_place, transport_at, transport_for
 from project import queues
-from sessions_app import dispatch, orphans
-from sessions_app.models import AgentSession
-from sessions_app.servers.models import ServerRecord
-from sessions_app.servers.watch import check_session_server, link_broken, server_gone, watch_servers
+from sessions_app import dispatch, liveness, orphans, tasks
+from sessions_app.models import AgentSession, TranscriptEvent
+from sessions_app.servers.models import ServerRecord, SlotSave
+from sessions_app.servers.slots import forget_old_slots
+from sessions_app.servers.watch import (
+    LOST_START,
+    check_session_server,
+    link_broken,
+    recover_starts,
+    server_gone,
+    watch_servers,
+)
 
 from .conftest import wait_for
 
@@ -141,7 +150,6 @@ def test_setup_claims_the_unclaimed_local_machine_and_a_second_host_gets_its_own
 @pytest.mark.django_db(transaction=False)
 def test_a_name_held_by_a_live_worker_is_refused_and_one_left_by_a_dead_worker_is_not(monkeypatch):
     """Real Redis: a key renewed by a heartbeat is live; a key nobody renews is not."""
-    from sessions_app import liveness
 
     monkeypatch.setattr(liveness, "BEAT_SECONDS", 0.2)
     monkeypatch.setattr(liveness, "LAPSE_SECONDS", 3.0)
@@ -173,3 +181,63 @@ def test_a_worker_reading_a_shared_queue_reads_its_hosts_own_too_whatever_its_co
     assert set(app.amqp.queues.consume_from) == {"turns", f"turns.{settings.CORRAL_HOST_ID}"}
     tasks.read_this_hosts_own_queues(sender="turns@old-unit", instance=SimpleNamespace(app=app))
     assert len(app.amqp.queues.consume_from) == 2
+
+
+# --- housekeeping by host: old slots, lost starts -------------------------------------------
+
+
+def _old_slot(machine: Machine, owner) -> AgentSession:
+    session = session_on(machine, owner)
+    AgentSession.objects.filter(pk=session.pk).update(status=Status.STOPPED)
+    save = SlotSave.objects.create(session=session, machine=machine, model_key="m.gguf", fingerprint="f", n_tokens=5)
+    SlotSave.objects.filter(pk=save.pk).update(saved_at=timezone.now() - timedelta(days=30))
+    return session
+
+
+def test_old_slots_are_forgotten_by_the_host_that_reaches_them(alice, monkeypatch):
+    """Issue 23: the slot clean-up ran on whichever host took it, over every machine: on
+    another host's local machine it met ElsewhereError each round and left the file. The
+    shared round takes the machines every host reaches; each host's own local machine is
+    its own share, handed to it while its housekeeping worker is alive."""
+    mine = _old_slot(Machine.objects.create(name="here"), alice)
+    theirs = _old_slot(Machine.objects.create(name="there", corral_host=OTHER), alice)
+    shared = _old_slot(Machine.objects.create(name="unclaimed", corral_host=""), alice)
+
+    assert forget_old_slots() == [shared.pk]  # no host's own local machine
+    assert forget_old_slots(host=settings.CORRAL_HOST_ID) == [mine.pk]
+    assert list(SlotSave.objects.values_list("session_id", flat=True)) == [theirs.pk]  # its host's to forget
+
+    handed = []
+    monkeypatch.setattr(liveness, "live_hosts", lambda: {OTHER, settings.CORRAL_HOST_ID})
+    monkeypatch.setattr(dispatch, "enqueue_on_host", lambda task, host, *args, **kw: handed.append((task, host, kw)))
+    tasks.forget_old_slots()
+    assert handed == [(dispatch.FORGET_HOST_SLOTS, host, {"expires": tasks.SLOTS_TASK_EXPIRES})
+                      for host in sorted({OTHER, settings.CORRAL_HOST_ID})]
+    assert queues.ROUTES[dispatch.FORGET_HOST_SLOTS] == {"queue": queues.HOUSEKEEPING}
+
+
+def test_a_lost_start_on_a_host_that_is_down_is_not_queued_again_every_round(alice, monkeypatch):
+    """Issue 23: a start lost on a host that is down was queued again at every watch (its
+    host's queue only grew until it came back). It waits for its host; the others are
+    started again as before, and when Redis cannot tell who is alive, every one is."""
+    stale = timezone.now() - timedelta(hours=1)
+    loading = []
+    for machine in (Machine.objects.create(name="here"), Machine.objects.create(name="there", corral_host=OTHER),
+                    Machine.objects.create(name="unclaimed", corral_host="")):
+        session = session_on(machine, alice)
+        AgentSession.objects.filter(pk=session.pk).update(status=Status.LOADING, last_activity_at=stale)
+        loading.append(session.pk)
+    here, there, unclaimed = loading
+    queued = []
+    monkeypatch.setattr(dispatch, "enqueue", lambda task, *args: queued.append((task, args)) or True)
+
+    monkeypatch.setattr(liveness, "live_hosts", lambda: {settings.CORRAL_HOST_ID})
+    assert sorted(recover_starts()) == sorted([here, unclaimed])
+    assert sorted(queued) == sorted([(dispatch.START_SERVER, (here,)), (dispatch.START_SERVER, (unclaimed,))])
+    assert not TranscriptEvent.objects.filter(session_id=there, kind="notice").exists()
+    assert TranscriptEvent.objects.get(session_id=here, kind="notice").payload["message"] == LOST_START
+
+    queued.clear()
+    AgentSession.objects.filter(pk__in=loading).update(last_activity_at=stale)  # the notice touched them
+    monkeypatch.setattr(liveness, "live_hosts", lambda: None)  # Redis cannot say
+    assert sorted(recover_starts()) == sorted(loading)

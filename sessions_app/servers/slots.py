@@ -23,7 +23,7 @@ from machines_app.llama_server import (
     slot_file_name,
     slot_fingerprint,
 )
-from machines_app.models import ModelFile
+from machines_app.models import ModelFile, reached_by
 from machines_app.transports import Transport, TransportError, transport_at, transport_for
 
 from ..events import append, locked
@@ -158,14 +158,18 @@ def _hours(hours: float) -> str:
     return f"{hours:g} hour" + ("" if hours == 1 else "s")
 
 
-def forget_old_slots(now: datetime | None = None) -> list[int]:
+def forget_old_slots(now: datetime | None = None, host: str | None = None) -> list[int]:
     """Housekeeping (every few minutes): delete each saved slot older than
     ``CORRAL_SLOT_KEEP_HOURS`` of a session whose server is not running or starting
     (asleep, stopped, exited), its file from its machine and its row, with a notice in the
     session's transcript (:data:`SLOT_EXPIRED`). A machine that cannot be reached keeps
-    its file and row until a later round. The ids of the sessions concerned."""
+    its file and row until a later round. The ids of the sessions concerned.
+
+    ``host`` None: the slots on machines every host reaches (SSH machines, an unclaimed
+    local one); a host id: those on that host's own local machine, which only it reaches
+    (machines_app.models.reached_by; docs/operations.md, "More hosts")."""
     cutoff = (now or timezone.now()) - timedelta(hours=settings.CORRAL_SLOT_KEEP_HOURS)
-    old = (SlotSave.objects.filter(saved_at__lt=cutoff, session__server__isnull=True)
+    old = (SlotSave.objects.filter(reached_by(host, "machine__"), saved_at__lt=cutoff, session__server__isnull=True)
            .exclude(session__status=Status.LOADING).select_related("machine"))
     done = []
     for saved in old:

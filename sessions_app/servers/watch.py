@@ -16,7 +16,7 @@ from machines_app.llama_server import does_not_answer
 from machines_app.models import reached_by
 from machines_app.transports import ElsewhereError, TransportError, transport_for
 
-from .. import dispatch, orphans
+from .. import dispatch, liveness, orphans
 from ..events import record_error, record_event, set_status
 from ..models import AgentSession
 from ..transcript import Kind
@@ -34,17 +34,24 @@ def recover_starts() -> list[int]:
     """Sessions left ``loading`` by a start that was lost — its task never ran (the broker
     was down) or its worker died — are started again: no live start claim, and nothing
     recorded for a claim's lifetime. The notice it records keeps it from being re-queued
-    more often than that (docs/behaviour.md §5)."""
+    more often than that (docs/behaviour.md §5). A start on the local machine of a host
+    that is down is left waiting: only that host can start it, and a copy queued every
+    round would pile up in its queue until it came back (its own copy still is there)."""
     now = timezone.now()
     stale = now - start_ttl()
     lost = AgentSession.objects.filter(
         Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now),
         status=Status.LOADING, last_activity_at__lt=stale,
-    ).exclude(memory_claim__granted=False).values_list("pk", flat=True)  # waiting for memory: room.admit_waiting
-    found = list(lost)
-    for session_id in found:
-        record_event(session_id, Kind.NOTICE, {"message": LOST_START})
-        dispatch.enqueue(dispatch.START_SERVER, session_id)
+    ).exclude(memory_claim__granted=False).select_related("machine")  # waiting for memory: room.admit_waiting
+    alive = liveness.live_hosts()  # None: Redis cannot say; every start is tried as before
+    found = []
+    for session in lost:
+        owner = session.machine.owner_host
+        if owner and alive is not None and owner not in alive:
+            continue
+        record_event(session.pk, Kind.NOTICE, {"message": LOST_START})
+        dispatch.enqueue(dispatch.START_SERVER, session.pk)
+        found.append(session.pk)
     return found
 
 
