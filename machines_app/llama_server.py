@@ -402,7 +402,7 @@ def does_not_answer(endpoint: Endpoint, timeout: float) -> bool:
     ``timeout`` seconds: a process that still has its pid but is frozen (SIGSTOP, a wedged
     driver) — the kernel still accepts its connections, nothing reads them. Any answer
     (200, 503 while loading, 401) is False; so is a refused or broken connection, which is
-    the process check's to explain (docs/behaviour.md §5, "keep watching")."""
+    the process check's to explain (docs/behaviour.md §5, the health watch)."""
     try:
         with httpx.Client(timeout=timeout, headers=auth_headers(endpoint.api_key), verify=tls_context()) as http:
             http.get(f"{endpoint.url}/health")
