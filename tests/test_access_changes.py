@@ -1,4 +1,4 @@
-"""Access changes apply at once (docs/access.md, "When access changes"; issue 20, part 4).
+"""Access changes apply at once (docs/access.md, "When access changes").
 
 An account turned off, a password changed, a group a machine requires left, a machine
 disabled: within 2 s the person's open pages close or drop to watching (real websockets

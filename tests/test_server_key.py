@@ -1,4 +1,4 @@
-"""Issue 10 §1: the permission gate cannot be walked around through llama-server itself.
+"""The permission gate cannot be walked around through llama-server itself.
 
 Every session's llama-server is started with a random key of its own (``--api-key-file``)
 and answers 401 to anyone without it — another local process, or a web page on another
