@@ -220,7 +220,7 @@ BUILTIN_CHAT_TEMPLATES = (
     "seed_oss", "smolvlm", "solar-open", "vicuna", "vicuna-orca", "yandex", "zephyr",
 )
 
-#: The sampling values ``sampling_defaults_of`` keeps from /props, by the request's names.
+#: The sampling values :func:`parse_props` keeps from /props, by the request's names.
 PROPS_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                   "repeat_penalty": "repeat_penalty"}
 
