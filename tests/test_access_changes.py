@@ -31,7 +31,8 @@ from .helpers import log_in, payloads
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-#: The issue's bound: an open page hears of the change within this many seconds.
+#: The bound docs/access.md gives ("within a second or two"): an open page hears of the change within
+#: this many seconds.
 WITHIN = 2.0
 HTMX = {"HX-Request": "true"}
 
