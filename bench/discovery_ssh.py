@@ -1,4 +1,4 @@
-"""Discovery over a slow SSH link (the machines issue, item 5).
+"""Discovery over a slow SSH link.
 
     .venv/bin/python bench/discovery_ssh.py [--files 50] [--rtt-ms 50]
 

@@ -1,4 +1,4 @@
-"""Many sessions at once: what Corral itself can carry (the performance issue, item 3).
+"""Many sessions at once: what Corral itself can carry (item 3 of bench/run.py).
 
     .venv/bin/python bench/many_sessions.py [--sessions 1,8,32] [--rate 50] [--seconds 10]
         [--watchers 1] [--profile DIR]

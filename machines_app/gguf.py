@@ -4,7 +4,7 @@ Pure Python, no Django. Input is the first bytes of a file, output is a
 :class:`GGUFHead`. The tensor index and the weights are never parsed, so a
 caller only has to fetch the head of a (possibly many GiB) model file.
 
-Layout, per the GGUF spec (ggml ``docs/gguf.md``), all little-endian::
+Layout (the GGUF format as ggml defines it, restated here), all little-endian::
 
     magic        4 bytes  b"GGUF"
     version      u32      2 or 3 (version 1 used u32 counts and is refused)

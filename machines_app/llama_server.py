@@ -220,7 +220,7 @@ BUILTIN_CHAT_TEMPLATES = (
     "seed_oss", "smolvlm", "solar-open", "vicuna", "vicuna-orca", "yandex", "zephyr",
 )
 
-#: The sampling values ``sampling_defaults_of`` keeps from /props, by the request's names.
+#: The sampling values :func:`parse_props` keeps from /props, by the request's names.
 PROPS_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                   "repeat_penalty": "repeat_penalty"}
 
@@ -402,7 +402,7 @@ def does_not_answer(endpoint: Endpoint, timeout: float) -> bool:
     ``timeout`` seconds: a process that still has its pid but is frozen (SIGSTOP, a wedged
     driver) — the kernel still accepts its connections, nothing reads them. Any answer
     (200, 503 while loading, 401) is False; so is a refused or broken connection, which is
-    the process check's to explain (docs/behaviour.md §5, "keep watching")."""
+    the process check's to explain (docs/behaviour.md §5, the health watch)."""
     try:
         with httpx.Client(timeout=timeout, headers=auth_headers(endpoint.api_key), verify=tls_context()) as http:
             http.get(f"{endpoint.url}/health")

@@ -1,4 +1,4 @@
-"""The search index over what was said in sessions (docs/behaviour.md §18, "Search").
+"""The search index over what was said in sessions (docs/behaviour.md §12, "Search").
 
 Derived from the transcripts, never the other way round: a :class:`Passage` is one user
 message or one reply as the session page shows it (the same start seq, so a result links

@@ -1,5 +1,5 @@
 """Which Celery workers are alive, told by keys they keep in Redis (docs/operations.md,
-"Turns that outlive their worker").
+"When a worker dies mid-turn").
 
 Every worker process keeps a key ``<prefix>worker:<nodename>`` (the prefix is the channel
 layer's, so deployments sharing a Redis in different databases stay apart) holding its

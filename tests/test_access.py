@@ -1,4 +1,4 @@
-"""Every page and websocket checks who is asking (done-means 7 of issue 2)."""
+"""Every page and websocket checks who is asking."""
 
 from __future__ import annotations
 

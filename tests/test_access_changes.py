@@ -1,4 +1,4 @@
-"""Access changes apply at once (docs/access.md, "When access changes"; issue 20, part 4).
+"""Access changes apply at once (docs/access.md, "When access changes").
 
 An account turned off, a password changed, a group a machine requires left, a machine
 disabled: within 2 s the person's open pages close or drop to watching (real websockets
@@ -31,7 +31,8 @@ from .helpers import log_in, payloads
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-#: The issue's bound: an open page hears of the change within this many seconds.
+#: The bound docs/access.md gives ("within a second or two"): an open page hears of the change within
+#: this many seconds.
 WITHIN = 2.0
 HTMX = {"HX-Request": "true"}
 

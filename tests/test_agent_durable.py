@@ -1,6 +1,6 @@
-"""The gate and the loop with the real worker, daphne and websockets (issue 3, done-means
-2, 3, 6): questions reach every watcher, a waiting question holds no worker, and a worker
-killed mid-step neither runs anything twice nor leaves the session stuck.
+"""The gate and the loop with the real worker, daphne and websockets: questions reach every
+watcher, a waiting question holds no worker, and a worker killed mid-step neither runs
+anything twice nor leaves the session stuck.
 
 The model side is the stand-in llama-server (a 135M model will not call a tool on demand);
 the product, the worker, Redis, the database and the websockets are real.

@@ -1,4 +1,4 @@
-"""The agent loop and the permission gate (issue 3; docs/behaviour.md §6.5, §7, §8, §9).
+"""The agent loop and the permission gate (docs/behaviour.md §6.5, §7, §8, §9).
 
 Steps run in this process so each stage can be checked; the model side is scripted (a
 135M model will not call a tool on demand) while tools run on the REAL llama-server

@@ -1,4 +1,4 @@
-"""Allowances are exact, visible and revocable (issue 20, part 3; docs/behaviour.md §8).
+"""Allowances are exact, visible and revocable (docs/behaviour.md §8).
 
 Pure tests of what an allowance covers (sessions_app/allowances.py) and of the fold
 (transcript.allowances); then turns run by the real worker's step with the model side

@@ -1,4 +1,4 @@
-"""Done-means 2 (issue 2): a person in a real browser (Playwright + Debian's Chromium).
+"""A person in a real browser (Playwright + Debian's Chromium).
 
 Log in, start a session on SmolLM2 from the form, send a message, watch the reply stream
 in, reload and find it still there.
@@ -73,7 +73,8 @@ def test_it_streams_a_reply_in_the_browser_and_keeps_it_after_reload(stack, page
 def test_a_tool_question_is_answered_with_a_click_and_the_output_appears_in_the_row(
     stack, page, fake_machine, alice, tmp_path
 ):
-    """Issue 3, done-means 7 (the model side is the stand-in: a 135M model will not call tools)."""
+    """A tool call asked, approved and run from the page (the model side is the stand-in: a 135M
+    model will not call tools)."""
     from sessions_app import actions
 
     (tmp_path / "flock.txt").write_text("twelve sheep, one goat")
@@ -112,7 +113,8 @@ def test_a_tool_question_is_answered_with_a_click_and_the_output_appears_in_the_
 
 
 def test_queue_withdraw_interrupt_and_switch_model_from_the_page(stack, page, fake_machine, alice, tmp_path):
-    """Issue 4, done-means 8 (the model side is the stand-in, streaming slowly)."""
+    """Queue, withdraw, interrupt and a model switch from the page (the model side is the
+    stand-in, streaming slowly)."""
     from sessions_app.servers.models import ServerRecord
 
     slow = " ".join(f"baa{i}" for i in range(80))

@@ -1,4 +1,4 @@
-"""Issue 20, part 1: the card shows what will run (docs/behaviour.md §8, "What the card shows").
+"""The card shows what will run (docs/behaviour.md §8, "What the card shows").
 
 The renderer (sessions_app/callcard.py) is pure: its tests here need no database. Then the
 same card through every way out: the page's item (sessions_app/live/items.py), the Markdown export and the

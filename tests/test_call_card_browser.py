@@ -1,4 +1,4 @@
-"""Issue 20, part 1, in a real browser (Playwright + Debian's Chromium) against the real
+"""The card of a call in a real browser (Playwright + Debian's Chromium) against the real
 stack: the card of a call shows what will run, folded only behind words, the same after a
 reload and in both exports; a write and an edit are diffs against the real file on the
 local machine and on the test sshd, and what runs is what the diff said.

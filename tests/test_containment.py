@@ -1,4 +1,4 @@
-"""A tool call cannot reach Corral (issue 21, parts 1 and 2; docs/security.md "What a tool
+"""A tool call cannot reach Corral (docs/security.md "What a tool
 can reach").
 
 The model side is scripted (tests/scripted_server.py); the tools are llama-server's own

@@ -1,4 +1,4 @@
-"""Issue 25, point 9 (the stylesheet side): every colour highlighted code takes meets WCAG
+"""The stylesheet side of contrast: every colour highlighted code takes meets WCAG
 AA, 4.5:1, on the code block's background, in light mode and in dark mode. The pages as a
 whole are checked with axe-core in the browser (tests/test_search_versions_browser.py)."""
 

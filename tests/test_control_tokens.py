@@ -1,4 +1,4 @@
-"""Typed and returned text never becomes control tokens (issue 21 part 5; docs/security.md,
+"""Typed and returned text never becomes control tokens (docs/security.md,
 "Text never becomes control tokens").
 
 The proof runs on the REAL SmolLM2 llama-server (ChatML) started by the product: the

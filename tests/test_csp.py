@@ -1,4 +1,4 @@
-"""Content-Security-Policy on every page (issue 10 point 4).
+"""Content-Security-Policy on every page (docs/deployment.md).
 
 Fast: the header on each kind of response, and no template carrying inline script or
 style. Real: in Chromium, a script put into the page does not run, while the session

@@ -1,4 +1,4 @@
-"""Issue 23 §5: a turn step whose database connection is cut mid-reply.
+"""A turn step whose database connection is cut mid-reply.
 
 Real PostgreSQL is needed even when the suite runs on SQLite: the cut is
 ``pg_terminate_backend`` on the step's own backend, from another connection, at the

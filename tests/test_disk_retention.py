@@ -1,4 +1,4 @@
-"""Issue 23 §5: the disk stays bounded (docs/operations.md, "Disk").
+"""The disk stays bounded (docs/operations.md, "Disk").
 
 - llama-server logs: one per start, the newest CORRAL_SERVER_LOGS_KEPT kept at each start,
   all of them deleted with the session (local and over SSH, through the transport).

@@ -1,4 +1,4 @@
-"""Done-means 1 (issue 2): the real path end to end.
+"""The real path end to end.
 
 Real llama-server on the SmolLM2 GGUF, started by the product's Celery task in a real
 worker, real Redis, the test database, daphne serving a real websocket.

@@ -98,7 +98,7 @@ def test_work_on_a_hosts_own_machine_goes_to_that_hosts_queues_and_ssh_work_to_t
 
 def test_the_watch_never_judges_another_hosts_server_and_never_reaches_its_machine(alice, sent):
     # On host 2 the pid of host 1's server is not there and its port refuses: judged from
-    # here it would be "exited by itself" while it runs on untracked (issue 23).
+    # here it would be "exited by itself" while it runs on untracked.
     theirs = Machine.objects.create(name="theirs", corral_host=OTHER)
     session = session_on(theirs, alice)
     record = ServerRecord.objects.create(session=session, machine=theirs, model_key="m.gguf", pid=2 ** 22 + 7,

@@ -1,4 +1,4 @@
-"""Issue 26: importing an export through the page — the session list's "Import an export",
+"""Importing an export through the page — the session list's "Import an export",
 the file chosen in a real browser, the new session opened, its server started, and the
 imported conversation going on (the llama-server stand-in answers; the model is sent the
 imported messages)."""

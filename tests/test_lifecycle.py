@@ -1,4 +1,4 @@
-"""Session lifecycle with the real llama-server (issue 4; docs/behaviour.md §4, §5, §10): queue,
+"""Session lifecycle with the real llama-server (docs/behaviour.md §4, §5, §10): queue,
 withdraw, interrupt, clear, model switch, a server killed from outside, restarts."""
 
 from __future__ import annotations

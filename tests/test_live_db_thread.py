@@ -1,6 +1,6 @@
 """The live pages' database thread keeps its connection from one socket message to the
 next while pages are open, replaces one PostgreSQL cut, and holds none once the last page
-closes (sessions_app/live/db_thread.py, issue 27).
+closes (sessions_app/live/db_thread.py).
 
 The socket runs as daphne runs it: ``asyncio.run`` on this thread, outside
 ``async_to_sync``, so every ``database_sync_to_async`` goes to asgiref's one database thread

@@ -1,4 +1,4 @@
-"""Login throttling (issue 10 point 4): django-axes locks a username out, from one
+"""Login throttling (docs/deployment.md, "Login throttling"): django-axes locks a username out, from one
 address, after repeated wrong passwords, with a page that says so in plain words."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7: first paint and live updates are two uses of one fold.
+"""First paint and live updates are two uses of one fold.
 
 Zulip's ``verify_action`` idea: for every cut ``k`` of a recorded transcript, a page
 first painted from ``events[:k]`` and then brought up to date by the live operations for

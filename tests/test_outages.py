@@ -1,4 +1,4 @@
-"""Issue 9 §4: an outside part failing never makes a turn run twice.
+"""An outside part failing never makes a turn run twice.
 
 Redis — the Celery broker and the channel layer — is stopped (SIGKILL) while a reply
 streams and started again on the same port a few seconds later, with a real Celery worker
@@ -174,7 +174,7 @@ def test_a_redis_outage_mid_reply_never_answers_twice(private_stack, fake_machin
 def test_while_redis_is_down_the_page_says_its_live_link_is_lost_and_a_stop_ends_the_waiting_turn(
     private_stack, fake_machine, alice, page
 ):
-    """Issue 23 §4, with a real browser on the page: Redis killed (-9) and started again.
+    """With a real browser on the page: Redis killed (-9) and started again.
 
     While it is down the page says its live link is lost (it used to say "live" while every
     push was lost); a message sent then is stored and waits; a Stop pressed then ends that

@@ -1,4 +1,4 @@
-"""Issue 14, items 1–3, in a real browser (Playwright + Debian's Chromium) against the
+"""The session page's words, starts and replies in a real browser (Playwright + Debian's Chromium) against the
 real stack (daphne, Celery worker, Redis).
 
 The model side is the stand-in (tests/fake_llama_server.py) where a test needs a reply
@@ -17,7 +17,7 @@ from .helpers import log_in, open_menu, open_session, pick_machine, requests_see
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
 
-# --- item 2 ----------------------------------------------------------------------------------
+# --- status and names ------------------------------------------------------------------------
 
 
 def test_stop_server_disables_the_message_box_and_restart_in_it_brings_it_back(stack, page, fake_machine, alice,
@@ -93,7 +93,7 @@ def test_a_rename_changes_the_heading_and_tab_title_of_every_watching_page(stack
     other.wait_for_selector("#status-badge[data-status=idle]", timeout=60_000)
 
 
-# --- item 1 ----------------------------------------------------------------------------------
+# --- the start and the context ---------------------------------------------------------------
 
 OVERFLOW = {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 5000, "n_ctx": 4096,
             "message": "request (5000 tokens) exceeds the available context size (4096 tokens), try increasing it"}
@@ -148,7 +148,7 @@ def test_the_gauge_shows_the_real_servers_context(stack, page, local_machine, al
     page.locator("#context-gauge", has_text=f"context {used} / 1024 tokens").wait_for()
 
 
-# --- item 3 ----------------------------------------------------------------------------------
+# --- replies and the pages around them -------------------------------------------------------
 
 STREAMED = ("**Sheep** count: `12`\n\n```\nprint(12)\n```\n\n[bad](javascript:alert(1)) "
             "<img src=x onerror=alert(1)> ![pic](http://example.invalid/x.png) end and a few words more to come")

@@ -1,4 +1,5 @@
-"""Issue 14, items 1–3, the parts a test can prove without a browser: status words, plain
+"""The session page's words, starts and replies, the parts a test can prove without a
+browser: status words, plain
 settings lines, the start-failure sentence, the context checks, the max_tokens default
 in the forms, rename, send again (the fold and the action), the context gauge, the
 styled 404/403 and the session list's search.
@@ -43,7 +44,7 @@ def session(local_machine, alice, tmp_path):
     )
 
 
-# --- item 2: stopped is not exited; one map of status words ------------------------------
+# --- stopped is not exited; one map of status words ------------------------------
 
 
 @pytest.mark.django_db
@@ -98,7 +99,7 @@ def test_a_refusal_goes_to_the_feedback_line_of_the_control(session, bob):
     assert answer.status_code == 403 and answer["HX-Retarget"] == "#composer-feedback"
 
 
-# --- item 2: plain words in the transcript -------------------------------------------------
+# --- plain words in the transcript -------------------------------------------------
 
 
 @pytest.mark.django_db
@@ -125,7 +126,7 @@ def test_settings_changes_read_as_words():
         "Settings: tool calls → ask before each tool call The gate is back on.")
 
 
-# --- item 1: a failed start leads with one plain sentence, the log folded below ---------------
+# --- a failed start leads with one plain sentence, the log folded below ---------------
 
 
 @pytest.mark.parametrize(("log", "expected"), [
@@ -155,7 +156,7 @@ def test_the_error_row_shows_the_sentence_and_folds_the_log():
     assert "<summary>What llama-server said</summary><pre>line 1\nline 2</pre>" in html
 
 
-# --- item 1: context size within the trained length; max_tokens default in the forms -----------
+# --- context size within the trained length; max_tokens default in the forms -----------
 
 
 @pytest.mark.django_db
@@ -206,7 +207,7 @@ def test_a_context_overflow_offers_clear_to_whom_may_clear():
     assert "Clear the conversation" not in watcher and "The session's owner can clear it" in watcher
 
 
-# --- item 1: the context gauge ----------------------------------------------------------------
+# --- the context gauge ----------------------------------------------------------------
 
 
 def gauge_ops(events, view):
@@ -248,7 +249,7 @@ def test_the_gauge_s_context_size_is_the_last_server_ready_s_else_the_session_s(
     assert context_size(ready, session_context) == n_ctx
 
 
-# --- item 2: rename, live -----------------------------------------------------------------------
+# --- rename, live -----------------------------------------------------------------------
 
 
 @pytest.mark.django_db
@@ -267,7 +268,7 @@ def test_rename_updates_the_heading_of_every_page_through_its_event(session, ali
     assert f'<h1 id="session-title">Session {session.pk}</h1>' in ops[0]["html"]
 
 
-# --- item 3: regenerate and edit are new events; the fold drops the replaced reply -----------------
+# --- regenerate and edit are new events; the fold drops the replaced reply -----------------
 
 
 def taken(seq, text, **extra):
@@ -346,7 +347,7 @@ def test_the_composer_sends_an_edit_as_a_replacement(session, alice, django_capt
     assert [m["text"] for m in messages] == ["hello", "hello there"] and messages[1]["edited"] is True
 
 
-# --- item 3: a styled 404/403 with a way back; the list's search ---------------------------------
+# --- a styled 404/403 with a way back; the list's search ---------------------------------
 
 
 @pytest.mark.django_db

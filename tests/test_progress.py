@@ -1,4 +1,4 @@
-"""Issue 25, point 8: progress a person can see — llama-server's ``prompt_progress`` (asked
+"""Progress a person can see — llama-server's ``prompt_progress`` (asked
 with ``return_progress``), the reply's live token count, and the speculative-decoding
 acceptance rate in the usage line. Against the real llama-server with a long prompt;
 the browser side is tests/test_search_versions_browser.py. Case C60 (a long prompt with no byte

@@ -1,4 +1,4 @@
-"""Issue 12 (images aside) and issue 14 item 1: the request — system prompt, the model
+"""The request — system prompt, the model
 file's sampling defaults, chat templates and their capabilities — and export
 (docs/behaviour.md §17, §18).
 
@@ -437,7 +437,7 @@ def test_a_start_remembers_what_the_template_can_do_on_the_model_file(local_mach
                                           server_params={"contextSize": 1024}, status="loading")
     start_server(session.pk)
     ready = events_of(session, "server_ready")[-1].payload
-    # What the real binary says of SmolLM2's own template (issue 14: both demo models).
+    # What the real binary says of SmolLM2's own template (both demo models).
     assert ready["chat_template_caps"]["supports_tools"] is False
     assert ready["jinja"] is True and set(ready["sampling_defaults"]) >= {"temperature", "top_k", "top_p"}
     model = ModelFile.objects.get(machine=local_machine, key=key)

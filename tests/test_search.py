@@ -1,4 +1,4 @@
-"""Issue 25, point 4: full-text search over what was said, across the sessions a person
+"""Full-text search over what was said, across the sessions a person
 may see, each result linking to its message. Runs on the database the suite runs on:
 SQLite's FTS5 by default, PostgreSQL's full-text search with DATABASE_URL set."""
 

@@ -31,8 +31,8 @@ SIZES = {"desktop": (1366, 900), "phone": (390, 844)}
 AXE_TAGS = ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"]
 
 
-#: Console lines another part of issue 25 removes (point 12: the waiting note's poll logs
-#: htmx:sendAbort / htmx:afterRequest when a turn ends). Only these exact events are let
+#: Console lines a separate fix removes (the waiting note's poll logs htmx:sendAbort /
+#: htmx:afterRequest when a turn ends). Only these exact events are let
 #: through here; drop this once that fix is merged.
 WAITING_NOTE_NOISE = re.compile(r"^htmx:(sendAbort|afterRequest), \[object HTML\w+Element\]$")
 

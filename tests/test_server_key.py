@@ -1,4 +1,4 @@
-"""Issue 10 §1: the permission gate cannot be walked around through llama-server itself.
+"""The permission gate cannot be walked around through llama-server itself.
 
 Every session's llama-server is started with a random key of its own (``--api-key-file``)
 and answers 401 to anyone without it — another local process, or a web page on another
@@ -90,7 +90,7 @@ def test_a_real_server_answers_only_corral(stack, local_machine, alice, tmp_path
 
 
 def test_a_page_on_another_origin_cannot_run_a_tool(stack, page, local_machine, alice, tmp_path):
-    """The attack from the issue: any page the user opens posts text/plain, no-cors, to the
+    """The attack this guards against: any page the user opens posts text/plain, no-cors, to the
     session's server. It must not run the command."""
     created = []
 

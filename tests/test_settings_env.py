@@ -1,4 +1,4 @@
-"""Settings are declarations (issue 7 point 6) and production mode is one switch (issue 10 point 4).
+"""Settings are declarations and production mode is one switch (docs/deployment.md).
 
 Importing settings writes nothing; the launcher prepares the data directory and the
 secret key; every variable is read strictly. Settings are module-level, so what depends

@@ -1,4 +1,4 @@
-"""The smaller holes of issue 21 (part 6; docs/security.md): a chat template file that is a
+"""Smaller holes (docs/security.md): a chat template file that is a
 secret by where it lies, or whose lines a failed start would show; images bounded in
 pixels; secrets written back into admin forms; the websocket Origin's scheme."""
 

@@ -161,7 +161,7 @@ def test_a_dead_peer_makes_the_session_unknown_then_it_recovers(stack, tmp_path,
         errors = [p["message"] for p in payloads(session, "error")]
         assert any(f"Machine '{machine.name}' is unreachable" in m and "unknown until the machine answers" in m
                    for m in errors), errors
-        # It was the link that broke, not llama-server: the reply's end says so (issue 26).
+        # It was the link that broke, not llama-server: the reply's end says so.
         assert any(f"The link to machine '{machine.name}' broke while llama-server was replying" in m
                    for m in errors), errors
         assert not any("llama-server closed the connection" in m for m in errors), errors

@@ -384,7 +384,7 @@ def _embedded_redis(launcher: Launcher) -> psutil.Process:
 def test_an_embedded_redis_killed_comes_back_on_its_port_and_what_was_sent_meanwhile_runs(
     launcher, fake_machine, alice, tmp_path, monkeypatch
 ):
-    """Issue 23 §4: the embedded Redis killed outright used to stay dead: every new message
+    """The embedded Redis killed outright used to stay dead: every new message
     showed "waiting for a worker" for ever. It is started again on the same port with the
     same password (REDIS_URL stays valid for every program), and a message sent while it
     was down — its step lost with the broker — is answered once it is back (the turn
@@ -452,7 +452,7 @@ def test_an_embedded_redis_killed_comes_back_on_its_port_and_what_was_sent_meanw
 
 
 def test_the_launchers_output_is_kept_in_a_rotated_log_file(launcher):
-    """Issue 23 §5: the output of ``./corral run`` grew without bound wherever it was sent.
+    """The output of ``./corral run`` grew without bound wherever it was sent.
     It is copied to ``data/logs/corral.log``, rotated at CORRAL_LOG_MAX_BYTES with
     CORRAL_LOG_BACKUPS older files kept, while the terminal still gets every line."""
     launcher.env.update(CORRAL_LOG_MAX_BYTES="1000", CORRAL_LOG_BACKUPS="2")

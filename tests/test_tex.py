@@ -1,4 +1,4 @@
-"""Issue 25, point 6: TeX as MathML, rendered on the server (latex2mathml) and sanitised
+"""TeX as MathML, rendered on the server (latex2mathml) and sanitised
 with the rest; prices and code stay text; a reply still streaming carries the server's
 MathML for its preview. The browser side is tests/test_search_versions_browser.py."""
 

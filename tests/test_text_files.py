@@ -1,4 +1,4 @@
-"""Issue 25, point 7 (server side): text files attach to any model as text, with a size
+"""Text files (the server side) attach to any model as text, with a size
 limit and a refusal in words; an image for a model that cannot take images is refused in
 words. The browser side (paste, drop) is tests/test_search_versions_browser.py."""
 

@@ -1,5 +1,5 @@
 """Built-in tools cannot take the server down or hold a turn; tool results are bounded
-(issue 21 parts 3 and 4; docs/behaviour.md §9, C47).
+(docs/behaviour.md §9, C47).
 
 Turns are driven as in tests/test_agent_loop.py: the REAL llama-server started by the
 product, the model side scripted, ``step(...)`` in this process. Stop reply is tested with

@@ -247,7 +247,7 @@ FOLD_CASES: list[tuple[str, list[tuple[str, dict[str, Any]]], list[dict[str, Any
         [user("a"), say(""), other("error", message="x"), turn_end("error"), user("b")],
         [u("a\n\nb")],
     ),
-    # Issue 9: never two user messages in a row, whatever left the turn without a reply.
+    # Never two user messages in a row, whatever left the turn without a reply.
     (
         "a failed turn (HTTP 400) then a message: joined",
         [user("hi"), other("error", message="context overflow"), turn_end("error"), user("second")],
@@ -752,7 +752,7 @@ def test_it_accepts_generators() -> None:
     assert open_turn(e for e in script(*steps)) is True
 
 
-# --- issue 9: a step that died mid-reply is never answered twice
+# --- a step that died mid-reply is never answered twice
 
 @pytest.mark.parametrize(
     ("steps", "cut_off"),

@@ -1,4 +1,4 @@
-"""Issue 9: every turn ends truthfully and the next one always works.
+"""Every turn ends truthfully and the next one always works.
 
 The server side of each stream is scripted (the real llama-server cannot cut a stream or
 send every reasoning form on demand); the turn loop, the database and the transcript are

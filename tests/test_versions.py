@@ -1,4 +1,4 @@
-"""Issue 25, point 5: versions of a message sent again (Regenerate, Edit) — the fold the
+"""Versions of a message sent again (Regenerate, Edit) — the fold the
 model's request follows, which version is in force, the action that chooses one, and the
 page's one bubble with "‹ 2/3 ›". The browser side is tests/test_search_versions_browser.py."""
 

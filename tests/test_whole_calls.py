@@ -1,4 +1,4 @@
-"""Only whole calls run (docs/behaviour.md §9; cases C01 and C04 as amended).
+"""Only whole calls run (docs/behaviour.md §9; failures C01 and C04).
 
 A call cut by the length limit or by a stream that ended without a finish reason is neither
 run nor asked about; arguments that are not one JSON object (a key written twice included)

@@ -94,7 +94,7 @@ class ToolCallAssembler:
       non-empty id, which starts a new call (C01); an id-less fragment with an index no
       call has yet continues the newest call when that one began without an index;
     - a fragment with no known id that names a function other than the one of the call it
-      would extend starts a new call instead (C01 amended: two unnumbered, id-less calls
+      would extend starts a new call instead (docs/behaviour.md C01: two unnumbered, id-less calls
       each with its own name are two calls, never one whose arguments run together);
     - ``id`` and ``function.name`` are taken from the first fragment that has them;
       ``function.arguments`` pieces are concatenated in arrival order (a non-string value

@@ -1,4 +1,4 @@
-"""The only module that talks to the channel layer (STYLE: push from one place, after commit).
+"""The only module that talks to the channel layer (pushes leave from one place, after their transaction commits).
 
 Every transcript message carries the session's sequence number, so a browser can tell a
 gap or a duplicate and catch up from the database (docs/behaviour.md C17). Two more messages close

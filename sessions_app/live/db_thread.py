@@ -4,7 +4,7 @@ Channels runs every websocket consumer's ``database_sync_to_async`` on one threa
 daphne process (asgiref's single-thread executor: a consumer runs outside any
 ``ThreadSensitiveContext``), and closes stale connections before and after each call.
 With Django's default ``CONN_MAX_AGE`` of 0 every call opened a new database connection
-and closed it again: a fifth of daphne's time while pages streamed (issue 27).
+and closed it again: a fifth of daphne's time while pages streamed.
 
 :func:`database_sync_to_async` here is Channels' own, on the same thread, but a connection
 it opens is Django's persistent kind — ``CONN_MAX_AGE`` :data:`KEEP_SECONDS` and

@@ -225,7 +225,7 @@ class Block:
 
 
 def formula_items(found: Iterable[tuple[str, bool]]) -> list[dict]:
-    """Formulas as the open reply's math list draws them (``_formula.html``)."""
+    """Formulas as the open reply's math list draws them (``sessions_app/_formulas.html``)."""
     return [{"tex": tex, "display": display, "html": formula_html(tex, display)} for tex, display in found]
 
 

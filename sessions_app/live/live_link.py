@@ -8,8 +8,8 @@ while every push was lost. Here one task per daphne process asks Redis ``PING`` 
 socket of this process is closed with :data:`LINK_LOST` (after :data:`FAILURES_BEFORE_LOST` in a row), and a socket opened while Redis is
 down is closed the same way at once. The page then shows that its live link is lost and
 tries again (0.5 s, doubling up to 5 s: static/corral/session.js); once Redis answers, it
-connects and catches up from the database by ``seq`` (docs/live-page.md, "When Redis
-stops"). What is sent meanwhile is stored and waits (docs/operations.md).
+connects and catches up from the database by ``seq`` (docs/live-page.md, "Staying
+connected"). What is sent meanwhile is stored and waits (docs/operations.md).
 """
 
 from __future__ import annotations

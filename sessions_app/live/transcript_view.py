@@ -30,7 +30,7 @@ from .items import (
     tool_item,
 )
 
-# --- live operations: what :class:`TranscriptView` sends a page (static/session.js applies them)
+# --- live operations: what :class:`TranscriptView` sends a page (static/corral/session.js applies them)
 
 
 class AppendOp(TypedDict):

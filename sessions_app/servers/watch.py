@@ -1,4 +1,4 @@
-"""Watching the sessions' servers (docs/behaviour.md §5 "keep watching", docs/ssh.md): the
+"""Watching the sessions' servers (docs/behaviour.md §5, the health watch, docs/ssh.md): the
 beat's round over every ready server (a dead one ``exited``, a frozen or unreachable one
 ``unknown`` until it answers), the questions a turn asks when a reply breaks off, and
 the recovery of starts that were lost.
@@ -56,7 +56,7 @@ def recover_starts() -> list[int]:
 
 
 def watch_servers(host: str | None = None) -> None:
-    """Check every ready server's process (docs/behaviour.md §5 "keep watching"): one that died
+    """Check every ready server's process (docs/behaviour.md §5, the health watch): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can. A server whose
     machine was lost while it loaded (``unknown``, not ready) is checked too, so it is
