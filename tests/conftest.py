@@ -424,6 +424,41 @@ def model_side():
     scripted.close()
 
 
+#: The API key the scripted server's record (``session`` below) holds.
+KEY = "k" * 43
+
+
+@pytest.fixture
+def server():
+    """A scripted chat-completions server (tests/scripted_server.py), closed after the test."""
+    from .scripted_server import ScriptedServer
+
+    scripted = ScriptedServer()
+    yield scripted
+    scripted.close()
+
+
+@pytest.fixture
+def session(alice, server, tmp_path):
+    """An idle session whose server is the scripted one (its record names this live process)."""
+    from machines_app.models import Machine
+    from machines_app.transports import LocalTransport
+    from sessions_app.models import AgentSession
+    from sessions_app.servers.models import ServerRecord
+
+    machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(
+        owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path), status="idle",
+        sampling={"seed": 7},
+    )
+    # The record names a live process (this one), so a check of the server finds it running.
+    me = os.getpid()
+    ServerRecord.objects.create(session=session, machine=machine, model_key="m.gguf", pid=me,
+                                start_time=LocalTransport()._stat(me)[1],
+                                port=int(server.url.rsplit(":", 1)[1]), log_path="/dev/null", api_key=KEY)
+    return session
+
+
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     """A real OpenSSH server on a free loopback port (see tests/sshd.py), for the whole run."""

@@ -137,3 +137,19 @@ def events_of(session, *kinds):
     """``session``'s events (of ``kinds``, when given), in ``seq`` order."""
     qs = TranscriptEvent.objects.filter(session=session).order_by("seq")
     return [e for e in qs if not kinds or e.kind in kinds]
+
+
+# --- a turn against the scripted server (conftest's ``server`` and ``session``) ---
+
+#: The frame that ends a chat-completions stream.
+DONE = b"data: [DONE]\n\n"
+
+
+def run_message(session, user, text="hello") -> list[TranscriptEvent]:
+    actions.do_send_message(AgentSession.objects.get(pk=session.pk), user, text)
+    agent.run_turn_step(session.pk)
+    return list(TranscriptEvent.objects.filter(session=session).order_by("seq"))
+
+
+def text_of(events, kind="assistant_text") -> str:
+    return "".join(e.payload["text"] for e in events if e.kind == kind)
