@@ -166,9 +166,9 @@ def calc_mcp(tmp_path):
     """A real MCP server (the mcp SDK's, streamable HTTP) configured for the deployment."""
     from sessions_app.models import McpServer
 
-    from .test_tools import API_KEY_HEADER, _start_mcp_server, stop_process
+    from .processes import API_KEY_HEADER, start_mcp_server, stop_process
 
-    proc, port = _start_mcp_server(tmp_path)
+    proc, port = start_mcp_server(tmp_path)
     (header, value), = API_KEY_HEADER.items()
     McpServer.objects.create(name="calc", url=f"http://127.0.0.1:{port}/mcp", headers={header: value})
     yield
