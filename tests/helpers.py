@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from html.parser import HTMLParser
 
 import httpx
 from django.db import connection
@@ -153,3 +154,43 @@ def run_message(session, user, text="hello") -> list[TranscriptEvent]:
 
 def text_of(events, kind="assistant_text") -> str:
     return "".join(e.payload["text"] for e in events if e.kind == kind)
+
+
+# --- the Content-Security-Policy (tests/test_csp.py) ---
+
+
+class InlineCode(HTMLParser):
+    """Collects what a strict CSP would block: inline <script>/<style>, on*= handlers,
+    style= attributes, javascript: URLs."""
+
+    def __init__(self, *, nonce_allowed: bool = False) -> None:
+        super().__init__()
+        self.found: list[str] = []
+        self.nonce_allowed = nonce_allowed
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        given = dict(attrs)
+        if self.nonce_allowed and given.get("nonce"):
+            return  # the admin's own blocks, marked with this response's nonce
+        data_block = (given.get("type") or "text/javascript").lower() not in ("text/javascript", "module")
+        if tag == "script" and "src" not in given and not data_block:  # JSON data blocks never run
+            self.found.append("inline <script>")
+        if tag == "style":
+            self.found.append("<style> block")
+        for name, value in attrs:
+            if name.startswith("on"):
+                self.found.append(f"{name}= handler")
+            if name == "style":
+                self.found.append("style= attribute")
+            if name in ("href", "src", "action") and (value or "").strip().lower().startswith("javascript:"):
+                self.found.append(f"javascript: {name}")
+
+
+# Runs before any page script, outside the page's CSP (Playwright injects it): records
+# every violation the browser reports.
+RECORD_VIOLATIONS = """
+window.__csp = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.__csp.push({directive: e.effectiveDirective, blocked: e.blockedURI, sample: e.sample});
+});
+"""
