@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from html.parser import HTMLParser
+from pathlib import Path
 
 import httpx
 from django.db import connection
 
+from machines_app.llama_server import slot_file_name
 from sessions_app import actions, agent
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, TranscriptEvent
-from sessions_app.servers.models import ServerRecord
+from sessions_app.servers.models import ServerRecord, SlotSave
 
-from .conftest import model_key
+from .conftest import model_key, wait_for
 from .scripted_server import chunk, sse
 
 
@@ -111,6 +114,111 @@ def requests_seen(session) -> list[dict]:
     return answer.json()
 
 
+# --- sessions on the real llama-server, through the real worker ---
+
+
+def idle_session(machine, user, tmp_path, arch="llama", **sampling) -> AgentSession:
+    """A new session on ``machine`` (model of ``arch``, context 2048, temperature 0 plus
+    ``sampling``), once its server is up and it is idle (120 s at most)."""
+    session = actions.do_create_session(
+        user, machine=machine, model_key=model_key(machine, arch), working_dir=str(tmp_path),
+        server_params={"contextSize": 2048}, sampling={"temperature": 0, **sampling}, permission_mode="manual",
+    )
+    wait_for(lambda: fresh(session).status == "idle", 120, what="idle")
+    return fresh(session)
+
+
+def turns_ended(session, n, timeout=120):
+    """Wait until ``session`` has ``n`` turn ends and no turn open (``timeout`` seconds)."""
+    wait_for(lambda: len(payloads(session, "turn_end")) >= n and not fresh(session).turn_active, timeout,
+             what=f"{n} turns to end")
+
+
+def llama_servers_on(port: int) -> list[int]:
+    """The pids of this host's llama-server processes started with ``--port port`` (read from /proc)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--port" in cmd and str(port).encode() in cmd and any(b"llama-server" in c for c in cmd[:1]):
+                found.append(int(pid))
+    return found
+
+
+def idle_seeded_session(machine, user, tmp_path) -> AgentSession:
+    """A new llama session on ``machine`` (context 2048, temperature 0, 16 tokens a reply,
+    seed 1), once it is idle (120 s at most)."""
+    session = actions.do_create_session(
+        user, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 2048}, sampling={"temperature": 0, "max_tokens": 16, "seed": 1},
+        permission_mode="manual",
+    )
+    wait_for(lambda: fresh(session).status == "idle", 120, what="idle")
+    return fresh(session)
+
+
+def converse_once(session, user, text) -> None:
+    """Send ``text`` as ``user`` and wait for that turn to end (120 s at most)."""
+    ended = len(payloads(session, "turn_end"))
+    actions.do_send_message(fresh(session), user, text)
+    wait_for(lambda: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
+             what="the turn to end")
+
+
+def idle_warm_session(machine, user, tmp_path, arch="llama") -> AgentSession:
+    """A new session on ``machine`` (model of ``arch``, context 2048, temperature 0, 24 tokens
+    a reply, seed 1), once its server is ready (tests/test_warm_slots.py's settings)."""
+    session = actions.do_create_session(
+        user, machine=machine, model_key=model_key(machine, arch), working_dir=str(tmp_path),
+        server_params={"contextSize": 2048}, sampling={"temperature": 0, "max_tokens": 24, "seed": 1},
+        permission_mode="manual",
+    )
+    wait_until_idle(session)
+    return fresh(session)
+
+
+def wait_until_idle(session, n_ready: int | None = None) -> None:
+    """Wait until ``session`` is idle and, when ``n_ready`` is given, has that many
+    ``server_ready`` events (120 s at most)."""
+    def ready():
+        s = fresh(session)
+        return s.status == "idle" and (n_ready is None or len(payloads(session, "server_ready")) >= n_ready)
+
+    wait_for(ready, 120, what="the server to be ready")
+
+
+def converse(session, user, texts) -> None:
+    """Send each of ``texts`` as ``user``, waiting for each turn to end (120 s at most each)."""
+    for text in texts:
+        ended = len(payloads(session, "turn_end"))
+        actions.do_send_message(fresh(session), user, text)
+        wait_for(lambda ended=ended: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
+                 what="the turn to end")
+
+
+def stop(session, user) -> None:
+    """Stop ``session``'s server as ``user`` and wait until it is stopped and its record gone (60 s)."""
+    actions.do_stop(fresh(session), user)
+    wait_for(lambda: fresh(session).status == "stopped" and not ServerRecord.objects.filter(session=session).exists(),
+             60, what="the server to stop")
+
+
+def restart(session, user) -> None:
+    """Restart ``session``'s server as ``user`` and wait for the next ``server_ready``."""
+    n = len(payloads(session, "server_ready"))
+    actions.do_restart(fresh(session), user)
+    wait_until_idle(session, n + 1)
+
+
+def slot_path(stack, session, save: SlotSave) -> Path:
+    """Where the stack's worker keeps the slot file of ``save`` (the path may not exist)."""
+    # The worker's private directory (the stack's data directory), where its servers write.
+    return stack.data_dir / "logs" / "slots" / f"session-{session.pk}" / slot_file_name(session.pk, save.pk)
+
+
 # --- the scripted model side (tests/scripted_server.py) ---
 
 
@@ -147,12 +255,14 @@ DONE = b"data: [DONE]\n\n"
 
 
 def run_message(session, user, text="hello") -> list[TranscriptEvent]:
+    """Send ``text`` as ``user`` and run the turn's step here; every event of ``session`` after it."""
     actions.do_send_message(AgentSession.objects.get(pk=session.pk), user, text)
     agent.run_turn_step(session.pk)
     return list(TranscriptEvent.objects.filter(session=session).order_by("seq"))
 
 
 def text_of(events, kind="assistant_text") -> str:
+    """The ``text`` of ``events`` of ``kind``, joined."""
     return "".join(e.payload["text"] for e in events if e.kind == kind)
 
 
