@@ -424,6 +424,22 @@ def model_side():
     scripted.close()
 
 
+@pytest.fixture
+def real_session(local_machine, alice, tmp_path):
+    """A session whose real llama-server (SmolLM2, --tools all) is up, in manual mode."""
+    from sessions_app.models import AgentSession
+    from sessions_app.servers.start import start_server
+
+    (tmp_path / "notes.txt").write_text("the sheep are in the north field\n")
+    session = AgentSession.objects.create(
+        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, status="loading",
+    )
+    start_server(session.pk)
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+    return session
+
+
 #: The API key the scripted server's record (``session`` below) holds.
 KEY = "k" * 43
 

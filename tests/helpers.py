@@ -8,9 +8,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
+import redis
+from django.conf import settings
 from django.db import connection
+from django.test import Client
 
 from machines_app.llama_server import slot_file_name
+from project.channel_layer import group_channel
 from sessions_app import actions, agent
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, TranscriptEvent
@@ -304,3 +308,29 @@ document.addEventListener("securitypolicyviolation", (e) => {
   window.__csp.push({directive: e.effectiveDirective, blocked: e.blockedURI, sample: e.sample});
 });
 """
+
+
+# --- the live page's sockets (tests/test_live_connection.py) ---
+
+#: The host (and origin) the in-process websocket tests send.
+HOST = b"127.0.0.1"
+
+
+def cookie_of(user) -> str:
+    """A ``Cookie`` header value (``sessionid=…``) for a fresh login of ``user``."""
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies['sessionid'].value}"
+
+
+def members(group: str) -> int:
+    """How many daphnes (Redis connections) are subscribed to ``group``: the pub/sub
+    layer subscribes a process to a group while any of its consumers is a member."""
+    name = group_channel(settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"], group)
+    return redis.Redis.from_url(settings.REDIS_URL).pubsub_numsub(name)[0][1]
+
+
+# --- events ---
+
+#: alice as an event's ``by`` names her (tests/test_who_did_what.py's story).
+ALICE = {"id": 1, "username": "alice"}
