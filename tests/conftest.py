@@ -440,6 +440,27 @@ def real_session(local_machine, alice, tmp_path):
     return session
 
 
+@pytest.fixture
+def smol_with_projector(db, tmp_path, llama_server_bin):
+    """A local machine whose one model is SmolLM2 with a tiny vision projector beside it
+    (tests/tiny_mmproj.py), its models listed."""
+    from machines_app import catalog
+    from machines_app.demo_models import packaged_model_paths
+    from machines_app.models import Machine
+
+    from .tiny_mmproj import text_embedding_length, write_tiny_projector
+
+    smol = packaged_model_paths()["smollm2"]
+    directory = tmp_path / "models" / "smol"
+    directory.mkdir(parents=True)
+    (directory / smol.name).symlink_to(smol)
+    write_tiny_projector(directory / "mmproj-smol-tiny.gguf", text_embedding_length(smol))
+    machine = Machine.objects.create(name="local-vision", models_dir=str(tmp_path / "models"),
+                                     llama_server_path=llama_server_bin, workspace_roots="")
+    catalog.refresh_models(machine)
+    return machine
+
+
 #: The API key the scripted server's record (``session`` below) holds.
 KEY = "k" * 43
 

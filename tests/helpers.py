@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 from html.parser import HTMLParser
@@ -12,10 +13,11 @@ import redis
 from django.conf import settings
 from django.db import connection
 from django.test import Client
+from PIL import Image
 
 from machines_app.llama_server import slot_file_name
 from project.channel_layer import group_channel
-from sessions_app import actions, agent
+from sessions_app import actions, agent, transcript
 from sessions_app.completions import CompletionClient
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.servers.models import ServerRecord, SlotSave
@@ -334,3 +336,42 @@ def members(group: str) -> int:
 
 #: alice as an event's ``by`` names her (tests/test_who_did_what.py's story).
 ALICE = {"id": 1, "username": "alice"}
+
+
+# --- images (tests/test_images.py) ---
+
+
+def image_bytes(kind: str = "PNG", colour: tuple[int, int, int] = (200, 30, 30), size: tuple[int, int] = (8, 6)) -> bytes:
+    """A plain image of ``colour`` and ``size`` in Pillow's format ``kind``."""
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, kind)
+    return buffer.getvalue()
+
+
+def ref_of(data: bytes, media_type: str = "image/png") -> transcript.ImageRef:
+    """The reference an event keeps for ``data`` (sha256, media type, size)."""
+    import hashlib
+
+    return {"sha256": hashlib.sha256(data).hexdigest(), "media_type": media_type, "size": len(data)}
+
+
+PNG, GIF = image_bytes("PNG"), image_bytes("GIF", (10, 120, 10))
+PNG_REF, GIF_REF = ref_of(PNG), ref_of(GIF, "image/gif")
+
+
+def make_image_session(owner, machine, key: str, **fields) -> AgentSession:
+    """An idle session of ``owner`` on ``machine`` with model ``key`` (no server), in /tmp."""
+    return AgentSession.objects.create(owner=owner, machine=machine, model_key=key, working_dir="/tmp", status="idle",
+                                       **fields)
+
+
+def send_with_images(client: Client, session: AgentSession, text: str, *files: tuple[str, bytes]):
+    """POST ``text`` and ``files`` ((name, bytes) pairs, sent as image/png) to the session's send view."""
+    uploads = [_named(name, data) for name, data in files]
+    return client.post(f"/sessions/{session.pk}/send/", {"text": text, "images": uploads})
+
+
+def _named(name: str, data: bytes):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    return SimpleUploadedFile(name, data, content_type="image/png")
