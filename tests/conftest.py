@@ -461,6 +461,20 @@ def smol_with_projector(db, tmp_path, llama_server_bin):
     return machine
 
 
+@pytest.fixture
+def browser_page(page):
+    """The page with axe-core in every document and its console watched: ``page.errors``
+    lists every console error and uncaught exception (a CSP refusal is one)."""
+    from .helpers import ARTEFACTS, AXE
+
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    page.add_init_script(script=AXE)
+    page.errors = []
+    page.on("console", lambda message: page.errors.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    return page
+
+
 #: The API key the scripted server's record (``session`` below) holds.
 KEY = "k" * 43
 
