@@ -424,6 +424,92 @@ def model_side():
     scripted.close()
 
 
+@pytest.fixture
+def real_session(local_machine, alice, tmp_path):
+    """A session whose real llama-server (SmolLM2, --tools all) is up, in manual mode."""
+    from sessions_app.models import AgentSession
+    from sessions_app.servers.start import start_server
+
+    (tmp_path / "notes.txt").write_text("the sheep are in the north field\n")
+    session = AgentSession.objects.create(
+        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
+        server_params={"contextSize": 1024}, status="loading",
+    )
+    start_server(session.pk)
+    assert AgentSession.objects.get(pk=session.pk).status == "idle"
+    return session
+
+
+@pytest.fixture
+def smol_with_projector(db, tmp_path, llama_server_bin):
+    """A local machine whose one model is SmolLM2 with a tiny vision projector beside it
+    (tests/tiny_mmproj.py), its models listed."""
+    from machines_app import catalog
+    from machines_app.demo_models import packaged_model_paths
+    from machines_app.models import Machine
+
+    from .tiny_mmproj import text_embedding_length, write_tiny_projector
+
+    smol = packaged_model_paths()["smollm2"]
+    directory = tmp_path / "models" / "smol"
+    directory.mkdir(parents=True)
+    (directory / smol.name).symlink_to(smol)
+    write_tiny_projector(directory / "mmproj-smol-tiny.gguf", text_embedding_length(smol))
+    machine = Machine.objects.create(name="local-vision", models_dir=str(tmp_path / "models"),
+                                     llama_server_path=llama_server_bin, workspace_roots="")
+    catalog.refresh_models(machine)
+    return machine
+
+
+@pytest.fixture
+def browser_page(page):
+    """The page with axe-core in every document and its console watched: ``page.errors``
+    lists every console error and uncaught exception (a CSP refusal is one)."""
+    from .helpers import ARTEFACTS, AXE
+
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    page.add_init_script(script=AXE)
+    page.errors = []
+    page.on("console", lambda message: page.errors.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    return page
+
+
+#: The API key the scripted server's record (``session`` below) holds.
+KEY = "k" * 43
+
+
+@pytest.fixture
+def server():
+    """A scripted chat-completions server (tests/scripted_server.py), closed after the test."""
+    from .scripted_server import ScriptedServer
+
+    scripted = ScriptedServer()
+    yield scripted
+    scripted.close()
+
+
+@pytest.fixture
+def session(alice, server, tmp_path):
+    """An idle session whose server is the scripted one (its record names this live process)."""
+    from machines_app.models import Machine
+    from machines_app.transports import LocalTransport
+    from sessions_app.models import AgentSession
+    from sessions_app.servers.models import ServerRecord
+
+    machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
+    session = AgentSession.objects.create(
+        owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path), status="idle",
+        sampling={"seed": 7},
+    )
+    # The record names a live process (this one), so a check of the server finds it running.
+    me = os.getpid()
+    ServerRecord.objects.create(session=session, machine=machine, model_key="m.gguf", pid=me,
+                                start_time=LocalTransport()._stat(me)[1],
+                                port=int(server.url.rsplit(":", 1)[1]), log_path="/dev/null", api_key=KEY)
+    return session
+
+
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     """A real OpenSSH server on a free loopback port (see tests/sshd.py), for the whole run."""

@@ -29,8 +29,7 @@ from sessions_app.servers.models import ServerRecord
 from sessions_app.servers.start import start_server
 
 from .conftest import model_key, wait_for
-from .helpers import fresh, log_in
-from .test_lifecycle import idle_session
+from .helpers import fresh, idle_session, log_in
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

@@ -19,19 +19,6 @@ from .helpers import events_of, step, text_reply, tool_call_reply
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
 
 
-@pytest.fixture
-def real_session(local_machine, alice, tmp_path):
-    """A session whose real llama-server (SmolLM2, --tools all) is up, in manual mode."""
-    (tmp_path / "notes.txt").write_text("the sheep are in the north field\n")
-    session = AgentSession.objects.create(
-        owner=alice, machine=local_machine, model_key=model_key(local_machine, "llama"), working_dir=str(tmp_path),
-        server_params={"contextSize": 1024}, status="loading",
-    )
-    start_server(session.pk)
-    assert AgentSession.objects.get(pk=session.pk).status == "idle"
-    return session
-
-
 def test_it_reads_the_catalogue_from_the_real_server_and_runs_a_call_in_the_working_dir(real_session, alice, model_side):
     catalogue = events_of(real_session, "catalogue")[-1].payload["tools"]
     names = {entry["name"] for entry in catalogue}
@@ -166,9 +153,9 @@ def calc_mcp(tmp_path):
     """A real MCP server (the mcp SDK's, streamable HTTP) configured for the deployment."""
     from sessions_app.models import McpServer
 
-    from .test_tools import API_KEY_HEADER, _start_mcp_server, stop_process
+    from .processes import API_KEY_HEADER, start_mcp_server, stop_process
 
-    proc, port = _start_mcp_server(tmp_path)
+    proc, port = start_mcp_server(tmp_path)
     (header, value), = API_KEY_HEADER.items()
     McpServer.objects.create(name="calc", url=f"http://127.0.0.1:{port}/mcp", headers={header: value})
     yield

@@ -7,13 +7,12 @@ import pytest
 
 from api_app.models import ApiKey
 
-from .helpers import log_in
-from .test_search_versions_browser import browser_page, check_views, console_errors  # noqa: F401 — a fixture
+from .helpers import check_views, console_errors, log_in
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 
-def test_a_member_makes_sees_once_and_revokes_a_key(stack, browser_page, alice):  # noqa: F811
+def test_a_member_makes_sees_once_and_revokes_a_key(stack, browser_page, alice):
     page = browser_page
     log_in(page, stack, "alice", "alice-password-1")
     page.click("header nav >> text=API keys")

@@ -161,8 +161,6 @@ def test_a_page_whose_login_ended_elsewhere_stops_polling_and_never_shows_the_lo
     whole login page into the session page's status row."""
     from sessions_app.models import AgentSession
 
-    from .test_browser import log_in
-
     machine = fake_machine([{"text": "hello"}])
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
                                           status=AgentSession.Status.IDLE)

@@ -23,8 +23,18 @@ from sessions_app.export import read_jsonl
 from sessions_app.models import TranscriptEvent
 
 from .conftest import ROOT, fake_server, make_ssh_machine
-from .helpers import log_in, open_session, send, start_session
-from .test_call_card import DUPLICATE, EXPECTED_DIFFS, LONG_COMMAND, SIX_KB, TOOL_OF, write_edit_calls
+from .helpers import (
+    DUPLICATE,
+    EXPECTED_DIFFS,
+    LONG_COMMAND,
+    SIX_KB,
+    TOOL_OF,
+    log_in,
+    open_session,
+    send,
+    start_session,
+    write_edit_calls,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 

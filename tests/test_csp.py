@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import threading
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,8 @@ from django.test import Client
 
 from machines_app.models import Machine
 from sessions_app.models import AgentSession
+
+from .helpers import RECORD_VIOLATIONS, InlineCode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +73,7 @@ def test_every_kind_of_response_carries_the_policy(alice, charlie_staff, django_
         assert response.status_code in (200, 302, 403, 404), what
         _assert_tight(response)
         if response["Content-Type"].startswith("text/html"):
-            parser = _InlineCode(nonce_allowed=True)
+            parser = InlineCode(nonce_allowed=True)
             parser.feed(response.content.decode())
             assert parser.found == [], what  # what the policy would block, i.e. what would break
 
@@ -93,37 +94,10 @@ def test_the_favicon_is_served_and_every_page_points_to_it(alice):
     assert _policy(answer)["img-src"] == ["'self'"]  # the icon is the page's own: no data: needed
 
 
-class _InlineCode(HTMLParser):
-    """Collects what a strict CSP would block: inline <script>/<style>, on*= handlers,
-    style= attributes, javascript: URLs."""
-
-    def __init__(self, *, nonce_allowed: bool = False) -> None:
-        super().__init__()
-        self.found: list[str] = []
-        self.nonce_allowed = nonce_allowed
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        given = dict(attrs)
-        if self.nonce_allowed and given.get("nonce"):
-            return  # the admin's own blocks, marked with this response's nonce
-        data_block = (given.get("type") or "text/javascript").lower() not in ("text/javascript", "module")
-        if tag == "script" and "src" not in given and not data_block:  # JSON data blocks never run
-            self.found.append("inline <script>")
-        if tag == "style":
-            self.found.append("<style> block")
-        for name, value in attrs:
-            if name.startswith("on"):
-                self.found.append(f"{name}= handler")
-            if name == "style":
-                self.found.append("style= attribute")
-            if name in ("href", "src", "action") and (value or "").strip().lower().startswith("javascript:"):
-                self.found.append(f"javascript: {name}")
-
-
 def test_no_template_carries_inline_script_or_style():
     found = {}
     for template in sorted((ROOT / "templates").rglob("*.html")):
-        parser = _InlineCode()
+        parser = InlineCode()
         parser.feed(re.sub(r"\{#.*?#\}|\{% comment %\}.*?\{% endcomment %\}", "", template.read_text(), flags=re.S))
         if parser.found:
             found[str(template.relative_to(ROOT))] = parser.found
@@ -132,16 +106,6 @@ def test_no_template_carries_inline_script_or_style():
 
 # --- the real browser --------------------------------------------------------------------------
 
-# Runs before any page script, outside the page's CSP (Playwright injects it): records
-# every violation the browser reports.
-RECORD_VIOLATIONS = """
-window.__csp = [];
-document.addEventListener("securitypolicyviolation", (e) => {
-  window.__csp.push({directive: e.effectiveDirective, blocked: e.blockedURI, sample: e.sample});
-});
-"""
-
-
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.usefixtures("stop_servers_after")
 def test_in_the_browser_injected_script_does_not_run_and_the_session_page_still_works(
@@ -149,7 +113,7 @@ def test_in_the_browser_injected_script_does_not_run_and_the_session_page_still_
 ):
     from sessions_app import actions
 
-    from .test_browser import log_in
+    from .helpers import log_in
 
     (tmp_path / "flock.txt").write_text("twelve sheep, one goat")
     machine = fake_machine([{"tool_calls": [{"name": "read_file", "arguments": '{"path": "flock.txt"}'}]},

@@ -30,7 +30,7 @@ from sessions_app.servers.start import start_server
 from sessions_app.servers.stop import stop_server
 
 from .conftest import model_key, wait_for
-from .test_warm_slots import converse, fresh, idle_session, payloads, restart, slot_path, stop
+from .helpers import converse, fresh, idle_warm_session, payloads, restart, slot_path, stop
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -98,14 +98,14 @@ def test_a_saved_slot_older_than_the_setting_is_deleted_and_the_next_start_is_co
     """The real llama-server saves the slot when its session stops; housekeeping (the
     stack's worker, which runs the servers) deletes it once it is older than
     CORRAL_SLOT_KEEP_HOURS, says so in the transcript, and the next start reads no cache."""
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     converse(session, alice, ["My sheep is called Dolly."])
     stop(session, alice)
     save = SlotSave.objects.get(session=session)
     path = slot_path(stack, session, save)
     assert path.is_file() and save.n_tokens > 0
 
-    recent = idle_session(local_machine, alice, tmp_path)
+    recent = idle_warm_session(local_machine, alice, tmp_path)
     converse(recent, alice, ["Hello."])
     stop(recent, alice)
     recent_path = slot_path(stack, recent, SlotSave.objects.get(session=recent))

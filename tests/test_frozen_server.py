@@ -18,16 +18,15 @@ from sessions_app.servers.records import server_endpoint
 from sessions_app.servers.watch import check_session_server
 
 from .conftest import wait_for
-from .helpers import fresh
-from .test_sleep import converse, idle_session
+from .helpers import converse_once, fresh, idle_seeded_session
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
 
 def test_a_frozen_server_is_unknown_in_words_and_idle_again_once_it_answers(stack, local_machine, alice, tmp_path,
                                                                             settings):
-    session = idle_session(local_machine, alice, tmp_path)
-    converse(session, alice, "Hello.")
+    session = idle_seeded_session(local_machine, alice, tmp_path)
+    converse_once(session, alice, "Hello.")
     record = ServerRecord.objects.get(session=session)
     endpoint = server_endpoint(fresh(session))
     assert not does_not_answer(endpoint, 5)

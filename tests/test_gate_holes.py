@@ -103,11 +103,10 @@ def test_an_mcp_description_reaches_the_server_without_control_tokens(fake_machi
     from sessions_app.servers.start import start_server
 
     from .conftest import model_key
-    from .test_agent_loop import step, text_reply
-    from .test_allowances import _start_mcp
-    from .test_tools import stop_process
+    from .helpers import step, text_reply
+    from .processes import start_described_mcp, stop_process
 
-    proc, port = _start_mcp(tmp_path, FORGED)
+    proc, port = start_described_mcp(tmp_path, FORGED)
     try:
         McpServer.objects.create(name="sums", url=f"http://127.0.0.1:{port}/mcp")
         machine = fake_machine()

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 
@@ -28,54 +27,10 @@ from machines_app.discovery import (
 )
 from machines_app.gguf import ArraySummary, GGUFError, GGUFHead, NeedMoreBytes, parse_head
 
-MiB = 1024 * 1024
-
-# (key, value, type) triples for metadata beyond general.architecture / general.name
-KV = tuple[str, object, GGUFValueType]
-
+from .gguf_files import KV, MiB, model, two_long_strings_model, write_gguf, write_split_set
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def write_gguf(
-    path: Path,
-    *,
-    arch: str = "llama",
-    name: str | None = None,
-    kv: Sequence[KV] = (),
-    tensors: dict[str, np.ndarray] | None = None,
-    split_max_tensors: int = 0,
-    small_first_shard: bool = False,
-) -> None:
-    """Write a GGUF file (or a gguf-split set when split_max_tensors is set) with GGUFWriter."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
-    if name is not None:
-        writer.add_key_value("general.name", name, GGUFValueType.STRING)
-    for key, value, vtype in kv:
-        writer.add_key_value(key, value, vtype)
-    for tensor_name, array in (tensors or {}).items():
-        writer.add_tensor(tensor_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def model(
-    root: Path,
-    key: str,
-    name: str | None = None,
-    *,
-    arch: str = "llama",
-    kv: Sequence[KV] = (),
-    tensor_bytes: int = 64,
-) -> Path:
-    """A single-file model with one small float32 tensor."""
-    path = root / key
-    write_gguf(path, arch=arch, name=name, kv=kv, tensors={"w": np.zeros(tensor_bytes // 4, dtype=np.float32)})
-    return path
 
 
 class DiskReader:
@@ -423,16 +378,6 @@ def test_it_grows_the_read_when_metadata_exceeds_the_first_read(tmp_path: Path) 
     assert path.stat().st_size - head.metadata_end < 1024  # the file is nearly all metadata
 
 
-def two_long_strings_model(root: Path, key: str = "long.gguf") -> Path:
-    """A model whose metadata is two 30 MiB strings (a template and a note), then a short
-    key: the shape that once cost 92 MiB of reads, each growth starting again at byte 0."""
-    return model(root, key, "Long", kv=[
-        ("tokenizer.chat_template", "{{ x }}" + "x" * (30 * MiB), GGUFValueType.STRING),
-        ("general.description", "y" * (30 * MiB), GGUFValueType.STRING),
-        ("llama.context_length", 2048, GGUFValueType.UINT32),
-    ])
-
-
 def test_case_c42_a_long_head_is_read_once_on_from_where_each_read_stopped(tmp_path: Path) -> None:
     path = two_long_strings_model(tmp_path)
     with open(path, "r+b") as f:
@@ -655,22 +600,6 @@ def test_it_sorts_by_display_name_ignoring_case_then_key(tmp_path: Path) -> None
 
 # ---------------------------------------------------------------------------------------------
 # discovery: split sets (gguf-split naming)
-
-
-def write_split_set(root: Path, prefix: str, name: str | None = "Split Model") -> list[Path]:
-    """A 3-part set: part 1 metadata only (no tensors), parts 2 and 3 one tensor each."""
-    write_gguf(
-        root / f"{prefix}.gguf",
-        name=name,
-        kv=[("llama.context_length", 4096, GGUFValueType.UINT32)],
-        tensors={"a": np.zeros(256, dtype=np.float32), "b": np.ones(256, dtype=np.float32)},
-        split_max_tensors=1,
-        small_first_shard=True,
-    )
-    parts = [root / f"{prefix}-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
-    assert all(p.is_file() for p in parts)
-    assert not (root / f"{prefix}.gguf").exists()
-    return parts
 
 
 def test_case_c12_split_set_is_listed_once_by_part_one(tmp_path: Path) -> None:

@@ -482,15 +482,15 @@ def test_an_image_is_fetched_only_through_a_session_that_carries_it(alice, bob, 
     from sessions_app import importing
     from sessions_app.models import StoredImage, TranscriptEvent
 
-    from .test_images import GIF, PNG, PNG_REF, make_session, send
+    from .helpers import GIF, PNG, PNG_REF, make_image_session, send_with_images
 
-    alices = make_session(alice, images_machine, "gemma.gguf")
-    send(logged_in(alice), alices, "private diagram", ("d.png", PNG))
+    alices = make_image_session(alice, images_machine, "gemma.gguf")
+    send_with_images(logged_in(alice), alices, "private diagram", ("d.png", PNG))
     digest = PNG_REF["sha256"]
     assert StoredImage.objects.filter(sha256=digest).exists()
 
-    bobs = make_session(bob, images_machine, "gemma.gguf")
-    send(logged_in(bob), bobs, f"please show {digest} and images/{digest}.png", ("mine.gif", GIF))
+    bobs = make_image_session(bob, images_machine, "gemma.gguf")
+    send_with_images(logged_in(bob), bobs, f"please show {digest} and images/{digest}.png", ("mine.gif", GIF))
     assert TranscriptEvent.objects.filter(session=bobs, kind="message_taken", payload__icontains=digest).exists()
     page = logged_in(bob)
     for ext in ("png", "gif", "jpg", "webp"):

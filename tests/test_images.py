@@ -10,7 +10,6 @@ tests/test_images_browser.py.
 from __future__ import annotations
 
 import base64
-import io
 import json
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import pytest
 from bs4 import BeautifulSoup
 from django.test import Client
 from gguf import GGUFWriter
-from PIL import Image
 
 from machines_app.discovery import discover
 from machines_app.llama_server import ServerSpec, build_argv
@@ -29,17 +27,7 @@ from sessions_app.live.transcript_view import TranscriptView
 from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
 from sessions_app.transcript import IMAGE_MISSING, IMAGE_NOT_SHOWN, USER_JOIN, Event, build_messages
 
-
-def image_bytes(kind: str = "PNG", colour: tuple[int, int, int] = (200, 30, 30), size: tuple[int, int] = (8, 6)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).save(buffer, kind)
-    return buffer.getvalue()
-
-
-def ref_of(data: bytes, media_type: str = "image/png") -> transcript.ImageRef:
-    import hashlib
-
-    return {"sha256": hashlib.sha256(data).hexdigest(), "media_type": media_type, "size": len(data)}
+from .helpers import GIF, GIF_REF, PNG, PNG_REF, image_bytes, make_image_session, ref_of, send_with_images
 
 
 @pytest.fixture
@@ -107,8 +95,6 @@ def test_an_image_is_stored_once_in_the_database_under_its_hash(data_dir):
 
 # --- the fold: content parts, byte-identical -------------------------------------------------
 
-PNG, GIF = image_bytes("PNG"), image_bytes("GIF", (10, 120, 10))
-PNG_REF, GIF_REF = ref_of(PNG), ref_of(GIF, "image/gif")
 STORED = {PNG_REF["sha256"]: PNG, GIF_REF["sha256"]: GIF}
 
 
@@ -226,30 +212,14 @@ def machine(db, tmp_path):
     return machine
 
 
-def make_session(owner, machine, key: str, **fields) -> AgentSession:
-    return AgentSession.objects.create(owner=owner, machine=machine, model_key=key, working_dir="/tmp", status="idle",
-                                       **fields)
-
-
-def send(client: Client, session: AgentSession, text: str, *files: tuple[str, bytes]):
-    uploads = [_named(name, data) for name, data in files]
-    return client.post(f"/sessions/{session.pk}/send/", {"text": text, "images": uploads})
-
-
-def _named(name: str, data: bytes):
-    from django.core.files.uploadedfile import SimpleUploadedFile
-
-    return SimpleUploadedFile(name, data, content_type="image/png")
-
-
 def composer_error(response) -> str:
     return BeautifulSoup(response.content, "html.parser").select_one("#composer-error").get_text()
 
 
 @pytest.mark.django_db
 def test_a_forged_post_with_an_image_for_a_model_without_a_projector_is_refused(alice, machine, data_dir):
-    session = make_session(alice, machine, "smol.gguf")
-    response = send(logged_in(alice), session, "What is this?", ("cat.png", PNG))
+    session = make_image_session(alice, machine, "smol.gguf")
+    response = send_with_images(logged_in(alice), session, "What is this?", ("cat.png", PNG))
     assert response.status_code == 200
     assert composer_error(response) == "SmolLM2 135M cannot take images."
     assert "What is this?" in response.content.decode()  # the text stays in the box
@@ -260,11 +230,11 @@ def test_a_forged_post_with_an_image_for_a_model_without_a_projector_is_refused(
 @pytest.mark.django_db
 def test_the_composer_offers_attachments_only_for_a_model_with_a_projector(alice, machine):
     client = logged_in(alice)
-    plain = BeautifulSoup(client.get(f"/sessions/{make_session(alice, machine, 'smol.gguf').pk}/").content,
+    plain = BeautifulSoup(client.get(f"/sessions/{make_image_session(alice, machine, 'smol.gguf').pk}/").content,
                           "html.parser")
     assert plain.select_one("#attach") is not None and plain.select_one("#id_images") is None
     assert plain.select_one("#id_text").has_attr("required")
-    vision = BeautifulSoup(client.get(f"/sessions/{make_session(alice, machine, 'gemma.gguf').pk}/").content,
+    vision = BeautifulSoup(client.get(f"/sessions/{make_image_session(alice, machine, 'gemma.gguf').pk}/").content,
                            "html.parser")
     picker = vision.select_one("#composer input#id_images[type=file][multiple]")
     assert picker["name"] == "images" and picker["accept"] == "image/png,image/jpeg,image/webp,image/gif"
@@ -279,7 +249,7 @@ def test_the_model_pickers_say_which_models_take_images(alice, machine):
     new = BeautifulSoup(client.get(f"/sessions/new/?machine={machine.pk}").content, "html.parser")
     options = {o["value"]: o.get_text() for o in new.select("#id_model_key option")}
     assert "takes images" in options["gemma.gguf"] and "takes images" not in options["smol.gguf"]
-    page = BeautifulSoup(client.get(f"/sessions/{make_session(alice, machine, 'smol.gguf').pk}/").content,
+    page = BeautifulSoup(client.get(f"/sessions/{make_image_session(alice, machine, 'smol.gguf').pk}/").content,
                          "html.parser")
     options = {o["value"]: o.get_text() for o in page.select("#switch-model option")}
     assert "takes images" in options["gemma.gguf"] and "takes images" not in options["smol.gguf"]
@@ -287,7 +257,7 @@ def test_the_model_pickers_say_which_models_take_images(alice, machine):
 
 @pytest.mark.django_db
 def test_a_model_change_offers_or_withdraws_attachments_on_open_pages(alice, machine):
-    session = make_session(alice, machine, "smol.gguf")
+    session = make_image_session(alice, machine, "smol.gguf")
     actions.do_change_model(session, alice, "gemma.gguf")
     change = TranscriptEvent.objects.filter(session=session, kind="settings").latest("seq")
     assert change.payload["takes_images"] is True
@@ -304,29 +274,29 @@ def test_a_model_change_offers_or_withdraws_attachments_on_open_pages(alice, mac
 
 @pytest.mark.django_db
 def test_images_are_refused_over_the_count_and_size_limits_and_when_not_images(alice, machine, data_dir, settings):
-    session = make_session(alice, machine, "gemma.gguf")
+    session = make_image_session(alice, machine, "gemma.gguf")
     client = logged_in(alice)
     settings.CORRAL_IMAGE_MAX_COUNT = 2
-    response = send(client, session, "three", ("a.png", PNG), ("b.png", PNG), ("c.png", PNG))
+    response = send_with_images(client, session, "three", ("a.png", PNG), ("b.png", PNG), ("c.png", PNG))
     assert composer_error(response) == "A message can carry at most 2 images; this one has 3."
     settings.CORRAL_IMAGE_MAX_BYTES = 50
-    assert composer_error(send(client, session, "big", ("big.png", PNG))) == (
+    assert composer_error(send_with_images(client, session, "big", ("big.png", PNG))) == (
         f"big.png is {images.megabytes(len(PNG))}; an image can be at most 1 KB.")
     settings.CORRAL_IMAGE_MAX_BYTES = 10_000_000
-    assert composer_error(send(client, session, "fake", ("fake.png", b"GIF89a but not really"))) == (
+    assert composer_error(send_with_images(client, session, "fake", ("fake.png", b"GIF89a but not really"))) == (
         "fake.png is not a PNG, JPEG, WebP or GIF image.")
     assert not TranscriptEvent.objects.filter(session=session).exists()
 
 
 @pytest.mark.django_db
 def test_an_image_alone_is_a_message_and_a_queued_one_keeps_its_images(alice, machine, data_dir):
-    session = make_session(alice, machine, "gemma.gguf")
+    session = make_image_session(alice, machine, "gemma.gguf")
     client = logged_in(alice)
-    send(client, session, "", ("a.png", PNG))
+    send_with_images(client, session, "", ("a.png", PNG))
     first = TranscriptEvent.objects.get(session=session, kind="message_taken")
     assert first.payload["text"] == "" and first.payload["images"] == [PNG_REF]
     assert images.read(PNG_REF) == PNG
-    send(client, session, "and this", ("b.gif", GIF))  # the turn is still open: queued
+    send_with_images(client, session, "and this", ("b.gif", GIF))  # the turn is still open: queued
     queued = TranscriptEvent.objects.get(session=session, kind="message_queued")
     assert queued.payload["images"] == [GIF_REF]
     from sessions_app import turns
@@ -339,8 +309,8 @@ def test_an_image_alone_is_a_message_and_a_queued_one_keeps_its_images(alice, ma
 
 @pytest.mark.django_db
 def test_only_who_may_watch_the_session_can_fetch_its_image(alice, bob, charlie_staff, machine, data_dir):
-    alices = make_session(alice, machine, "gemma.gguf")
-    send(logged_in(alice), alices, "secret diagram", ("diagram.png", PNG))
+    alices = make_image_session(alice, machine, "gemma.gguf")
+    send_with_images(logged_in(alice), alices, "secret diagram", ("diagram.png", PNG))
     url = f"/sessions/{alices.pk}/images/{PNG_REF['sha256']}.png"
 
     owner = logged_in(alice).get(url)
@@ -351,8 +321,8 @@ def test_only_who_may_watch_the_session_can_fetch_its_image(alice, bob, charlie_
 
     # Bob learnt the hash of Alice's image. Neither her private session nor his own, which
     # never carried it, serves it to him, though the file is on the server.
-    bobs = make_session(bob, machine, "gemma.gguf")
-    send(logged_in(bob), bobs, "my picture", ("mine.gif", GIF))
+    bobs = make_image_session(bob, machine, "gemma.gguf")
+    send_with_images(logged_in(bob), bobs, "my picture", ("mine.gif", GIF))
     assert images.read(PNG_REF) == PNG and images.read(GIF_REF) == GIF
     assert logged_in(bob).get(url).status_code == 404
     assert logged_in(bob).get(f"/sessions/{bobs.pk}/images/{PNG_REF['sha256']}.png").status_code == 404
@@ -363,7 +333,7 @@ def test_only_who_may_watch_the_session_can_fetch_its_image(alice, bob, charlie_
     # Nor does Alice get Bob's through hers: an image is served only by a session carrying it.
     assert logged_in(alice).get(f"/sessions/{alices.pk}/images/{GIF_REF['sha256']}.gif").status_code == 404
     # The same picture in a session of Bob's own opens it there, and only there.
-    send(logged_in(bob), bobs, "same picture", ("copy.png", PNG))
+    send_with_images(logged_in(bob), bobs, "same picture", ("copy.png", PNG))
     assert logged_in(bob).get(f"/sessions/{bobs.pk}/images/{PNG_REF['sha256']}.png").content == PNG
     assert logged_in(bob).get(url).status_code == 404
     assert logged_in(alice).get(f"/sessions/{alices.pk}/images/{PNG_REF['sha256']}.svg").status_code == 404
@@ -378,9 +348,9 @@ def test_only_who_may_watch_the_session_can_fetch_its_image(alice, bob, charlie_
 
 @pytest.mark.django_db
 def test_the_page_shows_thumbnails_served_through_the_session(alice, machine, data_dir):
-    session = make_session(alice, machine, "gemma.gguf")
+    session = make_image_session(alice, machine, "gemma.gguf")
     client = logged_in(alice)
-    send(client, session, "two pictures", ("a.png", PNG), ("b.gif", GIF))
+    send_with_images(client, session, "two pictures", ("a.png", PNG), ("b.gif", GIF))
     page = BeautifulSoup(client.get(f"/sessions/{session.pk}/").content, "html.parser")
     thumbs = page.select("#transcript .msg.user img.thumb")
     assert [t["src"] for t in thumbs] == [f"/sessions/{session.pk}/images/{PNG_REF['sha256']}.png",
@@ -391,9 +361,9 @@ def test_the_page_shows_thumbnails_served_through_the_session(alice, machine, da
 
 @pytest.mark.django_db
 def test_an_image_no_longer_stored_is_said_in_words_on_the_page_and_by_its_link(alice, machine, data_dir):
-    session = make_session(alice, machine, "gemma.gguf")
+    session = make_image_session(alice, machine, "gemma.gguf")
     client = logged_in(alice)
-    send(client, session, "two pictures", ("a.png", PNG), ("b.gif", GIF))
+    send_with_images(client, session, "two pictures", ("a.png", PNG), ("b.gif", GIF))
     StoredImage.objects.filter(pk=GIF_REF["sha256"]).delete()  # gone (a restore without it, a hand-made delete)
     page = BeautifulSoup(client.get(f"/sessions/{session.pk}/").content, "html.parser")
     assert [t["src"] for t in page.select("#transcript .msg.user img.thumb")] == [
@@ -413,9 +383,9 @@ def test_an_image_is_deleted_with_the_last_session_that_carries_it(alice, bob, m
     """Retention (docs/behaviour.md §16): sessions share an image by its bytes; it goes when
     no event refers to it any more — with its last session, whichever way that goes — and
     the hourly sweep deletes leftovers no event names."""
-    first, second = make_session(alice, machine, "gemma.gguf"), make_session(bob, machine, "gemma.gguf")
-    send(logged_in(alice), first, "a picture", ("a.png", PNG), ("b.gif", GIF))
-    send(logged_in(bob), second, "the same picture", ("copy.png", PNG))
+    first, second = make_image_session(alice, machine, "gemma.gguf"), make_image_session(bob, machine, "gemma.gguf")
+    send_with_images(logged_in(alice), first, "a picture", ("a.png", PNG), ("b.gif", GIF))
+    send_with_images(logged_in(bob), second, "the same picture", ("copy.png", PNG))
     assert set(StoredImage.objects.values_list("sha256", flat=True)) == {PNG_REF["sha256"], GIF_REF["sha256"]}
 
     with django_capture_on_commit_callbacks(execute=True):
@@ -430,8 +400,8 @@ def test_an_image_is_deleted_with_the_last_session_that_carries_it(alice, bob, m
 
     # The sweep: a row no event names (its session's deletion did not clean up) goes; one a
     # message names stays.
-    third = make_session(alice, machine, "gemma.gguf")
-    send(logged_in(alice), third, "kept", ("a.png", PNG))
+    third = make_image_session(alice, machine, "gemma.gguf")
+    send_with_images(logged_in(alice), third, "kept", ("a.png", PNG))
     leftover = image_bytes("PNG", (1, 2, 3))
     images.store(Upload("left.png", leftover), ref_of(leftover))
     assert tasks.forget_images.apply().successful()
@@ -441,9 +411,9 @@ def test_an_image_is_deleted_with_the_last_session_that_carries_it(alice, bob, m
 def test_an_image_of_a_withdrawn_queued_message_is_served_no_more(alice, machine, data_dir):
     """A queued message's bubble shows its image to the session's watchers; once it is
     withdrawn, it is no longer the session's to show (only sent and waiting messages count)."""
-    session = make_session(alice, machine, "gemma.gguf")
+    session = make_image_session(alice, machine, "gemma.gguf")
     AgentSession.objects.filter(pk=session.pk).update(turn_active=True)  # a turn runs: the message queues
-    send(logged_in(alice), session, "later, with a picture", ("later.png", PNG))
+    send_with_images(logged_in(alice), session, "later, with a picture", ("later.png", PNG))
     queued = TranscriptEvent.objects.get(session=session, kind="message_queued").payload
     url = f"/sessions/{session.pk}/images/{PNG_REF['sha256']}.png"
     assert logged_in(alice).get(url).content == PNG  # waiting: its bubble shows it
@@ -455,15 +425,15 @@ def test_an_image_of_a_withdrawn_queued_message_is_served_no_more(alice, machine
 def test_a_message_of_images_only_may_be_edited_to_no_text_and_a_text_one_may_not(alice, machine, data_dir):
     from sessions_app.actions import SessionError, do_send_again
 
-    session = make_session(alice, machine, "gemma.gguf")
-    send(logged_in(alice), session, "", ("only.png", PNG))
+    session = make_image_session(alice, machine, "gemma.gguf")
+    send_with_images(logged_in(alice), session, "", ("only.png", PNG))
     AgentSession.objects.filter(pk=session.pk).update(turn_active=False)
     do_send_again(AgentSession.objects.get(pk=session.pk), alice, "")
     again = TranscriptEvent.objects.filter(session=session, kind="message_taken").last().payload
     assert again["text"] == "" and again["replaces"] and [r["sha256"] for r in again["images"]] == [PNG_REF["sha256"]]
 
-    texted = make_session(alice, machine, "gemma.gguf")
-    send(logged_in(alice), texted, "words")
+    texted = make_image_session(alice, machine, "gemma.gguf")
+    send_with_images(logged_in(alice), texted, "words")
     AgentSession.objects.filter(pk=texted.pk).update(turn_active=False)
     with pytest.raises(SessionError, match="Type a message first"):
         do_send_again(AgentSession.objects.get(pk=texted.pk), alice, "  ")

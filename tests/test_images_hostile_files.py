@@ -20,7 +20,6 @@ from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.servers.models import ServerRecord
 
 from .conftest import wait_for
-from .test_images_real import smol_with_projector  # noqa: F401 (a fixture)
 
 CUT = "is damaged or cut short: its pixels cannot be read."
 BOMB = "has too many pixels to be taken as an image."

@@ -16,16 +16,12 @@ import pytest
 from django.test import Client
 from PIL import Image
 
-from machines_app import catalog
-from machines_app.demo_models import packaged_model_paths
-from machines_app.models import Machine
 from sessions_app import actions, images
 from sessions_app.images import Upload
 from sessions_app.models import AgentSession, StoredImage, TranscriptEvent
 from sessions_app.servers.models import ServerRecord
 
 from .conftest import wait_for
-from .tiny_mmproj import text_embedding_length, write_tiny_projector
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -34,19 +30,6 @@ def image_bytes(kind: str, colour: tuple[int, int, int]) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (40, 30), colour).save(buffer, kind)
     return buffer.getvalue()
-
-
-@pytest.fixture
-def smol_with_projector(db, tmp_path, llama_server_bin) -> Machine:
-    smol = packaged_model_paths()["smollm2"]
-    directory = tmp_path / "models" / "smol"
-    directory.mkdir(parents=True)
-    (directory / smol.name).symlink_to(smol)
-    write_tiny_projector(directory / "mmproj-smol-tiny.gguf", text_embedding_length(smol))
-    machine = Machine.objects.create(name="local-vision", models_dir=str(tmp_path / "models"),
-                                     llama_server_path=llama_server_bin, workspace_roots="")
-    catalog.refresh_models(machine)
-    return machine
 
 
 def turns_ended(session: AgentSession) -> int:

@@ -18,23 +18,9 @@ from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.servers.models import ServerRecord
 
 from .conftest import WSRecorder, model_key, wait_for
-from .helpers import fresh, payloads
+from .helpers import fresh, idle_session, llama_servers_on, payloads, turns_ended
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def idle_session(machine, user, tmp_path, arch="llama", **sampling) -> AgentSession:
-    session = actions.do_create_session(
-        user, machine=machine, model_key=model_key(machine, arch), working_dir=str(tmp_path),
-        server_params={"contextSize": 2048}, sampling={"temperature": 0, **sampling}, permission_mode="manual",
-    )
-    wait_for(lambda: fresh(session).status == "idle", 120, what="idle")
-    return fresh(session)
-
-
-def turns_ended(session, n, timeout=120):
-    wait_for(lambda: len(payloads(session, "turn_end")) >= n and not fresh(session).turn_active, timeout,
-             what=f"{n} turns to end")
 
 
 def test_queued_messages_are_answered_in_order_and_a_withdrawn_one_never_sent(stack, local_machine, alice, tmp_path):
@@ -156,19 +142,6 @@ def test_a_killed_server_shows_exited_quickly_and_restart_brings_it_back(stack, 
     actions.do_send_message(fresh(session), alice, "hello again")
     turns_ended(session, 1)
     assert "".join(p["text"] for p in payloads(session, "assistant_text"))
-
-
-def llama_servers_on(port: int) -> list[int]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"--port" in cmd and str(port).encode() in cmd and any(b"llama-server" in c for c in cmd[:1]):
-                found.append(int(pid))
-    return found
 
 
 def test_a_live_server_is_adopted_after_the_worker_and_daphne_restart(stack, local_machine, alice, tmp_path):

@@ -16,7 +16,6 @@ import threading
 import time
 
 import pytest
-import redis
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
@@ -34,12 +33,9 @@ from sessions_app.live.consumers import CloseCode
 from sessions_app.models import AgentSession
 
 from .conftest import Stack, WSRecorder, wait_for
-from .helpers import log_in
+from .helpers import HOST, cookie_of, log_in, members
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-HOST = b"127.0.0.1"
-
 
 async def quiet(comm, seconds: float = 0.3) -> bool:
     """True when nothing but who-is-watching lists arrives for ``seconds`` (they come and
@@ -68,19 +64,6 @@ def session(alice, tmp_path):
     machine = Machine.objects.create(name="m1", models_dir=str(tmp_path))
     return AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),
                                        status="idle", title="Watched")
-
-
-def cookie_of(user) -> str:
-    client = Client()
-    client.force_login(user)
-    return f"sessionid={client.cookies['sessionid'].value}"
-
-
-def members(group: str) -> int:
-    """How many daphnes (Redis connections) are subscribed to ``group``: the pub/sub
-    layer subscribes a process to a group while any of its consumers is a member."""
-    name = group_channel(settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"], group)
-    return redis.Redis.from_url(settings.REDIS_URL).pubsub_numsub(name)[0][1]
 
 
 def test_pushes_from_synchronous_code_go_to_the_channel_the_layer_subscribes_to():

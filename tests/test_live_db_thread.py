@@ -24,7 +24,7 @@ from sessions_app.live import broadcast
 from sessions_app.live.consumers import SessionConsumer
 from sessions_app.models import AgentSession
 
-from .test_live_connection import HOST, cookie_of
+from .helpers import HOST, cookie_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

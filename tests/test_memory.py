@@ -24,8 +24,7 @@ from sessions_app.servers.models import ServerRecord
 from sessions_app.servers.start import start_server
 
 from .conftest import make_ssh_machine, model_key, wait_for
-from .helpers import fresh, payloads
-from .test_csp import _InlineCode
+from .helpers import InlineCode, fresh, payloads
 
 SMALL = {"contextSize": 2048}
 
@@ -321,7 +320,7 @@ def test_the_machines_page_shows_members_their_machines_memory_servers_and_who_w
     assert "needs 300 MiB" in page
     assert 'action="/machines/servers/' not in page  # members get no Stop
     assert f'href="/sessions/{running.pk}/"' not in page  # bob's private session: not linked for alice
-    parser = _InlineCode()
+    parser = InlineCode()
     parser.feed(page)
     assert parser.found == []
     assert client.post(f"/machines/servers/{running.pk}/stop/").status_code == 403
@@ -343,8 +342,7 @@ def test_staff_stop_a_server_from_the_machines_page_in_a_browser_without_a_csp_v
         stack, page, local_machine, alice, tmp_path):
     from django.contrib.auth import get_user_model
 
-    from .test_browser import log_in
-    from .test_csp import RECORD_VIOLATIONS
+    from .helpers import RECORD_VIOLATIONS, log_in
 
     get_user_model().objects.create_user("staffer", password="staffer-password-1", is_staff=True)
     session = create(local_machine, alice, tmp_path)

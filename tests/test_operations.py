@@ -141,7 +141,7 @@ def test_a_daphne_that_died_leaves_the_group_at_once_and_a_live_one_gets_the_eve
     """A daphne killed outright never runs its consumers' disconnect. Its subscriptions
     belong to its Redis connection, which closes with the process: the group loses it at
     once, and the next daphne's page gets every event."""
-    from .test_live_connection import members
+    from .helpers import members
 
     machine = Machine.objects.create(name="m", models_dir=str(tmp_path))
     session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path),

@@ -19,7 +19,7 @@ from sessions_app.models import AgentSession
 from sessions_app.templatetags.corral import ago
 from sessions_app.transcript import Event, Kind
 
-from .test_who_did_what import ALICE
+from .helpers import ALICE
 
 NO_TOOLS = template_info({"chat_template_caps": {"supports_tools": False, "supports_system_role": True}})
 TOOLS = template_info({"chat_template_caps": {"supports_tools": True, "supports_system_role": False}})

@@ -214,7 +214,7 @@ def test_discovery_reads_the_sampling_defaults_and_the_forms_show_them_as_placeh
 def test_the_placeholders_follow_the_machine_and_model_chosen_in_the_browser(
     stack, page, local_machine, sampled_machine, alice
 ):
-    from .test_browser import log_in
+    from .helpers import log_in
 
     log_in(page, stack, "alice", "alice-password-1")
     page.goto(stack.base_url + "/sessions/new/")
@@ -446,7 +446,7 @@ def test_a_start_remembers_what_the_template_can_do_on_the_model_file(local_mach
 
 @pytest.mark.django_db(transaction=True)
 def test_the_browser_says_the_model_cannot_call_tools(stack, page, local_machine, alice, tmp_path):
-    from .test_browser import log_in
+    from .helpers import log_in
 
     log_in(page, stack, "alice", "alice-password-1")
     page.goto(stack.base_url + "/sessions/new/")

@@ -11,67 +11,25 @@ beside it) and injected into each document by Playwright before the page's own s
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import pytest
 
 from sessions_app.models import TranscriptEvent
 
-from .conftest import ROOT
-from .helpers import log_in, open_session, requests_seen, send, start_session
+from .helpers import (
+    ARTEFACTS,
+    SIZES,
+    check_views,
+    console_errors,
+    log_in,
+    open_session,
+    requests_seen,
+    send,
+    start_session,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-ARTEFACTS = Path(os.environ.get("CORRAL_TEST_ARTEFACTS") or ROOT / "data" / "test-artefacts")
-AXE = (ROOT / "tests" / "vendor" / "axe-core" / "axe.min.js").read_text()
-SIZES = {"desktop": (1366, 900), "phone": (390, 844)}
-#: WCAG 2.1 A and AA (colour contrast 4.5:1 among them).
-AXE_TAGS = ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"]
-
-
-#: Console lines a separate fix removes (the waiting note's poll logs htmx:sendAbort /
-#: htmx:afterRequest when a turn ends). Only these exact events are let
-#: through here; drop this once that fix is merged.
-WAITING_NOTE_NOISE = re.compile(r"^htmx:(sendAbort|afterRequest), \[object HTML\w+Element\]$")
-
-
-def console_errors(page) -> list[str]:
-    return [line for line in page.errors if not WAITING_NOTE_NOISE.match(line)]
-
-
-@pytest.fixture
-def browser_page(page):
-    """The page with axe-core in every document and its console watched: ``page.errors``
-    lists every console error and uncaught exception (a CSP refusal is one)."""
-    ARTEFACTS.mkdir(parents=True, exist_ok=True)
-    page.add_init_script(script=AXE)
-    page.errors = []
-    page.on("console", lambda message: page.errors.append(message.text) if message.type == "error" else None)
-    page.on("pageerror", lambda error: page.errors.append(str(error)))
-    return page
-
-
-def axe_violations(page) -> list[str]:
-    found = page.evaluate("""(tags) => axe.run(document, {runOnly: {type: 'tag', values: tags}})
-        .then(r => r.violations.map(v => v.id + ' (' + v.impact + '): '
-              + v.nodes.map(n => n.target.join(' ') + ' — ' + n.failureSummary).join(' | ')))""", AXE_TAGS)
-    return found
-
-
-def check_views(page, name: str, *, sizes=SIZES) -> None:
-    """Screenshots of the page as it stands, at each size, light and dark, each clean under axe."""
-    ARTEFACTS.mkdir(parents=True, exist_ok=True)
-    for size, (width, height) in sizes.items():
-        page.set_viewport_size({"width": width, "height": height})
-        for scheme in ("light", "dark"):
-            page.emulate_media(color_scheme=scheme)
-            page.screenshot(path=str(ARTEFACTS / f"issue25-{name}-{size}-{scheme}.png"), full_page=True)
-            assert axe_violations(page) == [], f"{name} at {size} in {scheme} mode"
-    page.set_viewport_size({"width": 1366, "height": 900})
-    page.emulate_media(color_scheme="light")
-
 
 def idle(page) -> None:
     page.wait_for_selector("#status-badge[data-status=idle]", timeout=120_000)

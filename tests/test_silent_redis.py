@@ -24,8 +24,8 @@ from sessions_app.live import broadcast
 from sessions_app.models import AgentSession, TranscriptEvent
 
 from .conftest import wait_for
+from .helpers import DONE
 from .scripted_server import chunk, sse
-from .test_turn_endings import DONE, server, session  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the step runs in a thread of its own
 

@@ -19,8 +19,8 @@ from sessions_app.models import AgentSession
 from sessions_app.servers.models import ServerRecord, SlotSave
 from sessions_app.servers.stop import sleep_server
 
-from .conftest import model_key, wait_for
-from .helpers import fresh, log_in, payloads
+from .conftest import wait_for
+from .helpers import converse_once, fresh, idle_seeded_session, log_in, payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -32,27 +32,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def idle_session(machine, user, tmp_path) -> AgentSession:
-    session = actions.do_create_session(
-        user, machine=machine, model_key=model_key(machine, "llama"), working_dir=str(tmp_path),
-        server_params={"contextSize": 2048}, sampling={"temperature": 0, "max_tokens": 16, "seed": 1},
-        permission_mode="manual",
-    )
-    wait_for(lambda: fresh(session).status == "idle", 120, what="idle")
-    return fresh(session)
-
-
-def converse(session, user, text) -> None:
-    ended = len(payloads(session, "turn_end"))
-    actions.do_send_message(fresh(session), user, text)
-    wait_for(lambda: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
-             what="the turn to end")
-
-
 def test_an_idle_server_sleeps_after_the_machines_idle_time_and_a_message_wakes_it(stack, local_machine, alice,
                                                                                    tmp_path):
-    session = idle_session(local_machine, alice, tmp_path)
-    converse(session, alice, "My sheep is called Dolly.")
+    session = idle_seeded_session(local_machine, alice, tmp_path)
+    converse_once(session, alice, "My sheep is called Dolly.")
     pid = ServerRecord.objects.get(session=session).pid
     local_machine.idle_stop_seconds = 3
     local_machine.save()
@@ -67,7 +50,7 @@ def test_an_idle_server_sleeps_after_the_machines_idle_time_and_a_message_wakes_
 
     local_machine.idle_stop_seconds = None
     local_machine.save()
-    converse(session, alice, "What is my sheep called?")
+    converse_once(session, alice, "What is my sheep called?")
     assert fresh(session).status == "idle"
     assert payloads(session, "server_ready")[-1].get("warm_tokens") > 0
     assert payloads(session, "turn_end")[-1]["reason"] == "done"
@@ -76,8 +59,8 @@ def test_an_idle_server_sleeps_after_the_machines_idle_time_and_a_message_wakes_
 
 def test_case_c45_messages_during_an_idle_stop_wait_for_it_and_are_all_answered(stack, local_machine, alice,
                                                                              tmp_path):
-    session = idle_session(local_machine, alice, tmp_path)
-    converse(session, alice, "Hello.")
+    session = idle_seeded_session(local_machine, alice, tmp_path)
+    converse_once(session, alice, "Hello.")
     record = ServerRecord.objects.get(session=session)
     # Hold the stop at its slot save: the server is frozen, so the save waits for it.
     os.kill(record.pid, signal.SIGSTOP)
@@ -115,7 +98,7 @@ def test_staff_put_idle_servers_to_sleep_from_the_machine_page_and_a_message_wak
     from the page starts the server again and the reply comes."""
     staff = get_user_model().objects.create_user("staffer", password="staffer-password-1", is_staff=True,
                                                  is_superuser=True)
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_seeded_session(local_machine, alice, tmp_path)
     AgentSession.objects.filter(pk=session.pk).update(owner=staff)
     log_in(page, stack, "staffer", "staffer-password-1")
 

@@ -12,8 +12,7 @@ from sessions_app.servers.models import ServerRecord
 from sessions_app.servers.stop import sleep_server
 
 from .conftest import wait_for
-from .helpers import fresh, payloads
-from .test_sleep import converse, idle_session
+from .helpers import converse_once, fresh, idle_seeded_session, payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
 
@@ -26,8 +25,8 @@ def client_for(user) -> Client:
 
 @pytest.mark.parametrize("how", ["regenerate", "edit"])
 def test_regenerate_and_edit_wake_a_sleeping_server_and_are_answered(stack, local_machine, alice, tmp_path, how):
-    session = idle_session(local_machine, alice, tmp_path)
-    converse(session, alice, "My sheep is called Dolly.")
+    session = idle_seeded_session(local_machine, alice, tmp_path)
+    converse_once(session, alice, "My sheep is called Dolly.")
     assert sleep_server(session.pk)
     wait_for(lambda: not ServerRecord.objects.filter(session=session).exists(), 60, what="the server to stop")
     assert fresh(session).status == "sleeping"

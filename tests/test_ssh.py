@@ -23,8 +23,8 @@ from machines_app.models import Machine
 from machines_app.transports import LocalTransport, ProcessId, TransportError, transport_for
 
 from .conftest import make_ssh_machine, wait_for
+from .gguf_files import MiB, model, two_long_strings_model, write_split_set
 from .sshd import keygen
-from .test_gguf_discovery import MiB, model, two_long_strings_model, write_split_set
 
 pytestmark = pytest.mark.django_db
 

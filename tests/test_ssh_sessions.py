@@ -24,9 +24,18 @@ from sessions_app.servers.start import start_server
 from sessions_app.servers.stop import stop_server
 
 from .conftest import grant_bypass, make_ssh_machine, model_key, wait_for
-from .helpers import events_of, fresh, payloads, step, text_reply, tool_call_reply
+from .helpers import (
+    events_of,
+    fresh,
+    idle_session,
+    llama_servers_on,
+    payloads,
+    step,
+    text_reply,
+    tool_call_reply,
+    turns_ended,
+)
 from .sshd import SshServer
-from .test_lifecycle import idle_session, llama_servers_on, turns_ended
 
 HOSTILE_DIRS = ["$(touch /tmp/pwned)", "'; rm -rf ~ #"]
 

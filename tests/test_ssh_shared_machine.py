@@ -36,9 +36,9 @@ from sessions_app.servers.stop import stop_orphan, stop_server
 from sessions_app.servers.watch import watch_servers
 
 from .conftest import make_ssh_machine, model_key, wait_for
+from .gguf_files import model
 from .helpers import fresh, payloads
 from .sshd import SshServer
-from .test_gguf_discovery import model
 
 
 def alive_here(proc: ProcessId) -> bool:

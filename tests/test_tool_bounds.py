@@ -33,7 +33,7 @@ from sessions_app.tools import machine as machine_tools
 from .bulk_mcp import BIG_MCP_BYTES
 from .conftest import ROOT, grant_bypass, model_key, wait_for
 from .helpers import events_of, fresh, step, text_reply, tool_call_reply
-from .test_tools import free_port, port_open, stop_process, wait_until
+from .processes import free_port, port_open, stop_process, wait_until
 
 
 def bypass_session(alice, machine, workdir: Path, **fields) -> AgentSession:

@@ -8,15 +8,10 @@ No database is used.
 import asyncio
 import http.server
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -37,9 +32,10 @@ from sessions_app.tools import (
     run_tool,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+# Absolute, not relative: this file also runs as a script (``--serve-mcp``), outside the package.
+from tests.processes import API_KEY_HEADER, free_port, port_open, start_mcp_server, stop_process, wait_until
+
 OPENAI_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-API_KEY_HEADER = {"Authorization": "Bearer test-key-123"}
 
 #: ``GET /tools`` as this llama-server build answers it (descriptions shortened).
 CAPTURED_TOOLS_JSON: list[dict] = [
@@ -186,39 +182,6 @@ CAPTURED_TOOLS_JSON: list[dict] = [
 # --------------------------------------------------------------------------- helpers
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """SIGTERM, wait 5 s, SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 def builtin(name: str, remote: str | None = None) -> ToolEntry:
     """A built-in entry as the catalogue would hold it (``remote`` may differ to test 404s)."""
     entry = {e.name: e for e in builtin_entries(CAPTURED_TOOLS_JSON)}.get(name)
@@ -275,31 +238,10 @@ def llama(llama_server_bin, tmp_path_factory) -> Iterator[str]:
         stop_process(proc)
 
 
-def _start_mcp_server(log_dir: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    log = open(log_dir / f"mcp-{port}.log", "wb")  # noqa: SIM115 - the child keeps writing to it
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--serve-mcp", str(port)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"MCP server exited: {(log_dir / f'mcp-{port}.log').read_text()[-2000:]}")
-        return port_open(port)
-
-    wait_until(up, 30, "the MCP server to listen")
-    return proc, port
-
-
 @pytest.fixture(scope="module")
 def mcp_server(tmp_path_factory) -> Iterator[McpServerConfig]:
     """A real MCP server (the SDK's MCPServer, streamable HTTP) named ``calc``, with an API key header."""
-    proc, port = _start_mcp_server(tmp_path_factory.mktemp("mcp"))
+    proc, port = start_mcp_server(tmp_path_factory.mktemp("mcp"))
     try:
         yield McpServerConfig(name="calc", url=f"http://127.0.0.1:{port}/mcp", headers=dict(API_KEY_HEADER))
     finally:
@@ -672,7 +614,7 @@ def test_it_names_the_http_status_when_an_mcp_server_refuses_the_key():
 
 
 def test_it_reports_an_mcp_server_gone_as_unreachable(tmp_path_factory):
-    proc, port = _start_mcp_server(tmp_path_factory.mktemp("mcp-gone"))
+    proc, port = start_mcp_server(tmp_path_factory.mktemp("mcp-gone"))
     config = McpServerConfig(name="calc", url=f"http://127.0.0.1:{port}/mcp")
     try:
         add = {e.remote_name: e for e in list_mcp_tools(config)}["add"]

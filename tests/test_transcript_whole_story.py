@@ -15,7 +15,6 @@ import base64
 import hashlib
 import io
 import json
-import os
 import threading
 
 import pytest
@@ -42,32 +41,11 @@ from sessions_app.servers.start import start_server
 from sessions_app.servers.stop import stop_server
 from sessions_app.transcript import Event
 
-from .conftest import model_key, wait_for
-from .helpers import fresh, payloads
-from .scripted_server import ScriptedServer, chunk, sse
-from .test_turn_endings import DONE, KEY, run_message, text_of
+from .conftest import KEY, model_key, wait_for
+from .helpers import DONE, fresh, payloads, run_message, text_of
+from .scripted_server import chunk, sse
 
 STOP = sse(chunk({}, finish_reason="stop"))
-
-
-@pytest.fixture
-def server():
-    scripted = ScriptedServer()
-    yield scripted
-    scripted.close()
-
-
-@pytest.fixture
-def session(alice, server, tmp_path):
-    """An idle session whose server is the scripted one (its record names this live process)."""
-    machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
-    session = AgentSession.objects.create(owner=alice, machine=machine, model_key="m.gguf",
-                                          working_dir=str(tmp_path), status="idle", sampling={"seed": 7})
-    me = os.getpid()
-    ServerRecord.objects.create(session=session, machine=machine, model_key="m.gguf", pid=me,
-                                start_time=LocalTransport()._stat(me)[1],
-                                port=int(server.url.rsplit(":", 1)[1]), log_path="/dev/null", api_key=KEY)
-    return session
 
 
 # --- 1. reasoning whose opening tag was in the prompt -------------------------------------------

@@ -8,61 +8,23 @@ the product's own. The alternation rule is also proven against the real llama-se
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 
 from machines_app.llama_server import ServerSpec, build_argv, wait_until_ready
-from machines_app.models import Machine
 from machines_app.transports import LocalTransport
 from sessions_app import actions, agent, transcript
 from sessions_app.completions import INCOMPLETE_REPLY, CompletionClient, CompletionError
 from sessions_app.live.sentences import usage_line
 from sessions_app.models import AgentSession, TranscriptEvent
-from sessions_app.servers.models import ServerRecord
 
-from .conftest import wait_for
-from .scripted_server import ScriptedServer, chunk, sse
+from .conftest import KEY, wait_for
+from .helpers import DONE, run_message, text_of
+from .scripted_server import chunk, sse
 
 pytestmark = pytest.mark.django_db
 
-KEY = "k" * 43
-DONE = b"data: [DONE]\n\n"
 USAGE = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 0},
          "timings": {"prompt_n": 12, "cache_n": 0, "predicted_n": 0}}
-
-
-@pytest.fixture
-def server() -> Iterator[ScriptedServer]:
-    scripted = ScriptedServer()
-    yield scripted
-    scripted.close()
-
-
-@pytest.fixture
-def session(alice, server, tmp_path):
-    machine = Machine.objects.create(name="scripted", models_dir=str(tmp_path))
-    session = AgentSession.objects.create(
-        owner=alice, machine=machine, model_key="m.gguf", working_dir=str(tmp_path), status="idle",
-        sampling={"seed": 7},
-    )
-    # The record names a live process (this one), so a check of the server finds it running.
-    me = os.getpid()
-    ServerRecord.objects.create(session=session, machine=machine, model_key="m.gguf", pid=me,
-                                start_time=LocalTransport()._stat(me)[1],
-                                port=int(server.url.rsplit(":", 1)[1]), log_path="/dev/null", api_key=KEY)
-    return session
-
-
-def run_message(session, user, text="hello") -> list[TranscriptEvent]:
-    actions.do_send_message(AgentSession.objects.get(pk=session.pk), user, text)
-    agent.run_turn_step(session.pk)
-    return list(TranscriptEvent.objects.filter(session=session).order_by("seq"))
-
-
-def text_of(events, kind="assistant_text") -> str:
-    return "".join(e.payload["text"] for e in events if e.kind == kind)
 
 
 def last_turn_end(events) -> str:

@@ -24,52 +24,9 @@ from sessions_app.servers.start import start_server
 from sessions_app.servers.stop import stop_server
 
 from .conftest import model_key, wait_for
-from .helpers import fresh, payloads
+from .helpers import converse, fresh, idle_warm_session, payloads, restart, slot_path, stop, wait_until_idle
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("stop_servers_after")]
-
-
-def idle_session(machine, user, tmp_path, arch="llama") -> AgentSession:
-    session = actions.do_create_session(
-        user, machine=machine, model_key=model_key(machine, arch), working_dir=str(tmp_path),
-        server_params={"contextSize": 2048}, sampling={"temperature": 0, "max_tokens": 24, "seed": 1},
-        permission_mode="manual",
-    )
-    wait_until_idle(session)
-    return fresh(session)
-
-
-def wait_until_idle(session, n_ready: int | None = None) -> None:
-    def ready():
-        s = fresh(session)
-        return s.status == "idle" and (n_ready is None or len(payloads(session, "server_ready")) >= n_ready)
-
-    wait_for(ready, 120, what="the server to be ready")
-
-
-def converse(session, user, texts) -> None:
-    for text in texts:
-        ended = len(payloads(session, "turn_end"))
-        actions.do_send_message(fresh(session), user, text)
-        wait_for(lambda ended=ended: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
-                 what="the turn to end")
-
-
-def stop(session, user) -> None:
-    actions.do_stop(fresh(session), user)
-    wait_for(lambda: fresh(session).status == "stopped" and not ServerRecord.objects.filter(session=session).exists(),
-             60, what="the server to stop")
-
-
-def restart(session, user) -> None:
-    n = len(payloads(session, "server_ready"))
-    actions.do_restart(fresh(session), user)
-    wait_until_idle(session, n + 1)
-
-
-def slot_path(stack, session, save: SlotSave) -> Path:
-    # The worker's private directory (the stack's data directory), where its servers write.
-    return stack.data_dir / "logs" / "slots" / f"session-{session.pk}" / slot_file_name(session.pk, save.pk)
 
 
 # --- the command line and the directory (C43) ------------------------------------------------
@@ -149,7 +106,7 @@ def test_a_slot_saved_before_props_was_read_once_still_matches():
 
 def test_a_stopped_and_restarted_session_answers_from_its_restored_prompt_cache(stack, local_machine, alice,
                                                                                tmp_path):
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     converse(session, alice, ["My sheep is called Dolly.", "She likes grass.", "What does she like?"])
     previous_prompt = payloads(session, "usage")[-1]["prompt_tokens"]
     stop(session, alice)
@@ -175,7 +132,7 @@ def test_a_restart_clicked_while_stop_still_saves_waits_for_it_and_comes_back_wa
     """Stop shows ``stopped`` at once while its task still saves the slot; a Restart then
     must neither save a second time over it nor signal the server twice (bench/run.py's
     warm-restart figure found this)."""
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     converse(session, alice, ["My sheep is called Dolly.", "She likes grass."])
     previous_prompt = payloads(session, "usage")[-1]["prompt_tokens"]
     actions.do_stop(fresh(session), alice)
@@ -190,7 +147,7 @@ def test_a_restart_clicked_while_stop_still_saves_waits_for_it_and_comes_back_wa
 
 
 def test_deleting_a_session_deletes_its_saved_slot_files(stack, local_machine, alice, tmp_path):
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     converse(session, alice, ["Hello."])
     stop(session, alice)
     path = slot_path(stack, session, SlotSave.objects.get(session=session))
@@ -203,7 +160,7 @@ def test_deleting_a_session_deletes_its_saved_slot_files(stack, local_machine, a
 
 
 def test_case_c44_a_slot_is_restored_only_into_the_same_model_and_parameters(stack, local_machine, alice, tmp_path):
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     llama, gemma = model_key(local_machine, "llama"), model_key(local_machine, "gemma3")
     converse(session, alice, ["Remember the number 41."])
 
@@ -235,7 +192,7 @@ def test_case_c44_a_slot_is_restored_only_into_the_same_model_and_parameters(sta
 
 def test_case_c44_a_slot_file_cut_in_half_is_deleted_and_the_server_started_afresh(stack, local_machine, alice,
                                                                                  tmp_path):
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     converse(session, alice, ["Tell me about sheep.", "And goats?"])
     stop(session, alice)
     save = SlotSave.objects.get(session=session)
@@ -259,12 +216,12 @@ def test_case_c44_a_slot_file_cut_in_half_is_deleted_and_the_server_started_afre
 def test_case_c44_a_foreign_slot_file_is_refused_and_deleted(stack, local_machine, alice, tmp_path):
     """Another model's slot file put where this session's file is (same name, same row):
     llama-server refuses it; the file goes and the server starts afresh."""
-    other = idle_session(local_machine, alice, tmp_path, arch="gemma3")
+    other = idle_warm_session(local_machine, alice, tmp_path, arch="gemma3")
     converse(other, alice, ["Hello there."])
     stop(other, alice)
     foreign = slot_path(stack, other, SlotSave.objects.get(session=other)).read_bytes()
 
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     converse(session, alice, ["Hello."])
     stop(session, alice)
     save = SlotSave.objects.get(session=session)
@@ -279,7 +236,7 @@ def test_case_c44_a_foreign_slot_file_is_refused_and_deleted(stack, local_machin
 
 
 def test_case_c43_a_link_planted_at_the_slot_path_is_not_written_through(stack, local_machine, alice, tmp_path):
-    session = idle_session(local_machine, alice, tmp_path)
+    session = idle_warm_session(local_machine, alice, tmp_path)
     AgentSession.objects.filter(pk=session.pk).update(title="../../x y/z")  # never part of a file name
     converse(session, alice, ["Hello."])
     stop(session, alice)

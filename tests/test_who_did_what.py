@@ -14,6 +14,8 @@ from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.servers.stop import stop_server
 from sessions_app.transcript import Event
 
+from .helpers import ALICE
+
 
 @pytest.fixture(autouse=True)
 def fast_passwords(settings):
@@ -126,7 +128,6 @@ def test_old_events_fold_to_the_same_conversation_and_queue():
 
 
 BOB = {"id": 2, "username": "bob"}
-ALICE = {"id": 1, "username": "alice"}
 HOSTILE = {"id": 9, "username": "<b>mallory</b>"}
 STORY = [
     Event(1, "message_taken", {"text": "count", "queued_id": None, "by": BOB}),

@@ -17,12 +17,9 @@ import pytest
 from sessions_app import actions, agent
 from sessions_app.models import AgentSession
 
-from . import test_agent_loop
 from .conftest import grant_bypass
 from .helpers import events_of, step, text_reply, tool_call_reply
 from .scripted_server import chunk, sse
-
-real_session = test_agent_loop.real_session  # the fixture: a session on the real llama-server
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("stop_servers_after")]
 
