@@ -131,7 +131,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", (
         # The package itself loads the Celery app (Celery's pattern for Django projects).
         "project", "project.env", "project.data_dir", "project.settings", "project.celery", "project.beat", "project.launcher",
-        "project.embedded_redis", "project.processes",
+        "project.embedded_redis", "project.processes", "project.output_log",
         "project.websocket_security", "project.login_throttle",
     )),
     # Rows and what reaches a machine: models, transports, the llama-server client, reads
