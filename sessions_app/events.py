@@ -24,8 +24,14 @@ Status = AgentSession.Status
 
 
 def locked(session_id: int) -> AgentSession:
-    """The session row, locked until the caller's transaction ends."""
-    return AgentSession.objects.select_for_update().get(pk=session_id)
+    """The session row, locked until the caller's transaction ends.
+
+    PostgreSQL's ``FOR NO KEY UPDATE``, as every row lock in Corral: it serialises the
+    writers of the row, yet lets other transactions check a foreign key to it (``FOR KEY
+    SHARE``). A plain ``FOR UPDATE`` blocks those checks too, and two transactions each
+    holding one row (a session, a machine) while checking a key to the other's deadlocked
+    (a setting changed while a start was admitted on the session's machine)."""
+    return AgentSession.objects.select_for_update(no_key=True).get(pk=session_id)
 
 
 def storable(value):

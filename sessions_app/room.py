@@ -195,6 +195,13 @@ def _line(machine: Machine):
     return MemoryClaim.objects.filter(machine=machine, granted=False, session__status=Status.LOADING)
 
 
+def lock_machine(machine_id: int) -> None:
+    """Lock the machine's row until the caller's transaction ends: one admission per
+    machine at a time. ``FOR NO KEY UPDATE`` (sessions_app.events.locked says why): rows
+    that point at the machine can still be written meanwhile."""
+    Machine.objects.select_for_update(no_key=True).filter(pk=machine_id).first()
+
+
 def admit(session: AgentSession, transport: Transport, *, sleep: Callable[..., bool],
           fail: Callable[[AgentSession, str], object]) -> bool:
     """Let the session's start go ahead (True) or not (False: it waits in line, or it was
@@ -220,7 +227,7 @@ def admit(session: AgentSession, transport: Transport, *, sleep: Callable[..., b
         with transaction.atomic():
             # One admission per machine at a time (PostgreSQL: the row lock; SQLite takes
             # its write lock for every transaction), so two starts never take one room.
-            Machine.objects.select_for_update().filter(pk=machine.pk).first()
+            lock_machine(machine.pk)
             claim = MemoryClaim.objects.filter(session=session).first()
             if claim is not None and (claim.granted or claim.machine_id != machine.pk):
                 claim.delete()

@@ -638,7 +638,7 @@ def test_a_members_reply_does_not_tell_how_much_of_another_members_prompt_they_g
     _cached(stack, alice_token, model, secret)
     assert _streamed_cache_n(stack, bob_token, model, right) == 0
     # Nor does it keep prompts in RAM to swap into the slot when a new one resembles them.
-    from machines_app.models import ServerRecord
+    from sessions_app.servers.models import ServerRecord
 
     with open(f"/proc/{ServerRecord.objects.get().pid}/cmdline") as cmdline:
         assert " --cache-ram 0 " in " ".join(cmdline.read().replace("\0", " ").split()) + " "

@@ -20,7 +20,7 @@ from django.db import connection, connections
 
 from machines_app.models import Machine
 from project.asgi import application
-from sessions_app.live import broadcast
+from sessions_app.live import broadcast, live_link
 from sessions_app.live.consumers import SessionConsumer
 from sessions_app.models import AgentSession
 
@@ -49,6 +49,9 @@ def test_the_web_process_keeps_its_database_connection_between_two_socket_messag
         return answer
 
     monkeypatch.setattr(SessionConsumer, "_access_now", access_now)
+    # This process's count of open pages starts empty: a socket an earlier test never closed
+    # (a communicator left without disconnect) would keep the connection by design.
+    monkeypatch.setattr(live_link, "_open", set())
 
     async def access_changed(count: int) -> None:
         """One ``access.changed`` message to the page (an account or sharing change): the

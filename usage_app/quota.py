@@ -118,7 +118,7 @@ def reserve(member, now: datetime | None = None) -> tuple[int | None, str | None
     account row is locked for the check, so concurrent requests of one member are checked
     one after the other, each seeing the holds of those before it."""
     with transaction.atomic():
-        list(get_user_model().objects.select_for_update().filter(pk=member.pk).values_list("pk", flat=True))
+        list(get_user_model().objects.select_for_update(no_key=True).filter(pk=member.pk).values_list("pk", flat=True))
         now = now or timezone.now()
         state = standing(member, now)
         if state is None:
