@@ -248,7 +248,10 @@ catalog.refresh_models(machine)
     two.stop_worker("turns")  # the turn starts on host 1
     two_hosts.send(session, "Count from 1 to 400, one number per line, and nothing else.")
     wait_for(lambda: two_hosts.events(session, "assistant_text"), 120, interval=0.5, what="the reply to stream")
-    owner = two_hosts.sql("SELECT lease_owner FROM sessions_app_agentsession WHERE id = %s", session)[0][0]
+    # The step's lease names its worker (read until it does: in CI once the lease read
+    # empty just as the reply's first text was stored).
+    owner = wait_for(lambda: two_hosts.sql("SELECT lease_owner FROM sessions_app_agentsession WHERE id = %s",
+                                           session)[0][0], 60, interval=0.2, what="host 1's step to hold the lease")
     assert owner.endswith(f"turns@{one.id}")
     two.start_worker("turns")
     assert not two_hosts.events(session, "turn_end"), "the reply ended before host 1's worker could be killed"
