@@ -84,13 +84,13 @@ def start_session(owner, machine, working_dir, *, key: str | None = None, **fiel
     return created[0]
 
 
-def open_session(page, stack, session, *, status: str = "idle") -> None:
-    """Open the session page and wait for ``status`` and a live connection."""
+def open_session(page, stack, session, *, status: str = "idle", wait_s: float = 120) -> None:
+    """Open the session page and wait (up to ``wait_s``) for ``status`` and a live connection."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     page.goto(f"{stack.base_url}/sessions/{session.pk}/")
     try:
-        page.wait_for_selector(f"#status-badge[data-status={status}]", timeout=120_000)
+        page.wait_for_selector(f"#status-badge[data-status={status}]", timeout=wait_s * 1000)
     except PlaywrightTimeout:
         # Say where the session stood (a server that never started is told in its events),
         # not only which selector was missing.
