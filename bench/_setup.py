@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The embedded Redis started by :func:`boot` (None when REDIS_URL named one).
-REDIS: subprocess.Popen | None = None
+REDIS = None  # project.embedded_redis.EmbeddedRedis
 
 
 def boot(prefix: str) -> Path:
@@ -29,9 +29,9 @@ def boot(prefix: str) -> Path:
     from project.launcher import ensure_redis, prepare_data_dir
 
     prepare_data_dir()
-    REDIS = ensure_redis()
+    REDIS = ensure_redis(keep_url=False)
     if REDIS is not None:
-        atexit.register(REDIS.terminate)
+        atexit.register(REDIS.stop)
 
     import django
 
@@ -86,7 +86,7 @@ class Stack:
     def pids(self) -> dict[str, int]:
         pids = {name: proc.pid for name, proc in self.procs.items()}
         if REDIS is not None:
-            pids["redis"] = REDIS.pid
+            pids["redis"] = REDIS.proc.pid
         return pids
 
     def cpu_seconds(self) -> dict[str, float]:
