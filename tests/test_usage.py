@@ -29,7 +29,7 @@ from sessions_app.importing import import_into, read_file
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.servers.start import start_server
 from usage_app import figures, quota
-from usage_app.models import Quota, UsageRecord
+from usage_app.models import Hold, Quota, UsageRecord
 from usage_app.recording import record_usage
 
 from .conftest import model_key
@@ -376,6 +376,14 @@ def test_the_admin_sets_quotas_and_only_shows_usage_rows(alice, machines, django
     assert "choose exactly one" in both.content.decode() and not Quota.objects.exists()
     root.post("/admin/usage_app/quota/add/", {"user": alice.pk, "tokens_per_day": 10})
     assert quota.quota_for(alice) == 10
+    # The requests in flight that hold part of the day are listed (why a member is refused
+    # before anything was spent), never added or edited; a stuck one may be deleted.
+    hold = Hold.objects.create(member=alice, until=timezone.now() + timedelta(minutes=5))
+    listing = root.get("/admin/usage_app/hold/")
+    assert listing.status_code == 200 and "alice" in listing.content.decode()
+    assert root.get("/admin/usage_app/hold/add/").status_code == 403
+    root.post(f"/admin/usage_app/hold/{hold.pk}/delete/", {"post": "yes"})
+    assert not Hold.objects.exists()
 
 
 @pytest.mark.django_db

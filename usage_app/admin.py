@@ -3,7 +3,7 @@ server's report: docs/usage.md)."""
 
 from django.contrib import admin
 
-from .models import Quota, UsageRecord
+from .models import Hold, Quota, UsageRecord
 from .quota import COUNTED
 
 
@@ -37,4 +37,22 @@ class UsageRecordAdmin(admin.ModelAdmin):
         return False
 
     def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Hold)
+class HoldAdmin(admin.ModelAdmin):
+    """The API requests in flight that hold part of a member's quota (usage_app.quota.reserve).
+    Shown so that an admin can see why a member is refused while nothing was spent yet; a
+    hold is deleted by its request when that ends, and lapses by itself at ``until``, so
+    deleting one here only frees the member's day early."""
+
+    list_display = ("member", "until")
+    list_select_related = ("member",)
+    search_fields = ("member__username",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
         return False
