@@ -319,6 +319,19 @@ def _run(port: int, *, debug: bool = False) -> int:
         stop_process(supervisord, "supervisord", grace=30.0)
         if redis is not None:
             redis.stop()
+        if supervisord is not None:
+            say_servers_left()
+
+
+def say_servers_left() -> None:
+    """Print the llama-servers of this host that keep running after the stop (they outlive
+    Corral on purpose and hold their memory: sessions_app's ``corral_servers_left``).
+    Nothing stops on account of it: a database that cannot be read now is said in a line."""
+    try:
+        subprocess.run([sys.executable, str(BASE_DIR / "manage.py"), "corral_servers_left"], check=True,
+                       cwd=BASE_DIR, timeout=60)
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"corral: could not list the llama-servers that keep running ({exc})", flush=True)
 
 
 def setup() -> int:
