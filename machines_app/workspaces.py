@@ -19,7 +19,7 @@ import posixpath
 
 from django.core.exceptions import ValidationError
 
-from .transports import transport_for
+from .transports import reader_for
 
 
 class WorkingDirRefused(Exception):
@@ -72,7 +72,10 @@ def check_working_dir(user, machine, path: str) -> str:
 
     Raises WorkingDirRefused for a relative path, a NUL, a path outside the machine's
     workspace roots (members only; the message names the roots) or one that is not a
-    directory there. Raises TransportError when the machine cannot be asked.
+    directory there. Raises TransportError when the machine cannot be asked (for another
+    Corral host's local machine: when that host does not answer, machines_app/transports/relay.py).
+
+    A page's check: another host's local machine is asked through that host (:func:`reader_for`).
     """
     machine_name = machine.name
     if "\x00" in path:
@@ -82,7 +85,7 @@ def check_working_dir(user, machine, path: str) -> str:
             f"'{path}' is not an absolute path. Give the working directory as an absolute path on {machine_name} "
             "(like /srv/work/project) or one in the home directory there (like ~/project)."
         )
-    transport = transport_for(machine)
+    transport = reader_for(machine)
     real = transport.real_path(path)
     roots = machine.workspace_root_list
     if roots and not user.is_staff:

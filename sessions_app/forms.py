@@ -9,7 +9,7 @@ from machines_app import catalog
 from machines_app.access import machines_for
 from machines_app.discovery import InvalidModelKey, validate_key
 from machines_app.models import Machine, ModelFile
-from machines_app.transports import TransportError
+from machines_app.transports import TransportError, reader_for
 from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
 from . import room
@@ -145,7 +145,7 @@ class NewSessionForm(forms.Form):
         machine, key = data.get("machine"), data.get("model_key")
         if machine and key:
             try:
-                model = catalog.model_for_session(machine, key)
+                model = catalog.model_for_session(machine, key, reader_for)
             except catalog.ModelUnavailable as exc:
                 self.add_error("model_key", str(exc))
             else:
@@ -278,7 +278,7 @@ class SessionSettingsForm(forms.Form):
         data = super().clean()
         if self.session is not None and data.get("contextSize") is not None:
             try:
-                model = catalog.model_for_session(self.session.machine, self.session.model_key)
+                model = catalog.model_for_session(self.session.machine, self.session.model_key, reader_for)
             except catalog.ModelUnavailable:
                 return data  # the restart says why it cannot start
             if refusal := catalog.context_refusal(model, data["contextSize"]):
