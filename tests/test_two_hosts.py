@@ -303,6 +303,10 @@ def test_a_page_on_host_1_checks_a_working_directory_on_host_2s_machine_through_
     assert mounted.returncode == 0, mounted.stderr
     assert two.run(["mkdir", str(only_there / "work")]).returncode == 0
     assert not (only_there / "work").exists()
+    # Alice is a member: the machine's workspace roots bind her, resolved there too.
+    roots = two_hosts.sql("SELECT workspace_roots FROM machines_app_machine WHERE name = %s", theirs)[0][0]
+    two_hosts.sql("UPDATE machines_app_machine SET workspace_roots = %s WHERE name = %s RETURNING id", str(tmp_path),
+                  theirs)
     ok, real, _took = _check_on(two_hosts.shell, theirs, str(only_there / "work" / "."), 10)
     assert (ok, real) == ("ok", str(only_there / "work"))
     missing = _check_on(two_hosts.shell, theirs, str(tmp_path / "missing"), 10)
@@ -318,8 +322,12 @@ def test_a_page_on_host_1_checks_a_working_directory_on_host_2s_machine_through_
         assert took < 4 + 10, took  # the bound, not a hang (generous for a loaded box)
     finally:
         two.start_worker("housekeeping")
-    # Back, it answers again; the question nobody waited for expired unrun.
+    # Back, it answers again.
     assert _check_on(two_hosts.shell, theirs, str(only_there / "work"), 10)[:2] == ["ok", str(only_there / "work")]
+    outside = _check_on(two_hosts.shell, theirs, "/etc", 10)
+    assert outside[:2] == ["WorkingDirRefused", f"On {theirs} your working directory must be inside {tmp_path}; "
+                                                "/etc is not."]
+    two_hosts.sql("UPDATE machines_app_machine SET workspace_roots = %s WHERE name = %s RETURNING id", roots, theirs)
 
 
 def _vision_models(where) -> str:
