@@ -192,8 +192,8 @@ def model_for_session(machine: Machine, key: str,
         )
     if model.problem:
         raise ModelUnavailable(f"Model '{model.display_name}' on '{machine.name}' cannot be started: {model.problem}.")
+    transport = reach(machine)
     try:
-        transport = reach(machine)
         root = transport.expand_path(machine.models_dir)
         template_file = transport.expand_path(model.chat_template_file) if model.chat_template_file else ""
     except TransportError as exc:

@@ -330,15 +330,20 @@ def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that
     import time
 
     from machines_app import actions as machine_actions
+    from machines_app import catalog
+    from machines_app.models import ModelFile
     from machines_app.transports import RelayTransport, TransportError, reader_for, relay
     from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
-    theirs = Machine.objects.create(name="theirs", corral_host=OTHER, workspace_roots=str(tmp_path))
+    theirs = Machine.objects.create(name="theirs", corral_host=OTHER, workspace_roots=str(tmp_path),
+                                    models_dir=str(tmp_path / "models" / ".."))
+    ModelFile.objects.create(machine=theirs, key="sub/m.gguf", display_name="M", architecture="llama")
     (tmp_path / "work").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "work")
     with pytest.raises(ElsewhereError):
         transport_for(theirs)  # this process itself still may not touch it
     assert isinstance(reader_for(theirs), RelayTransport)
+
     def calls_run() -> int:
         return sum(1 for line in other_host_worker.log().splitlines()
                    if "machines_app.tasks.machine_call[" in line and "received" in line)
@@ -348,9 +353,14 @@ def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that
         check_working_dir(alice, theirs, str(tmp_path / "missing"))
     with pytest.raises(WorkingDirRefused, match=f"must be inside {tmp_path}; /etc is not"):
         check_working_dir(alice, theirs, "/etc")  # the roots are resolved there too
+    # The session forms' model check (a 500 before: ElsewhereError outside its guard).
+    assert catalog.model_for_session(theirs, "sub/m.gguf", reader_for).path == f"{tmp_path}/sub/m.gguf"
+    with pytest.raises(ElsewhereError):
+        catalog.model_for_session(theirs, "sub/m.gguf")  # a worker's start here still refuses
     # Each question ran on the other host's worker: the path's and the root's real paths,
-    # then is_dir (3 + 3 + 2: /etc is refused before is_dir).
-    assert calls_run() == 8
+    # then is_dir (3 + 3 + 2: /etc is refused before is_dir), then expand_path of the models
+    # directory (the model's chat template file is not set).
+    assert calls_run() == 9
     assert machine_actions.do_test_connection(theirs).startswith(
         f"Machine 'theirs' is the local machine of the Corral host {OTHER}, which answers; tools ")
     # What acts is refused here, before anything is sent.
@@ -374,6 +384,8 @@ def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that
                                   "is its housekeeping worker running?")
     assert not refused.value.permanent
     assert waited < 2 + 8, waited  # the bound, not a hang (generous for a loaded box)
+    with pytest.raises(catalog.ModelUnavailable, match=f"the Corral host {OTHER} that runs machine 'theirs' did not"):
+        catalog.model_for_session(theirs, "sub/m.gguf", reader_for)
     with pytest.raises(TransportError, match="did not answer"):
         silent.is_dir("/")
     started = time.monotonic()
