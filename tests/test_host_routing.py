@@ -288,6 +288,8 @@ def other_host_worker(tmp_path):
     import subprocess
     import sys
 
+    import redis
+
     from .conftest import ROOT, _database_url
 
     data = tmp_path / "other-host"
@@ -296,6 +298,8 @@ def other_host_worker(tmp_path):
            "SECRET_KEY": settings.SECRET_KEY, "CORRAL_DATA_DIR": str(data), "CORRAL_HOST_ID": OTHER,
            "PYTHONUNBUFFERED": "1"}
     name = queues.worker_name(queues.HOUSEKEEPING, OTHER)
+    # Calls an earlier run left unanswered there expire unrun; a fresh queue keeps the counts exact.
+    redis.Redis.from_url(settings.REDIS_URL).delete(queues.on_host(queues.HOUSEKEEPING, OTHER))
     log = open(tmp_path / "other-host.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", queues.on_host(queues.HOUSEKEEPING, OTHER),
@@ -334,6 +338,7 @@ def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that
     from machines_app.models import ModelFile
     from machines_app.transports import RelayTransport, TransportError, reader_for, relay
     from machines_app.workspaces import WorkingDirRefused, check_working_dir
+    from sessions_app.forms import NewSessionForm
 
     theirs = Machine.objects.create(name="theirs", corral_host=OTHER, workspace_roots=str(tmp_path),
                                     models_dir=str(tmp_path / "models" / ".."))
@@ -346,7 +351,7 @@ def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that
 
     def calls_run() -> int:
         return sum(1 for line in other_host_worker.log().splitlines()
-                   if "machines_app.tasks.machine_call[" in line and "received" in line)
+                   if "machines_app.tasks.machine_call[" in line and "succeeded" in line)
 
     assert check_working_dir(alice, theirs, str(tmp_path / "link")) == str(tmp_path / "work")
     with pytest.raises(WorkingDirRefused, match=f"There is no directory {tmp_path}/missing on theirs"):
@@ -361,6 +366,12 @@ def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that
     # then is_dir (3 + 3 + 2: /etc is refused before is_dir), then expand_path of the models
     # directory (the model's chat template file is not set).
     assert calls_run() == 9
+    # The new-session form on this host, for their machine: valid, the path resolved there.
+    form_data = {"machine": theirs.pk, "model_key": "sub/m.gguf", "working_dir": str(tmp_path / "link"),
+                 "permission_mode": "manual", "speculative": "auto"}
+    form = NewSessionForm(form_data, user=alice)
+    assert form.is_valid(), form.errors
+    assert form.cleaned_data["working_dir"] == str(tmp_path / "work")
     assert machine_actions.do_test_connection(theirs).startswith(
         f"Machine 'theirs' is the local machine of the Corral host {OTHER}, which answers; tools ")
     # What acts is refused here, before anything is sent.
@@ -386,6 +397,15 @@ def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that
     assert waited < 2 + 8, waited  # the bound, not a hang (generous for a loaded box)
     with pytest.raises(catalog.ModelUnavailable, match=f"the Corral host {OTHER} that runs machine 'theirs' did not"):
         catalog.model_for_session(theirs, "sub/m.gguf", reader_for)
+    # The form asks once and says it on both fields: one bound waited, not two.
+    sent_calls = []
+    send_task = relay.current_app.send_task
+    monkeypatch.setattr(relay.current_app, "send_task",
+                        lambda name, **kw: sent_calls.append(name) or send_task(name, **kw))
+    form = NewSessionForm(form_data, user=alice)
+    assert not form.is_valid()
+    assert sent_calls == [relay.MACHINE_CALL]
+    assert form.errors["model_key"] == form.errors["machine"] == [str(refused.value)]
     with pytest.raises(TransportError, match="did not answer"):
         silent.is_dir("/")
     started = time.monotonic()

@@ -32,7 +32,7 @@ from .base import (
 from .commands import COMMAND_GRACE, COMMAND_POLL
 from .local import LocalTransport
 from .places import is_here, machine_place, ssh_target, transport_at, transport_for
-from .relay import RelayTransport, reader_for
+from .relay import RelayTransport, one_reader, reader_for
 from .remote import LOG_TAIL_BYTES, MAX_LISTED_ENTRIES, LinkReport, SSHTransport
 from .tool_view import ToolView
 
@@ -54,6 +54,7 @@ __all__ = [
     "TransportError",
     "is_here",
     "machine_place",
+    "one_reader",
     "parse_proc_group",
     "parse_proc_stat",
     "reader_for",

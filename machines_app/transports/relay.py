@@ -337,3 +337,17 @@ def reader_for(machine) -> Transport:
     if machine.transport == "local" and not is_here("local", machine.corral_host):
         return RelayTransport(machine_place(machine))
     return transport_for(machine)
+
+
+def one_reader() -> Callable[[Any], Transport]:
+    """:func:`reader_for` keeping one transport per machine: for a page that asks several
+    questions (the new-session form: the model's directory, then the working directory),
+    so a host that did not answer the first is not waited for again by the next."""
+    made: dict[int, Transport] = {}
+
+    def reach(machine) -> Transport:
+        if machine.pk not in made:
+            made[machine.pk] = reader_for(machine)
+        return made[machine.pk]
+
+    return reach
