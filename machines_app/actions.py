@@ -11,7 +11,7 @@ import paramiko
 
 from . import keystore, ssh
 from .models import Machine
-from .transports import SSHTransport, TransportError, ssh_target, transport_for
+from .transports import RelayTransport, SSHTransport, TransportError, reader_for, ssh_target, transport_for
 
 
 class MachineError(Exception):
@@ -63,8 +63,22 @@ def do_repin(machine: Machine) -> tuple[str, str]:
 
 def do_test_connection(machine: Machine) -> str:
     """Connect (host key checked, key authentication) and answer a sentence for the admin.
-    The machine's link state is updated either way."""
-    transport = transport_for(machine)
+    The machine's link state is updated either way. Another Corral host's local machine is
+    asked through that host (machines_app/transports/relay.py): its answer, or that it did
+    not answer, is the test."""
+    try:
+        transport = reader_for(machine)
+    except TransportError as exc:
+        raise MachineError(str(exc)) from None
+    if isinstance(transport, RelayTransport):
+        try:
+            bwrap = check_containment(machine, transport)
+        except TransportError as exc:
+            raise MachineError(str(exc)) from None
+        contained = (f"tools contained by bubblewrap ({bwrap})" if bwrap
+                     else f"tools NOT contained: {machine.containment_reason}")
+        return (f"Machine '{machine.name}' is the local machine of the Corral host {transport.host}, which answers; "
+                f"{contained}.")
     if not isinstance(transport, SSHTransport):
         # Reachable by being here; what is left to check is whether its tools are contained.
         try:

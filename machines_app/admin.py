@@ -19,7 +19,7 @@ from . import ssh
 from .llama_server import BUILTIN_CHAT_TEMPLATES
 from .models import Machine, ModelFile
 from .template_files import TemplateFileRefused, check_template_file
-from .transports import TransportError, transport_for
+from .transports import TransportError, reader_for
 
 # Corral's name on every admin page (title, header, the index), not Django's.
 admin.site.site_header = "Corral administration"
@@ -264,7 +264,7 @@ class ModelFileForm(forms.ModelForm):
         try:
             # docs/security.md: a readable regular file of a template's size, no secret by where it lies.
             check_template_file(
-                transport_for(machine), path, machine.name, local=machine.transport == Machine.Transport.LOCAL
+                reader_for(machine), path, machine.name, local=machine.transport == Machine.Transport.LOCAL
             )
         except TemplateFileRefused as exc:
             self.add_error("chat_template_file", str(exc))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import posixpath
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.db import transaction
@@ -19,7 +20,7 @@ from django.utils import timezone
 from .discovery import InvalidModelKey, discover, read_model_head, validate_key
 from .gguf import GGUFError, GGUFHead
 from .models import Machine, ModelFile
-from .transports import TransportError, transport_for
+from .transports import Transport, TransportError, transport_for
 
 
 class ModelUnavailable(Exception):
@@ -169,11 +170,15 @@ def refresh_models(machine: Machine) -> list[ModelFile]:
     return list(models_for(machine))
 
 
-def model_for_session(machine: Machine, key: str) -> ResolvedModel:
+def model_for_session(machine: Machine, key: str,
+                      reach: Callable[[Machine], Transport] = transport_for) -> ResolvedModel:
     """The model a session may start, checked before anything starts (docs/behaviour.md §3, §11).
 
     Raises ModelUnavailable for a key with empty, '.' or '..' parts (never reaching the
-    file system), a model the machine does not have, or a broken/incomplete file.
+    file system), a model the machine does not have, a broken/incomplete file, or a
+    machine that cannot be asked. ``reach``: how the machine is reached,
+    :func:`transport_for` by default; a page passes :func:`machines_app.transports.reader_for`,
+    so another host's local machine is asked through that host.
     """
     try:
         validate_key(key)
@@ -187,7 +192,7 @@ def model_for_session(machine: Machine, key: str) -> ResolvedModel:
         )
     if model.problem:
         raise ModelUnavailable(f"Model '{model.display_name}' on '{machine.name}' cannot be started: {model.problem}.")
-    transport = transport_for(machine)
+    transport = reach(machine)
     try:
         root = transport.expand_path(machine.models_dir)
         template_file = transport.expand_path(model.chat_template_file) if model.chat_template_file else ""

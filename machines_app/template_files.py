@@ -76,10 +76,13 @@ def secret_location(real: str, *, private_dirs: tuple[str, ...] = ()) -> str | N
 
 def corral_dirs(transport: Transport, *, local: bool) -> tuple[str, ...]:
     """Corral's own directories on the machine behind ``transport``: its private directory
-    there (slots, logs, keys while a server starts) and, on the machine Corral runs on,
-    its data directory (database, secret key, SSH keys of the other machines, images)."""
+    there (slots, logs, keys while a server starts) and, on a machine a Corral host runs on
+    (``local``), that host's data directory (database, secret key, SSH keys of the other
+    machines, images) as its own transport says it (``own_secrets``: another host's, asked
+    of that host through machines_app/transports/relay.py, is its own, not this one's)."""
     found = [transport.real_path(transport.private_dir())]
     if local:
+        found += [transport.real_path(directory) for directory in transport.own_secrets().hide]
         found.append(transport.real_path(str(settings.DATA_DIR)))
         database = settings.DATABASES["default"]
         if "sqlite" in database.get("ENGINE", "") and str(database.get("NAME", "")).startswith("/"):

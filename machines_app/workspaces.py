@@ -16,10 +16,11 @@ The shape helpers here are plain string functions (table-tested without a databa
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable
 
 from django.core.exceptions import ValidationError
 
-from .transports import transport_for
+from .transports import Transport, reader_for
 
 
 class WorkingDirRefused(Exception):
@@ -66,13 +67,17 @@ def validate_workspace_roots(text: str) -> None:
         )
 
 
-def check_working_dir(user, machine, path: str) -> str:
+def check_working_dir(user, machine, path: str, reach: Callable[..., Transport] = reader_for) -> str:
     """The working directory ``path`` as ``user`` may use it on ``machine``: its real
     path on that machine (``~``, symlinks and ``..`` resolved there).
 
     Raises WorkingDirRefused for a relative path, a NUL, a path outside the machine's
     workspace roots (members only; the message names the roots) or one that is not a
-    directory there. Raises TransportError when the machine cannot be asked.
+    directory there. Raises TransportError when the machine cannot be asked (for another
+    Corral host's local machine: when that host does not answer, machines_app/transports/relay.py).
+
+    A page's check: another host's local machine is asked through that host (``reach``,
+    :func:`reader_for` by default; a form that asks more passes one ``one_reader()``).
     """
     machine_name = machine.name
     if "\x00" in path:
@@ -82,7 +87,7 @@ def check_working_dir(user, machine, path: str) -> str:
             f"'{path}' is not an absolute path. Give the working directory as an absolute path on {machine_name} "
             "(like /srv/work/project) or one in the home directory there (like ~/project)."
         )
-    transport = transport_for(machine)
+    transport = reach(machine)
     real = transport.real_path(path)
     roots = machine.workspace_root_list
     if roots and not user.is_staff:

@@ -9,7 +9,9 @@ queue, docs/operations.md shows the production units)::
     housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
                   watch_host, sample_host (each host's share of those),
                   forget_old_slots (beat, every 10 minutes) and forget_host_slots
-                  (each host's share of it), refresh_models,
+                  (each host's share of it), refresh_models, machine_call (a page's
+                  read-only question about a host's own local machine, always sent
+                  to that host's own queue: machines_app/transports/relay.py),
                   Web Push of a question (attention_app.tasks.push_question)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
@@ -50,6 +52,7 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.forget_old_slots": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.forget_host_slots": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},
+    "machines_app.tasks.machine_call": {"queue": HOUSEKEEPING},
     "attention_app.tasks.push_question": {"queue": HOUSEKEEPING},
 }
 

@@ -18,6 +18,7 @@ from django.http import Http404
 
 from machines_app import catalog
 from machines_app.access import machine_refusal
+from machines_app.transports import reader_for
 from usage_app import quota
 
 from . import dispatch, images, room, transcript, turns
@@ -159,7 +160,7 @@ def do_change_model(session: AgentSession, user, model_key: str) -> None:
     if refusal:
         raise SessionError(refusal)
     try:
-        model = catalog.model_for_session(session.machine, model_key)
+        model = catalog.model_for_session(session.machine, model_key, reader_for)
     except catalog.ModelUnavailable as exc:
         raise SessionError(str(exc)) from None
     if refusal := catalog.context_refusal(model, session.server_params.get("contextSize")):

@@ -9,7 +9,7 @@ from machines_app import catalog
 from machines_app.access import machines_for
 from machines_app.discovery import InvalidModelKey, validate_key
 from machines_app.models import Machine, ModelFile
-from machines_app.transports import TransportError
+from machines_app.transports import TransportError, one_reader, reader_for
 from machines_app.workspaces import WorkingDirRefused, check_working_dir
 
 from . import room
@@ -143,9 +143,11 @@ class NewSessionForm(forms.Form):
     def clean(self) -> dict:
         data = super().clean()
         machine, key = data.get("machine"), data.get("model_key")
+        # One transport for both questions: a host that did not answer is said once, not waited for twice.
+        reach = one_reader()
         if machine and key:
             try:
-                model = catalog.model_for_session(machine, key)
+                model = catalog.model_for_session(machine, key, reach)
             except catalog.ModelUnavailable as exc:
                 self.add_error("model_key", str(exc))
             else:
@@ -155,7 +157,7 @@ class NewSessionForm(forms.Form):
                     self.add_error("model_key", refusal)
         if machine and data.get("working_dir"):
             try:
-                data["working_dir"] = check_working_dir(self.user, machine, data["working_dir"])
+                data["working_dir"] = check_working_dir(self.user, machine, data["working_dir"], reach)
             except WorkingDirRefused as exc:
                 self.add_error("working_dir", str(exc))
             except TransportError as exc:
@@ -278,7 +280,7 @@ class SessionSettingsForm(forms.Form):
         data = super().clean()
         if self.session is not None and data.get("contextSize") is not None:
             try:
-                model = catalog.model_for_session(self.session.machine, self.session.model_key)
+                model = catalog.model_for_session(self.session.machine, self.session.model_key, reader_for)
             except catalog.ModelUnavailable:
                 return data  # the restart says why it cannot start
             if refusal := catalog.context_refusal(model, data["contextSize"]):

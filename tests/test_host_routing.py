@@ -241,3 +241,174 @@ def test_a_lost_start_on_a_host_that_is_down_is_not_queued_again_every_round(ali
     AgentSession.objects.filter(pk__in=loading).update(last_activity_at=stale)  # the notice touched them
     monkeypatch.setattr(liveness, "live_hosts", lambda: None)  # Redis cannot say
     assert sorted(recover_starts()) == sorted(loading)
+
+
+# --- a page's read-only questions about another host's local machine -------------------------
+
+
+def test_the_owner_host_answers_only_read_only_questions_about_its_own_machine(tmp_path):
+    """relay.answer, as the owner host's housekeeping worker runs it: read-only methods of
+    the allow-list, with checked arguments; anything else, and any machine that is not
+    this host's own, is refused in a sentence that travels back to the page."""
+    from machines_app.transports import relay
+
+    mine = machine_place(Machine(name="mine", corral_host=settings.CORRAL_HOST_ID))
+    (tmp_path / "work").mkdir()
+    (tmp_path / "t.jinja").write_bytes(b"{{ messages }}")
+    assert relay.answer(mine, "is_dir", [str(tmp_path / "work")]) == {"ok": True}
+    assert relay.answer(mine, "real_path", [str(tmp_path / "work" / "..")]) == {"ok": str(tmp_path)}
+    assert relay.answer(mine, "file_info", [str(tmp_path / "t.jinja")]) == {"ok": ["file", 14]}
+    head = relay.answer(mine, "read_head", [str(tmp_path / "t.jinja"), 5, 3])["ok"]
+    assert relay._unbytes(head) == b"messa"
+    gone = relay.answer(mine, "read_head", [str(tmp_path / "none"), 5, 0])["oserror"]
+    assert gone[0] == 2 and gone[2] == str(tmp_path / "none")
+
+    for method, args in (("remove", [str(tmp_path / "t.jinja")]), ("spawn", [["sleep", "9"], "/tmp/x"]),
+                         ("_run_command", [["true"]]), ("stop", [1, "1"]), ("log_tail", ["/etc/shadow"])):
+        refused = relay.answer(mine, method, args)
+        assert refused == {"error": f"{method!r} is not a read-only operation a page may ask of another host",
+                           "permanent": True}
+    assert (tmp_path / "t.jinja").exists()
+    assert "not one a page may run" in relay.answer(mine, "run_probe", [["rm", "-rf", str(tmp_path)]])["error"]
+    assert "not a file a page may read" in relay.answer(mine, "read_proc", [1, "environ"])["error"]
+    assert "at most" in relay.answer(mine, "read_head", ["/dev/zero", relay.MAX_READ_BYTES + 1, 0])["error"]
+    assert "could not be asked that way" in relay.answer(mine, "is_dir", [])["error"]
+    # A worker handed a call for a machine that is not its host's own still refuses it.
+    theirs = machine_place(Machine(name="theirs", corral_host=OTHER))
+    refused = relay.answer(theirs, "is_dir", ["/"])
+    assert refused["error"].startswith(f"Machine 'theirs' is the local machine of the Corral host {OTHER}; "
+                                       "only that host reaches it") and refused["elsewhere"]
+
+
+@pytest.fixture
+def other_host_worker(tmp_path):
+    """A real Celery worker of another Corral host (CORRAL_HOST_ID=OTHER) on this box,
+    consuming only that host's own housekeeping queue, as ``worker housekeeping`` there
+    would; ``stop()`` ends it."""
+    import subprocess
+    import sys
+
+    import redis
+
+    from .conftest import ROOT, _database_url
+
+    data = tmp_path / "other-host"
+    data.mkdir()
+    env = {**os.environ, "DATABASE_URL": _database_url(), "REDIS_URL": settings.REDIS_URL,
+           "SECRET_KEY": settings.SECRET_KEY, "CORRAL_DATA_DIR": str(data), "CORRAL_HOST_ID": OTHER,
+           "PYTHONUNBUFFERED": "1"}
+    name = queues.worker_name(queues.HOUSEKEEPING, OTHER)
+    # Calls an earlier run left unanswered there expire unrun; a fresh queue keeps the counts exact.
+    redis.Redis.from_url(settings.REDIS_URL).delete(queues.on_host(queues.HOUSEKEEPING, OTHER))
+    log = open(tmp_path / "other-host.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", queues.on_host(queues.HOUSEKEEPING, OTHER),
+         "-n", name, "-P", "threads", "-c", "2", "--without-gossip", "--without-mingle", "-l", "info"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+
+    proc.stop = stop  # type: ignore[attr-defined]
+    proc.log = lambda: (tmp_path / "other-host.log").read_text(errors="replace")  # type: ignore[attr-defined]
+    try:
+        wait_for(lambda: liveness.worker_pid(name) == proc.pid, 90, what="the other host's housekeeping worker")
+        yield proc
+    finally:
+        stop()
+        log.close()
+
+
+def test_a_page_checks_a_working_directory_on_another_hosts_machine_through_that_host(
+        alice, other_host_worker, tmp_path, monkeypatch):
+    """Before, a page on host 1 asked about host 2's local machine met ElsewhereError's
+    sentence: nobody could start a session there from host 1's web. Now it is asked of that
+    host's housekeeping worker (real Celery, real Redis); a host that does not answer is
+    said within the bound, never waited for."""
+    import time
+
+    from machines_app import actions as machine_actions
+    from machines_app import catalog
+    from machines_app.models import ModelFile
+    from machines_app.transports import RelayTransport, TransportError, reader_for, relay
+    from machines_app.workspaces import WorkingDirRefused, check_working_dir
+    from sessions_app.forms import NewSessionForm
+
+    theirs = Machine.objects.create(name="theirs", corral_host=OTHER, workspace_roots=str(tmp_path),
+                                    models_dir=str(tmp_path / "models" / ".."))
+    ModelFile.objects.create(machine=theirs, key="sub/m.gguf", display_name="M", architecture="llama")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "work")
+    with pytest.raises(ElsewhereError):
+        transport_for(theirs)  # this process itself still may not touch it
+    assert isinstance(reader_for(theirs), RelayTransport)
+
+    def calls_run() -> int:
+        return sum(1 for line in other_host_worker.log().splitlines()
+                   if "machines_app.tasks.machine_call[" in line and "succeeded" in line)
+
+    assert check_working_dir(alice, theirs, str(tmp_path / "link")) == str(tmp_path / "work")
+    with pytest.raises(WorkingDirRefused, match=f"There is no directory {tmp_path}/missing on theirs"):
+        check_working_dir(alice, theirs, str(tmp_path / "missing"))
+    with pytest.raises(WorkingDirRefused, match=f"must be inside {tmp_path}; /etc is not"):
+        check_working_dir(alice, theirs, "/etc")  # the roots are resolved there too
+    # The session forms' model check (a 500 before: ElsewhereError outside its guard).
+    assert catalog.model_for_session(theirs, "sub/m.gguf", reader_for).path == f"{tmp_path}/sub/m.gguf"
+    with pytest.raises(ElsewhereError):
+        catalog.model_for_session(theirs, "sub/m.gguf")  # a worker's start here still refuses
+    # Each question ran on the other host's worker: the path's and the root's real paths,
+    # then is_dir (3 + 3 + 2: /etc is refused before is_dir), then expand_path of the models
+    # directory (the model's chat template file is not set).
+    assert calls_run() == 9
+    # The new-session form on this host, for their machine: valid, the path resolved there.
+    form_data = {"machine": theirs.pk, "model_key": "sub/m.gguf", "working_dir": str(tmp_path / "link"),
+                 "permission_mode": "manual", "speculative": "auto"}
+    form = NewSessionForm(form_data, user=alice)
+    assert form.is_valid(), form.errors
+    assert form.cleaned_data["working_dir"] == str(tmp_path / "work")
+    assert machine_actions.do_test_connection(theirs).startswith(
+        f"Machine 'theirs' is the local machine of the Corral host {OTHER}, which answers; tools ")
+    # What acts is refused here, before anything is sent.
+    with pytest.raises(ElsewhereError, match="cannot start a process there from here"):
+        reader_for(theirs).spawn(["sleep", "9"], str(tmp_path / "log"))
+    # The owner's own refusal comes back in its words: a call it gets for a machine that
+    # is not its own (a worker on the wrong host still refuses).
+    astray = RelayTransport({**machine_place(theirs), "corral_host": settings.CORRAL_HOST_ID})
+    astray.host = OTHER
+    with pytest.raises(ElsewhereError, match=f"local machine of the Corral host {settings.CORRAL_HOST_ID}"):
+        astray.is_dir("/")
+
+    other_host_worker.stop()
+    monkeypatch.setattr(relay, "ANSWER_SECONDS", 2.0)
+    silent = reader_for(theirs)
+    started = time.monotonic()
+    with pytest.raises(TransportError) as refused:
+        check_working_dir(alice, Machine.objects.get(pk=theirs.pk), str(tmp_path / "work"))
+    waited = time.monotonic() - started
+    assert str(refused.value) == (f"the Corral host {OTHER} that runs machine 'theirs' did not answer within 2 s; "
+                                  "is its housekeeping worker running?")
+    assert not refused.value.permanent
+    assert waited < 2 + 8, waited  # the bound, not a hang (generous for a loaded box)
+    with pytest.raises(catalog.ModelUnavailable, match=f"the Corral host {OTHER} that runs machine 'theirs' did not"):
+        catalog.model_for_session(theirs, "sub/m.gguf", reader_for)
+    # The form asks once and says it on both fields: one bound waited, not two.
+    sent_calls = []
+    send_task = relay.current_app.send_task
+    monkeypatch.setattr(relay.current_app, "send_task",
+                        lambda name, **kw: sent_calls.append(name) or send_task(name, **kw))
+    form = NewSessionForm(form_data, user=alice)
+    assert not form.is_valid()
+    assert sent_calls == [relay.MACHINE_CALL]
+    assert form.errors["model_key"] == form.errors["machine"] == [str(refused.value)]
+    with pytest.raises(TransportError, match="did not answer"):
+        silent.is_dir("/")
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="did not answer"):
+        silent.is_dir("/")  # the same page's next question is not waited for again
+    assert time.monotonic() - started < 1

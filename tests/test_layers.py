@@ -140,6 +140,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "*.models", "machines_app.keystore", "machines_app.access",
         "machines_app.transports", "machines_app.transports.base", "machines_app.transports.commands",
         "machines_app.transports.local", "machines_app.transports.remote", "machines_app.transports.places",
+        "machines_app.transports.relay",
         "machines_app.transports.tool_view", "machines_app.llama_server",
         "machines_app.workspaces", "machines_app.template_files", "machines_app.catalog",
         "sessions_app.completions", "sessions_app.completions.client", "sessions_app.completions.pacing",

@@ -12,6 +12,10 @@ met "connection refused", looked the pid up in host 2's process table and record
 hosts with one host name gave two workers the name ``turns@<host name>``, so the second
 one's start cut the first one's turns.
 
+A page on host 1 reads host 2's local machine through host 2 (its working directory
+checked there, machines_app/transports/relay.py), and an image stored by one host is
+read from the database by the other host's turn worker and seen by its server.
+
 The shared database must be PostgreSQL (two hosts cannot share a SQLite file): the test
 makes its own, ``corral_two_hosts``, on 127.0.0.1:5432 whatever the rest of the suite
 runs on.
@@ -261,3 +265,157 @@ catalog.refresh_models(machine)
     assert {"message": turns.RESUMING_NOTICE} in two_hosts.events(session, "notice")
     assert "sessions_app.tasks.run_turn" in two.log("turns")[before:]  # host 2 ran the step that ended it
     assert "turns" not in one.workers
+
+
+def _check_on(shell, machine_name: str, path: str, bound: float) -> list:
+    """Host 1's page check of ``path`` on ``machine_name`` (the new-session form's
+    check_working_dir) run in ``shell``: ["ok", real path] or [error class, its sentence],
+    then the seconds it took; the relay's bound is ``bound`` seconds for that call."""
+    return shell.run(f"""
+import time
+from django.contrib.auth import get_user_model
+from machines_app.models import Machine
+from machines_app.transports import TransportError, relay
+from machines_app.workspaces import WorkingDirRefused, check_working_dir
+user, _ = get_user_model().objects.get_or_create(username="alice")
+relay.ANSWER_SECONDS, bound = {bound}, relay.ANSWER_SECONDS
+started = time.monotonic()
+try:
+    result = ["ok", check_working_dir(user, Machine.objects.get(name={machine_name!r}), {path!r})]
+except (WorkingDirRefused, TransportError) as exc:
+    result = [type(exc).__name__, str(exc)]
+finally:
+    relay.ANSWER_SECONDS = bound
+result.append(time.monotonic() - started)
+""")
+
+
+def test_a_page_on_host_1_checks_a_working_directory_on_host_2s_machine_through_host_2(two_hosts, tmp_path):
+    one, two = two_hosts.one, two_hosts.two
+    if "housekeeping" not in two.workers:
+        two.start_worker("housekeeping")
+    theirs = f"local-{two.id}"
+    # A directory only host 2 sees: a tmpfs mounted in its own mount namespace, so an
+    # answer that names it can only have come from host 2.
+    only_there = tmp_path / "only-on-two"
+    only_there.mkdir()
+    mounted = two.run(["mount", "-t", "tmpfs", "tmpfs", str(only_there)])
+    assert mounted.returncode == 0, mounted.stderr
+    assert two.run(["mkdir", str(only_there / "work")]).returncode == 0
+    assert not (only_there / "work").exists()
+    # Alice is a member: the machine's workspace roots bind her, resolved there too.
+    roots = two_hosts.sql("SELECT workspace_roots FROM machines_app_machine WHERE name = %s", theirs)[0][0]
+    two_hosts.sql("UPDATE machines_app_machine SET workspace_roots = %s WHERE name = %s RETURNING id", str(tmp_path),
+                  theirs)
+    ok, real, _took = _check_on(two_hosts.shell, theirs, str(only_there / "work" / "."), 10)
+    assert (ok, real) == ("ok", str(only_there / "work"))
+    missing = _check_on(two_hosts.shell, theirs, str(tmp_path / "missing"), 10)
+    assert missing[:2] == ["WorkingDirRefused", f"There is no directory {tmp_path / 'missing'} on {theirs}."]
+    # The same check of host 1's own local machine is answered here: no such directory.
+    assert _check_on(two_hosts.shell, "local", str(only_there / "work"), 10)[0] == "WorkingDirRefused"
+
+    two.stop_worker("housekeeping")
+    try:
+        kind, sentence, took = _check_on(two_hosts.shell, theirs, str(only_there / "work"), 4)
+        assert (kind, sentence) == ("TransportError", f"the Corral host {two.id} that runs machine '{theirs}' did not "
+                                                      "answer within 4 s; is its housekeeping worker running?")
+        assert took < 4 + 10, took  # the bound, not a hang (generous for a loaded box)
+    finally:
+        two.start_worker("housekeeping")
+    # Back, it answers again.
+    assert _check_on(two_hosts.shell, theirs, str(only_there / "work"), 10)[:2] == ["ok", str(only_there / "work")]
+    outside = _check_on(two_hosts.shell, theirs, "/etc", 10)
+    assert outside[:2] == ["WorkingDirRefused", f"On {theirs} your working directory must be inside {tmp_path}; "
+                                                "/etc is not."]
+    two_hosts.sql("UPDATE machines_app_machine SET workspace_roots = %s WHERE name = %s RETURNING id", roots, theirs)
+
+
+def _vision_models(where) -> str:
+    """SmolLM2 with the tiny projector beside it (tests/tiny_mmproj.py) in ``where``."""
+    from machines_app.demo_models import packaged_model_paths
+
+    from .tiny_mmproj import text_embedding_length, write_tiny_projector
+
+    smol = packaged_model_paths()["smollm2"]
+    directory = where / "smol"
+    directory.mkdir(parents=True)
+    (directory / smol.name).symlink_to(smol)
+    write_tiny_projector(directory / "mmproj-smol-tiny.gguf", text_embedding_length(smol))
+    return str(where)
+
+
+_MAKE_VISION_MACHINE = """
+from django.conf import settings
+from machines_app import catalog
+from machines_app.models import Machine
+machine = Machine.objects.create(
+    name={name!r}, transport="local", corral_host=settings.CORRAL_HOST_ID, models_dir={models!r},
+    llama_server_path=Machine.objects.filter(transport="local").exclude(llama_server_path="").first().llama_server_path,
+    workspace_roots="")
+result = [(m.key, m.projector_key, m.has_vision) for m in catalog.refresh_models(machine)]
+"""
+
+_SEND_IMAGE = """
+import io
+from PIL import Image
+from django.contrib.auth import get_user_model
+from sessions_app import actions, images
+from sessions_app.images import Upload
+from sessions_app.models import AgentSession
+buffer = io.BytesIO()
+Image.new("RGB", (40, 30), {colour!r}).save(buffer, "PNG")
+upload = Upload("picture.png", buffer.getvalue())
+actions.do_send_message(AgentSession.objects.get(pk={session}), get_user_model().objects.get(username="alice"),
+                        {text!r}, [upload])
+result = images.missing_sentence(images.check_image(upload))
+"""
+
+_TEXT_ONLY_TOKENS = """
+import httpx
+from sessions_app.servers.models import ServerRecord
+record = ServerRecord.objects.get(session_id={session})
+server, auth = f"http://127.0.0.1:{{record.port}}", {{"Authorization": f"Bearer {{record.api_key}}"}}
+prompt = httpx.post(server + "/apply-template", headers=auth, timeout=30,
+                    json={{"messages": [{{"role": "user", "content": {text!r}}}]}}).json()["prompt"]
+result = len(httpx.post(server + "/tokenize", headers=auth, timeout=30, json={{"content": prompt}}).json()["tokens"])
+"""
+
+
+def test_an_image_stored_by_one_host_is_read_by_the_other_hosts_server(two_hosts, tmp_path):
+    """A vision machine on each host, a session on each, and a message with an image sent
+    from the other host: the image is stored in the database by one host and read there
+    by the other's turn worker, and the server counts its tokens (4 a picture: the tiny
+    projector's 2×2 patches, tests/test_images_real.py)."""
+    one, two = two_hosts.one, two_hosts.two
+    for host in (one, two):
+        for kind in ("servers", "turns"):
+            if kind not in host.workers:
+                host.start_worker(kind)
+    if "housekeeping" not in one.workers:
+        one.start_worker("housekeeping", "-B", "-s", str(one.data / "celerybeat-schedule"))
+    if "housekeeping" not in two.workers:
+        two.start_worker("housekeeping")
+    shells = {one: two_hosts.shell, two: two.shell()}
+    sessions = {}
+    for host, name in ((one, "vision-one"), (two, "vision-two")):
+        found = shells[host].run(_MAKE_VISION_MACHINE.format(name=name, models=_vision_models(tmp_path / name)))
+        assert len(found) == 1 and found[0][1:] == ["smol/mmproj-smol-tiny.gguf", True], found
+        sessions[host] = two_hosts.new_session(name, str(tmp_path), max_tokens=8, seed=7)
+    assert two_hosts.sql("SELECT m.corral_host FROM sessions_app_agentsession s JOIN machines_app_machine m "
+                         "ON m.id = s.machine_id WHERE s.id = %s", sessions[two])[0][0] == two.id
+    for session in sessions.values():
+        two_hosts.wait_idle(session)
+    text = "What colour is this picture?"
+    missing = {}
+    for host, other, colour in ((one, two, (220, 20, 20)), (two, one, (20, 200, 20))):
+        missing[host] = shells[other].run(_SEND_IMAGE.format(session=sessions[host], colour=colour, text=text))
+    for host, session in sessions.items():
+        end = two_hosts.turn_ended(session)
+        assert end["reason"] in ("done", "length"), two_hosts.all_text(session)
+        assert not two_hosts.events(session, "error"), two_hosts.all_text(session)
+        notices = [n["message"] for n in two_hosts.events(session, "notice")]
+        assert missing[host] not in notices and not [n for n in notices if "did not see" in n], notices
+        # The server's loopback port is its own host's: the count is asked there.
+        text_only = shells[host].run(_TEXT_ONLY_TOKENS.format(session=session, text=text))
+        usage = two_hosts.events(session, "usage")
+        assert usage and usage[0]["prompt_tokens"] == text_only + 4, (usage, text_only)

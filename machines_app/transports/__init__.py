@@ -11,6 +11,8 @@ The package, one job a module (read them in this order):
 * :mod:`.local` — :class:`LocalTransport`, the machine the backend runs on;
 * :mod:`.remote` — :class:`SSHTransport`, a machine reached over SSH (:mod:`machines_app.ssh`);
 * :mod:`.places` — which transport reaches a machine, and whether this host may reach it;
+* :mod:`.relay` — :class:`RelayTransport`, another host's local machine as a page reads it
+  (asked of that host: :func:`reader_for`);
 * :mod:`.tool_view` — :class:`ToolView`, a machine as a tool call sees it.
 
 Every public name is re-exported here: ``from machines_app.transports import X`` reaches
@@ -30,6 +32,7 @@ from .base import (
 from .commands import COMMAND_GRACE, COMMAND_POLL
 from .local import LocalTransport
 from .places import is_here, machine_place, ssh_target, transport_at, transport_for
+from .relay import RelayTransport, one_reader, reader_for
 from .remote import LOG_TAIL_BYTES, MAX_LISTED_ENTRIES, LinkReport, SSHTransport
 from .tool_view import ToolView
 
@@ -44,14 +47,17 @@ __all__ = [
     "LinkReport",
     "LocalTransport",
     "ProcessId",
+    "RelayTransport",
     "SSHTransport",
     "ToolView",
     "Transport",
     "TransportError",
     "is_here",
     "machine_place",
+    "one_reader",
     "parse_proc_group",
     "parse_proc_stat",
+    "reader_for",
     "ssh_target",
     "transport_at",
     "transport_for",

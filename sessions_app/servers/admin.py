@@ -17,7 +17,7 @@ from django.utils.html import format_html, format_html_join
 
 from machines_app import admin as machines_admin
 from machines_app.models import Machine, PendingStop
-from machines_app.transports import ProcessId, TransportError, transport_for
+from machines_app.transports import ProcessId, TransportError, reader_for
 
 from .. import dispatch, orphans
 from ..server_state import idle_sessions
@@ -108,7 +108,7 @@ class MachineAdmin(machines_admin.MachineAdmin):
         if not records:
             return "none"
         try:
-            transport = transport_for(obj)
+            transport = reader_for(obj)  # another host's local machine: asked through that host
             gpu = transport.gpu_memory()
             memory = {r.pk: transport.memory_of(ProcessId(r.pid, r.start_time)) for r in records}
         except TransportError as exc:
