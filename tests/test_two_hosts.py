@@ -291,7 +291,7 @@ result.append(time.monotonic() - started)
 
 
 def test_a_page_on_host_1_checks_a_working_directory_on_host_2s_machine_through_host_2(two_hosts, tmp_path):
-    one, two = two_hosts.one, two_hosts.two
+    two = two_hosts.two
     if "housekeeping" not in two.workers:
         two.start_worker("housekeeping")
     theirs = f"local-{two.id}"
