@@ -148,13 +148,17 @@ def _check_body(raw: bytes) -> dict:
 
 def upstream_body(body: dict) -> bytes:
     """What goes to llama-server: the client's request with ``cache_prompt`` false, whatever
-    the client sent (docs/api.md "One server, many members"). Every member's requests share
+    the client sent (docs/api.md "One server, many members"), and for a stream
+    ``timings_per_token`` true, so that every frame says how many tokens the server has read
+    and written so far: a stream the client cuts counts up to its last frame (docs/usage.md
+    "API requests in flight"), not as nothing. Every member's requests share
     one server and its one slot; with the prompt cache on, a request would reuse the part of
     the slot that matches its prompt — another member's previous prompt — and the reply's
     ``cached_tokens`` (``timings.cache_n``), and its speed, would tell how much of it the
     sender guessed. Without it every prompt is read whole, the same for a right guess as
     for a wrong one."""
-    return json.dumps({**body, "cache_prompt": False}).encode()
+    counted = {"timings_per_token": True} if body.get("stream") else {}
+    return json.dumps({**body, "cache_prompt": False, **counted}).encode()
 
 
 async def _wait_for_server(session_id: int, after: int, wanted: str) -> Endpoint:
@@ -330,7 +334,11 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
         await sync_to_async(_request_finished)(user, model, usage, time.monotonic() - started, timings, hold)
 
     try:
-        upstream = await client.send(upstream_request, stream=True)
+        # llama-server answers a non-streamed request only once the whole reply is written
+        # (a stream, once its first result is ready): the request is served all that time,
+        # so its lease and its hold are kept through the wait as through a stream.
+        async with _held(session_id, hold):
+            upstream = await client.send(upstream_request, stream=True)
     except httpx.HTTPError as exc:
         await client.aclose()
         why = await sync_to_async(serving.server_went_away)(session_id)
