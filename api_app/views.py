@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 TOOL_FIELDS = ("tools", "functions")
 TOOLS_REFUSED = ("Corral's API runs no tools and passes none to the model: send the request without '{field}'. "
                  "Sessions in Corral's web page are where models call tools, each call approved by a person.")
+#: The deepest nesting of parentheses a request's ``grammar`` may have. llama-server's
+#: grammar parser recurses once per level: 200,000 levels overflowed its stack and ended
+#: the server every member's requests share (theirs in flight broken off). Grammars
+#: people write nest a few levels.
+MAX_GRAMMAR_NESTING = 256
 #: Seconds between two polls of a server that is starting.
 POLL_SECONDS = 0.25
 
@@ -137,6 +143,10 @@ def _check_body(raw: bytes) -> dict:
     for field in ("tool_choice", "function_call"):
         if body.get(field) not in (None, "none"):
             raise ApiError(400, "tools_not_supported", TOOLS_REFUSED.format(field=field), param=field)
+    grammar = body.get("grammar")
+    if isinstance(grammar, str) and _nesting(grammar) > MAX_GRAMMAR_NESTING:
+        raise ApiError(400, "invalid_request", f"'grammar' nests parentheses more than {MAX_GRAMMAR_NESTING} deep; "
+                       "the model's server cannot read it.", param="grammar")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "invalid_request", "'messages' must be a non-empty list of chat messages.",
@@ -144,6 +154,16 @@ def _check_body(raw: bytes) -> dict:
     if "stream" in body and not isinstance(body["stream"], bool):
         raise ApiError(400, "invalid_request", "'stream' must be true or false.", param="stream")
     return body
+
+
+def _nesting(text: str) -> int:
+    """How deep ``(`` nests in ``text`` (one inside a quoted literal counts too: that only
+    errs on the safe side; a stray ``)`` never makes it shallower than 0)."""
+    depth = deepest = 0
+    for c in re.sub(r"[^()]", "", text):
+        depth = depth + 1 if c == "(" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def upstream_body(body: dict) -> bytes:
@@ -295,7 +315,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
         except RequestDataTooBig:
             raise ApiError(413, "request_too_large", "The request is too large: Corral takes at most "
                            f"{settings.DATA_UPLOAD_MAX_MEMORY_SIZE / 1024 / 1024:g} MB in one request.") from None
-        body = _check_body(raw)
+        # Off daphne's event loop: reading 2.5 MB of JSON, or a grammar's nesting, takes a while.
+        body = await sync_to_async(_check_body, thread_sensitive=False)(raw)
         model = await sync_to_async(serving.resolve)(user, body.get("model"))
         # A member whose daily token quota is spent is refused before any server starts
         # (docs/usage.md); OpenAI says the same with 429 insufficient_quota. Checked and

@@ -423,3 +423,33 @@ def test_a_stream_the_client_cuts_counts_the_tokens_the_server_read_and_wrote(st
                    what="the cut request's usage row")
     assert row.prompt_tokens > 5 and row.completion_tokens >= 20, (row.prompt_tokens, row.completion_tokens)
     wait_for(lambda: not Hold.objects.filter(member=alice).exists(), 10, what="the cut request's hold dropped")
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_grammar_nested_deep_enough_to_end_the_shared_server_is_refused(stack, local_machine, alice, bob):
+    """llama-server's grammar parser recurses once per level of parentheses: alice's
+    ``grammar`` nested 200,000 deep overflowed its stack, the server every member's API
+    requests share died (a request of bob's in flight would have been broken off) and the
+    next request started it again. Refused with 400 before it reaches the server, also
+    when closing parentheses hidden in a literal come first; a grammar that nests a few
+    levels still constrains the reply."""
+    smol = smol_id(local_machine)
+    alice_key, bob_key = make_key(alice), make_key(bob)
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def ask(token: str, **extra) -> httpx.Response:
+        return httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=300,
+                          headers={"Authorization": f"Bearer {token}"},
+                          json={"model": smol, "max_tokens": 4, "messages": hi, **extra})
+
+    shaped = ask(alice_key, grammar='root ::= ("y" ("e" ("s")))')
+    assert shaped.status_code == 200 and shaped.json()["choices"][0]["message"]["content"] == "yes"
+    pid = ServerRecord.objects.get().pid
+    n = 200_000
+    for grammar in ("root ::= " + "(" * n + '"a"' + ")" * n,
+                    'root ::= "' + ")" * n + '" ' + "(" * n + '"a"' + ")" * n):
+        refused = ask(alice_key, grammar=grammar)
+        assert refused.status_code == 400, refused.text[:300]
+        assert refused.json()["error"]["param"] == "grammar" and "nests parentheses" in refused.json()["error"]["message"]
+    assert ask(bob_key).status_code == 200
+    assert ServerRecord.objects.get().pid == pid, "the shared server never went down"
