@@ -16,13 +16,14 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from asgiref.sync import sync_to_async
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.core.exceptions import RequestDataTooBig
-from django.db import transaction
+from django.db import close_old_connections, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.csrf import csrf_exempt
@@ -338,7 +339,55 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
             raise
     except ApiError as exc:
         return _error(exc)
-    return await _relay(user, model, session_id, hold, endpoint, upstream_body(body), stream=bool(body.get("stream")))
+    relay = asyncio.ensure_future(_detached(_relay(user, model, session_id, hold, endpoint, upstream_body(body),
+                                                   stream=bool(body.get("stream")))))
+    try:
+        return await asyncio.shield(relay)
+    except asyncio.CancelledError:
+        # The client went away before llama-server answered (a non-streamed reply comes
+        # back whole): closing the connection now would stop the server with nothing
+        # counted, so the request is finished there and counted (docs/usage.md).
+        _abandoned.add(task := asyncio.ensure_future(_finish_abandoned(relay)))
+        task.add_done_callback(_abandoned.discard)
+        raise
+
+
+#: Requests whose client went away before llama-server answered, finishing (a reference
+#: keeps each task alive until it ends).
+_abandoned: set[asyncio.Future] = set()
+
+
+async def _detached(work):
+    """Await ``work`` in a thread-sensitive context of its own: the request's (Django's) ends
+    with the request, and a task that outlives it may not call ``sync_to_async`` any more.
+    Its database connection is closed at the end, as Django's are after a request."""
+    # Given an executor of its own: without one, a context nested in the request's is the
+    # request's.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-request")
+    try:
+        async with ThreadSensitiveContext(executor=executor):
+            try:
+                return await work
+            finally:
+                await sync_to_async(close_old_connections)()
+    finally:
+        executor.shutdown(wait=False)
+
+
+async def _finish_abandoned(relay: asyncio.Future) -> None:
+    """Let a request whose client left run to its end, so its usage is recorded and its
+    hold dropped as for any other (a stream is read to ``[DONE]`` with nobody to send it to)."""
+
+    async def drain() -> None:
+        response = await relay
+        if isinstance(response, StreamingHttpResponse):
+            async for _ in response.streaming_content:
+                pass
+
+    try:
+        await _detached(drain())
+    except Exception:
+        log.exception("an API request whose client went away did not finish")
 
 
 async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endpoint: Endpoint, content: bytes, *,

@@ -453,3 +453,29 @@ def test_a_grammar_nested_deep_enough_to_end_the_shared_server_is_refused(stack,
         assert refused.json()["error"]["param"] == "grammar" and "nests parentheses" in refused.json()["error"]["message"]
     assert ask(bob_key).status_code == 200
     assert ServerRecord.objects.get().pid == pid, "the shared server never went down"
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_client_that_leaves_before_a_whole_reply_comes_back_is_still_counted(stack, local_machine, alice):
+    """A non-streamed reply comes back only once llama-server has written all of it. A
+    client that gave up waiting (its timeout) closed the connection, the server stopped
+    and nothing was recorded: the tokens read and written were free, and the request's
+    hold stayed until it lapsed. The request is finished on the server instead, counted
+    whole, and its hold dropped (docs/usage.md "API requests in flight")."""
+    from usage_app.models import Hold
+
+    smol, token = smol_id(local_machine), make_key(alice)
+    Quota.objects.create(user=alice, tokens_per_day=10**9)
+    client_for(stack, token).chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=1)  # the server is up first
+    wait_for(lambda: UsageRecord.objects.filter(member=alice).count() == 1, 30, what="the first usage row")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=1.5,
+                   headers={"Authorization": f"Bearer {token}"},
+                   json={"model": smol, "max_tokens": 500, "ignore_eos": True,
+                         "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    wait_for(lambda: UsageRecord.objects.filter(member=alice).count() == 2, 600, interval=0.5,
+             what="the abandoned request's usage row")
+    row = UsageRecord.objects.filter(member=alice).order_by("-pk").first()
+    assert row.prompt_tokens > 5 and row.completion_tokens == 500
+    assert not Hold.objects.filter(member=alice).exists()
