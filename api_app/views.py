@@ -381,7 +381,9 @@ async def _finish_abandoned(relay: asyncio.Future) -> None:
     async def drain() -> None:
         response = await relay
         if isinstance(response, StreamingHttpResponse):
-            async for _ in response.streaming_content:
+            frames = response.streaming_content
+            assert isinstance(frames, AsyncIterator)  # _relay's frames are an async generator
+            async for _ in frames:
                 pass
 
     try:
