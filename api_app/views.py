@@ -13,15 +13,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from asgiref.sync import sync_to_async
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.core.exceptions import RequestDataTooBig
-from django.db import transaction
+from django.db import close_old_connections, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.csrf import csrf_exempt
@@ -42,6 +44,11 @@ log = logging.getLogger(__name__)
 TOOL_FIELDS = ("tools", "functions")
 TOOLS_REFUSED = ("Corral's API runs no tools and passes none to the model: send the request without '{field}'. "
                  "Sessions in Corral's web page are where models call tools, each call approved by a person.")
+#: The deepest nesting of parentheses a request's ``grammar`` may have. llama-server's
+#: grammar parser recurses once per level: 200,000 levels overflowed its stack and ended
+#: the server every member's requests share (theirs in flight broken off). Grammars
+#: people write nest a few levels.
+MAX_GRAMMAR_NESTING = 256
 #: Seconds between two polls of a server that is starting.
 POLL_SECONDS = 0.25
 
@@ -137,6 +144,10 @@ def _check_body(raw: bytes) -> dict:
     for field in ("tool_choice", "function_call"):
         if body.get(field) not in (None, "none"):
             raise ApiError(400, "tools_not_supported", TOOLS_REFUSED.format(field=field), param=field)
+    grammar = body.get("grammar")
+    if isinstance(grammar, str) and _nesting(grammar) > MAX_GRAMMAR_NESTING:
+        raise ApiError(400, "invalid_request", f"'grammar' nests parentheses more than {MAX_GRAMMAR_NESTING} deep; "
+                       "the model's server cannot read it.", param="grammar")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "invalid_request", "'messages' must be a non-empty list of chat messages.",
@@ -146,15 +157,29 @@ def _check_body(raw: bytes) -> dict:
     return body
 
 
+def _nesting(text: str) -> int:
+    """How deep ``(`` nests in ``text`` (one inside a quoted literal counts too: that only
+    errs on the safe side; a stray ``)`` never makes it shallower than 0)."""
+    depth = deepest = 0
+    for c in re.sub(r"[^()]", "", text):
+        depth = depth + 1 if c == "(" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def upstream_body(body: dict) -> bytes:
     """What goes to llama-server: the client's request with ``cache_prompt`` false, whatever
-    the client sent (docs/api.md "One server, many members"). Every member's requests share
+    the client sent (docs/api.md "One server, many members"), and for a stream
+    ``timings_per_token`` true, so that every frame says how many tokens the server has read
+    and written so far: a stream the client cuts counts up to its last frame (docs/usage.md
+    "API requests in flight"), not as nothing. Every member's requests share
     one server and its one slot; with the prompt cache on, a request would reuse the part of
     the slot that matches its prompt — another member's previous prompt — and the reply's
     ``cached_tokens`` (``timings.cache_n``), and its speed, would tell how much of it the
     sender guessed. Without it every prompt is read whole, the same for a right guess as
     for a wrong one."""
-    return json.dumps({**body, "cache_prompt": False}).encode()
+    counted = {"timings_per_token": True} if body.get("stream") else {}
+    return json.dumps({**body, "cache_prompt": False, **counted}).encode()
 
 
 async def _wait_for_server(session_id: int, after: int, wanted: str) -> Endpoint:
@@ -291,7 +316,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
         except RequestDataTooBig:
             raise ApiError(413, "request_too_large", "The request is too large: Corral takes at most "
                            f"{settings.DATA_UPLOAD_MAX_MEMORY_SIZE / 1024 / 1024:g} MB in one request.") from None
-        body = _check_body(raw)
+        # Off daphne's event loop: reading 2.5 MB of JSON, or a grammar's nesting, takes a while.
+        body = await sync_to_async(_check_body, thread_sensitive=False)(raw)
         model = await sync_to_async(serving.resolve)(user, body.get("model"))
         # A member whose daily token quota is spent is refused before any server starts
         # (docs/usage.md); OpenAI says the same with 429 insufficient_quota. Checked and
@@ -313,7 +339,57 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
             raise
     except ApiError as exc:
         return _error(exc)
-    return await _relay(user, model, session_id, hold, endpoint, upstream_body(body), stream=bool(body.get("stream")))
+    relay = asyncio.ensure_future(_detached(_relay(user, model, session_id, hold, endpoint, upstream_body(body),
+                                                   stream=bool(body.get("stream")))))
+    try:
+        return await asyncio.shield(relay)
+    except asyncio.CancelledError:
+        # The client went away before llama-server answered (a non-streamed reply comes
+        # back whole): closing the connection now would stop the server with nothing
+        # counted, so the request is finished there and counted (docs/usage.md).
+        _abandoned.add(task := asyncio.ensure_future(_finish_abandoned(relay)))
+        task.add_done_callback(_abandoned.discard)
+        raise
+
+
+#: Requests whose client went away before llama-server answered, finishing (a reference
+#: keeps each task alive until it ends).
+_abandoned: set[asyncio.Future] = set()
+
+
+async def _detached(work):
+    """Await ``work`` in a thread-sensitive context of its own: the request's (Django's) ends
+    with the request, and a task that outlives it may not call ``sync_to_async`` any more.
+    Its database connection is closed at the end, as Django's are after a request."""
+    # Given an executor of its own: without one, a context nested in the request's is the
+    # request's.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-request")
+    try:
+        async with ThreadSensitiveContext(executor=executor):
+            try:
+                return await work
+            finally:
+                await sync_to_async(close_old_connections)()
+    finally:
+        executor.shutdown(wait=False)
+
+
+async def _finish_abandoned(relay: asyncio.Future) -> None:
+    """Let a request whose client left run to its end, so its usage is recorded and its
+    hold dropped as for any other (a stream is read to ``[DONE]`` with nobody to send it to)."""
+
+    async def drain() -> None:
+        response = await relay
+        if isinstance(response, StreamingHttpResponse):
+            frames = response.streaming_content
+            assert isinstance(frames, AsyncIterator)  # _relay's frames are an async generator
+            async for _ in frames:
+                pass
+
+    try:
+        await _detached(drain())
+    except Exception:
+        log.exception("an API request whose client went away did not finish")
 
 
 async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endpoint: Endpoint, content: bytes, *,
@@ -330,7 +406,11 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
         await sync_to_async(_request_finished)(user, model, usage, time.monotonic() - started, timings, hold)
 
     try:
-        upstream = await client.send(upstream_request, stream=True)
+        # llama-server answers a non-streamed request only once the whole reply is written
+        # (a stream, once its first result is ready): the request is served all that time,
+        # so its lease and its hold are kept through the wait as through a stream.
+        async with _held(session_id, hold):
+            upstream = await client.send(upstream_request, stream=True)
     except httpx.HTTPError as exc:
         await client.aclose()
         why = await sync_to_async(serving.server_went_away)(session_id)

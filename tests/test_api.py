@@ -321,3 +321,161 @@ def test_a_sleeping_api_server_is_woken_by_the_next_request(stack, local_machine
     assert reply.choices[0].message.content is not None
     assert ServerRecord.objects.get().pid != first
     assert AgentSession.objects.filter(purpose="api").count() == 1
+
+
+# --- a request's lease and hold while llama-server has not answered yet ---------------------------
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_request_keeps_its_lease_and_hold_while_llama_server_has_not_answered_yet(stack, local_machine, alice,
+                                                                                     monkeypatch):
+    """llama-server sends a non-streamed reply's headers only once the whole reply is
+    written. While Corral waits for them the server is serving the request: its lease (``api_busy_until``,
+    docs/api.md "Servers") and the request's quota hold (docs/usage.md "API requests in
+    flight") are renewed every ``RENEW_SECONDS`` then too, or a reply longer than the lease
+    could be put to sleep under it and a hold could lapse while its request still runs.
+    The view runs in this process (Django's async test client, the real llama-server that
+    the stack's worker starts) with ``RENEW_SECONDS`` made short, and each renewal is noted."""
+    import asyncio
+    import time
+
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+    from django.test import AsyncClient
+
+    from usage_app import quota
+
+    smol, token = smol_id(local_machine), make_key(alice)
+    client_for(stack, token).chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=1)
+    Quota.objects.create(user=alice, tokens_per_day=10**9)
+    monkeypatch.setattr(serving, "RENEW_SECONDS", 0.1)
+    renewed: dict[str, list[float]] = {"lease": [], "hold": []}
+    real_renew, real_renew_hold = serving.renew, quota.renew_hold
+
+    def renew(session_id):
+        renewed["lease"].append(time.monotonic())
+        real_renew(session_id)
+
+    def renew_hold(hold_id):
+        if hold_id is not None:
+            renewed["hold"].append(time.monotonic())
+        real_renew_hold(hold_id)
+
+    monkeypatch.setattr(serving, "renew", renew)
+    monkeypatch.setattr(quota, "renew_hold", renew_hold)
+    waits: list[tuple[float, float]] = []  # (sent, answered) of each request to llama-server
+    real_send = httpx.AsyncClient.send
+
+    async def send(self, request, **kwargs):
+        sent = time.monotonic()
+        try:
+            return await real_send(self, request, **kwargs)
+        finally:
+            waits.append((sent, time.monotonic()))
+
+    monkeypatch.setattr(httpx.AsyncClient, "send", send)
+
+    async def long_reply():
+        try:
+            # Not streamed: nothing comes back until the reply's last token.
+            return await AsyncClient().post(
+                "/v1/chat/completions", {"model": smol, "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+                                         "messages": [{"role": "user", "content": "Tell me a long story."}]},
+                content_type="application/json", headers={"Authorization": f"Bearer {token}"})
+        finally:
+            await sync_to_async(connections.close_all)()  # the database thread's, before the test database goes
+
+    answer = asyncio.run(long_reply())
+    assert answer.status_code == 200, answer.content
+    [(sent, answered)] = waits
+    assert answered - sent > 0.5, f"llama-server answered too quickly to judge: {answered - sent:.2f} s"
+    for kind, times in renewed.items():
+        during = [t for t in times if sent < t < answered]
+        assert len(during) >= 2, f"{kind} renewed {len(during)} times in the {answered - sent:.1f} s of the wait"
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_stream_the_client_cuts_counts_the_tokens_the_server_read_and_wrote(stack, local_machine, alice):
+    """A client that closes the connection in the middle of a streamed reply has had the
+    prompt read and part of the reply written: those tokens count against its owner's
+    quota (docs/usage.md "API requests in flight"), or cutting every reply one frame
+    before its end would make the API free. llama-server's count reaches Corral in every
+    frame (``timings`` per token, which Corral asks for on streams), so the last frame
+    relayed says how far the server got; the hold is dropped at once."""
+    from usage_app.models import Hold
+
+    smol, token = smol_id(local_machine), make_key(alice)
+    Quota.objects.create(user=alice, tokens_per_day=10**9)
+    received = 0
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", timeout=300,
+                      headers={"Authorization": f"Bearer {token}"},
+                      json={"model": smol, "max_tokens": 400, "ignore_eos": True, "stream": True,
+                            "messages": [{"role": "user", "content": "Tell me a long story."}]}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                received += bool(choices[0].get("delta", {}).get("content"))
+            if received >= 20:
+                break  # the client goes away mid-reply
+    row = wait_for(lambda: UsageRecord.objects.filter(member=alice, source="api").first(), 30,
+                   what="the cut request's usage row")
+    assert row.prompt_tokens > 5 and row.completion_tokens >= 20, (row.prompt_tokens, row.completion_tokens)
+    wait_for(lambda: not Hold.objects.filter(member=alice).exists(), 10, what="the cut request's hold dropped")
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_grammar_nested_deep_enough_to_end_the_shared_server_is_refused(stack, local_machine, alice, bob):
+    """llama-server's grammar parser recurses once per level of parentheses: alice's
+    ``grammar`` nested 200,000 deep overflowed its stack, the server every member's API
+    requests share died (a request of bob's in flight would have been broken off) and the
+    next request started it again. Refused with 400 before it reaches the server, also
+    when closing parentheses hidden in a literal come first; a grammar that nests a few
+    levels still constrains the reply."""
+    smol = smol_id(local_machine)
+    alice_key, bob_key = make_key(alice), make_key(bob)
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def ask(token: str, **extra) -> httpx.Response:
+        return httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=300,
+                          headers={"Authorization": f"Bearer {token}"},
+                          json={"model": smol, "max_tokens": 4, "messages": hi, **extra})
+
+    shaped = ask(alice_key, grammar='root ::= ("y" ("e" ("s")))')
+    assert shaped.status_code == 200 and shaped.json()["choices"][0]["message"]["content"] == "yes"
+    pid = ServerRecord.objects.get().pid
+    n = 200_000
+    for grammar in ("root ::= " + "(" * n + '"a"' + ")" * n,
+                    'root ::= "' + ")" * n + '" ' + "(" * n + '"a"' + ")" * n):
+        refused = ask(alice_key, grammar=grammar)
+        assert refused.status_code == 400, refused.text[:300]
+        assert refused.json()["error"]["param"] == "grammar" and "nests parentheses" in refused.json()["error"]["message"]
+    assert ask(bob_key).status_code == 200
+    assert ServerRecord.objects.get().pid == pid, "the shared server never went down"
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_client_that_leaves_before_a_whole_reply_comes_back_is_still_counted(stack, local_machine, alice):
+    """A non-streamed reply comes back only once llama-server has written all of it. A
+    client that gave up waiting (its timeout) closed the connection, the server stopped
+    and nothing was recorded: the tokens read and written were free, and the request's
+    hold stayed until it lapsed. The request is finished on the server instead, counted
+    whole, and its hold dropped (docs/usage.md "API requests in flight")."""
+    from usage_app.models import Hold
+
+    smol, token = smol_id(local_machine), make_key(alice)
+    Quota.objects.create(user=alice, tokens_per_day=10**9)
+    client_for(stack, token).chat.completions.create(model=smol, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=1)  # the server is up first
+    wait_for(lambda: UsageRecord.objects.filter(member=alice).count() == 1, 30, what="the first usage row")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=1.5,
+                   headers={"Authorization": f"Bearer {token}"},
+                   json={"model": smol, "max_tokens": 500, "ignore_eos": True,
+                         "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    wait_for(lambda: UsageRecord.objects.filter(member=alice).count() == 2, 600, interval=0.5,
+             what="the abandoned request's usage row")
+    row = UsageRecord.objects.filter(member=alice).order_by("-pk").first()
+    assert row.prompt_tokens > 5 and row.completion_tokens == 500
+    assert not Hold.objects.filter(member=alice).exists()

@@ -401,3 +401,48 @@ def test_a_step_that_lost_its_lease_counts_nothing(alice, machines, idle_session
                                model_key="north.gguf", model_name="Model north")
     row = UsageRecord.objects.get()
     assert (row.member, row.prompt_tokens, row.completion_tokens, row.seconds) == (alice, 10, 2, pytest.approx(0.01))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_finishing_while_another_is_checked_is_counted_once_not_never(alice, machines, monkeypatch):
+    """A request that finishes writes its row and drops its hold in one transaction, which
+    takes no lock of the member's; a check reads the day's rows and the holds in flight in
+    two statements, each seeing what was committed when it began (PostgreSQL's read
+    committed). A request finishing between the two reads must still be counted, as its
+    hold or as its row: here the first request of a 50-token day finishes, having used
+    all 50, just after the second request's check has read one of the two, whichever it
+    reads first; the second is refused (docs/usage.md "API requests in flight")."""
+    import threading
+
+    from django.db import connections
+
+    Quota.objects.create(user=alice, tokens_per_day=50)
+    first, _ = quota.reserve(alice)
+    assert first is not None
+    finished: list[bool] = []
+
+    def finish() -> None:
+        try:
+            with transaction.atomic():
+                add(alice, machines["north"])  # REPORT counts 50 tokens: the whole day
+                quota.release(first)
+            finished.append(True)
+        finally:
+            connections.close_all()
+
+    def then_finish(read):
+        def reading(*args, **kwargs):
+            value = read(*args, **kwargs)
+            if not finished:
+                thread = threading.Thread(target=finish)
+                thread.start()
+                thread.join(30)
+            return value
+        return reading
+
+    monkeypatch.setattr(quota, "used_today", then_finish(quota.used_today))
+    monkeypatch.setattr(quota, "_held", then_finish(quota._held))
+    hold, sentence = quota.reserve(alice)
+    assert finished and quota.used_today(alice) == 50
+    assert hold is None and sentence is not None and "used your 50 tokens" in sentence
+    assert quota.refusal(alice) is not None

@@ -105,8 +105,10 @@ def refusal(member, now: datetime | None = None) -> str | None:
     tokens left). For a message's Send, checked before anything starts; an API request is
     checked and held at once by :func:`reserve`."""
     now = now or timezone.now()
-    state = standing(member, now)
-    return _refusal(state, _held(member, now) if state is not None else 0, now)
+    if quota_for(member) is None:
+        return None
+    held = _held(member, now)  # before the rows: see reserve
+    return _refusal(standing(member, now), held, now)
 
 
 def reserve(member, now: datetime | None = None) -> tuple[int | None, str | None]:
@@ -120,11 +122,15 @@ def reserve(member, now: datetime | None = None) -> tuple[int | None, str | None
     with transaction.atomic():
         list(get_user_model().objects.select_for_update(no_key=True).filter(pk=member.pk).values_list("pk", flat=True))
         now = now or timezone.now()
-        state = standing(member, now)
-        if state is None:
+        if quota_for(member) is None:
             return None, None
         Hold.objects.filter(member=member, until__lt=now).delete()
-        if sentence := _refusal(state, _held(member, now), now):
+        # The holds are read before the rows. Each read sees what was committed when it
+        # began, and a request that finishes drops its hold and writes its row in one
+        # transaction, without this lock: finishing between the two reads, it is counted
+        # twice for this check (as its hold and its row), never not at all.
+        held = _held(member, now)
+        if sentence := _refusal(standing(member, now), held, now):
             return None, sentence
         return Hold.objects.create(member=member, until=now + HOLD).pk, None
 
