@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from .deltas import (
     Delta,
@@ -32,7 +32,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _LEADING = " \t\r\n\ufeff"
 
 
-def _is_mapping(value: Any) -> bool:
+def _is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:
     # A decoded chunk's objects are dicts: the check against the Mapping ABC (slow, a
     # dozen times per token) is left for anything else.
     return type(value) is dict or isinstance(value, Mapping)
