@@ -405,6 +405,23 @@ def test_it_parses_sse_data(lines: list[str], expected: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
+    ("chunks", "expected"),
+    [
+        ([b"data: a\n\ndata: b\n", b"\n"], ["data: a", "", "data: b", ""]),  # a burst of LF lines, split once
+        ([b"data: a", b"b\n", b"\n"], ["data: ab", ""]),  # a line cut between two reads
+        ([b"data: a\r", b"\ndata: b\n"], ["data: a", "data: b"]),  # a CRLF cut between two reads
+        ([b"data: a\n", b"data: b\r\n", b"data: c\n"], ["data: a", "data: b", "data: c"]),  # LF, then CRLF
+        ([b"x\xe2\x80", b"\xa8y\n"], ["x\u2028y"]),  # U+2028 split between reads: not a line end
+        ([b"data: last"], ["data: last"]),
+    ],
+)
+def test_it_splits_a_byte_stream_into_lines_at_cr_lf_or_crlf_only(chunks: list[bytes], expected: list[str]) -> None:
+    from sessions_app.completions.sse import iter_lines
+
+    assert list(iter_lines(chunks)) == expected
+
+
+@pytest.mark.parametrize(
     ("lines", "error"),
     [
         (['error: {"code": 500, "message": "boom"}', ""], {"code": 500, "message": "boom"}),

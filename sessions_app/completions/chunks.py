@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from .deltas import (
     Delta,
@@ -32,6 +32,12 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _LEADING = " \t\r\n\ufeff"
 
 
+def _is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    # A decoded chunk's objects are dicts: the check against the Mapping ABC (slow, a
+    # dozen times per token) is left for anything else.
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
     """One decoded ``chat.completion.chunk`` → its deltas, in this order:
     prompt progress, reasoning, text, tool-call fragments, finish, usage.
@@ -50,18 +56,18 @@ def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
         raise CompletionError._from_json(data, status=None, body_text=_dump(data))
     deltas: list[Delta] = []
     progress = data.get("prompt_progress")
-    if isinstance(progress, Mapping):
+    if _is_mapping(progress):
         total, processed = as_int(progress.get("total")), as_int(progress.get("processed"))
         if total is not None and processed is not None:
             deltas.append(Progress(total=total, processed=processed, cache=as_int(progress.get("cache")) or 0))
     choices = data.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices else None
     finished = False
-    if isinstance(choice, Mapping):
+    if _is_mapping(choice):
         delta = choice.get("delta")
-        if not isinstance(delta, Mapping):
+        if not _is_mapping(delta):
             delta = choice.get("message")
-        if isinstance(delta, Mapping):
+        if _is_mapping(delta):
             deltas.extend(_message_deltas(delta))
         reason = choice.get("finish_reason")
         if isinstance(reason, str) and reason:
@@ -69,7 +75,7 @@ def parse_chunk(data: Mapping[str, Any]) -> list[Delta]:
             finished = True
     usage = data.get("usage")
     timings = data.get("timings")
-    if isinstance(usage, Mapping) or (isinstance(timings, Mapping) and (finished or not choices)):
+    if _is_mapping(usage) or (_is_mapping(timings) and (finished or not choices)):
         deltas.append(_usage(usage, timings))
     return deltas
 
@@ -86,7 +92,7 @@ def _message_deltas(delta: Mapping[str, Any]) -> list[Delta]:
         deltas.append(TextDelta(content))
     tool_calls = delta.get("tool_calls")
     if isinstance(tool_calls, list):
-        fragments = [dict(entry) for entry in tool_calls if isinstance(entry, Mapping)]
+        fragments = [dict(entry) for entry in tool_calls if _is_mapping(entry)]
         if fragments:
             deltas.append(ToolCallFragment(fragments))
     return deltas
@@ -127,7 +133,7 @@ def decode_chunk(data: str) -> Mapping[str, Any]:
         decoded: Any = json.loads(data)
     except ValueError:
         decoded = None
-    if not isinstance(decoded, Mapping):
+    if not _is_mapping(decoded):
         raise CompletionError(f"llama-server sent something that is not a completion chunk: {quote(data)}")
     return decoded
 

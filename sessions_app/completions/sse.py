@@ -90,6 +90,13 @@ def iter_lines(chunks: Iterable[bytes]) -> Iterator[str]:
     buffer = b""
     for chunk in chunks:
         buffer += chunk
+        if b"\r" not in buffer:
+            # The usual stream (llama-server ends its lines with LF alone): one split per
+            # read of a burst, not one regular-expression search per line.
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                yield line.decode("utf-8", "replace")
+            continue
         start = 0
         while (match := _EOL.search(buffer, start)) is not None:
             if match.group() == b"\r" and match.end() == len(buffer):

@@ -8,6 +8,7 @@ again what their reader may do (an account or a machine changed: docs/access.md)
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
@@ -45,8 +46,8 @@ class PushSkipped(Exception):
 
 class _Publisher:
     """Pushes from synchronous code (a turn step in a Celery worker, a view): one ``PUBLISH``
-    on the calling thread, through a redis-py client shared by the process (its connection
-    pool is thread-safe, and rebuilt after a fork).
+    from the calling thread, on one Redis connection shared by the process (under a lock;
+    a new one after a fork).
 
     What channels_redis's pub/sub layer's ``group_send`` does, without its event loop: the
     layer's serializer and its name for a group's channel
@@ -56,38 +57,84 @@ class _Publisher:
     part of a turns worker's CPU (docs/live-page.md, "What it costs"). Daphne's consumers
     receive these messages through the layer as any other.
 
-    A push that fails makes the process drop its pushes for :data:`QUIET_AFTER_FAILURE`
-    seconds (:class:`PushSkipped`): a Redis that has stopped answering would otherwise
-    hold every push for PUSH_TIMEOUT — the stream's thread between two bursts, the
-    interrupt poll waiting for it, a view's answer."""
+    **A push does not wait for Redis's reply.** The command is written to the socket and
+    the push returns; the replies (PUBLISH's count of receivers) are read at a later push,
+    once they are there, without blocking. Waiting for each reply cost the pushing thread
+    a sleep and a wake-up per push — the stream's thread, 20 times a second per streaming
+    session — for a number nobody reads (docs/live-page.md, "What it costs"). Commands on
+    one connection are carried out in order, so the pushes of the process arrive in the
+    order they were made.
+
+    A Redis that has stopped answering is seen at the next push: a reply still missing
+    PUSH_TIMEOUT after its command was sent (or a write that waited PUSH_TIMEOUT) fails
+    that push, and the process drops its pushes for :data:`QUIET_AFTER_FAILURE` seconds
+    (:class:`PushSkipped`); the connection is dropped and opened again at the next push
+    tried. A silent Redis would otherwise hold every push — the stream's thread between
+    two bursts, the interrupt poll waiting for it, a view's answer."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.client: redis.Redis | None = None
+        # The process's connection to Redis (a redis-py Connection; tests set it to None
+        # to have it opened again, for another REDIS_URL).
+        self.client: redis.connection.AbstractConnection | None = None
         self.pid = 0
         self.quiet_until = 0.0  # time.monotonic() before which pushes are dropped
+        self.unread: collections.deque[float] = collections.deque()  # when each command not answered was sent
 
     def publish(self, layer, group: str, message: dict) -> None:
         """PUBLISH ``message`` to ``group``'s channel. Raises what redis-py or the
-        serializer raise, or :class:`PushSkipped` within QUIET_AFTER_FAILURE of a failure."""
+        serializer raise (redis.TimeoutError when an earlier push has waited PUSH_TIMEOUT
+        for its reply), or :class:`PushSkipped` within QUIET_AFTER_FAILURE of a failure."""
         if time.monotonic() < self.quiet_until:
             raise PushSkipped(f"a push failed less than {QUIET_AFTER_FAILURE:g} s ago")
         prefix = settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"]
-        try:
-            self._client().publish(group_channel(prefix, group), layer.serialize(message))
-        except redis.RedisError:
-            self.quiet_until = time.monotonic() + QUIET_AFTER_FAILURE
-            raise
-
-    def _client(self) -> redis.Redis:
+        body = layer.serialize(message)
         with self.lock:
-            if self.client is None or self.pid != os.getpid():
-                self.client = redis.Redis.from_url(
-                    settings.REDIS_URL, socket_timeout=PUSH_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
-                    retry=Retry(NoBackoff(), 0),  # a lost push is caught up from the database: never wait twice
-                )
-                self.pid = os.getpid()
-            return self.client
+            try:
+                connection = self._connection()
+                self._read_replies(connection)
+                connection.send_packed_command(connection.pack_command("PUBLISH", group_channel(prefix, group), body),
+                                               check_health=False)
+                self.unread.append(time.monotonic())
+            except (redis.RedisError, OSError):
+                self.quiet_until = time.monotonic() + QUIET_AFTER_FAILURE
+                self._drop()
+                raise
+
+    def pending(self) -> int:
+        """How many pushes' replies have not been read yet (tests)."""
+        with self.lock:
+            return len(self.unread)
+
+    def _read_replies(self, connection) -> None:
+        """Read the replies that have come, without waiting; raise redis.TimeoutError when
+        one has been awaited PUSH_TIMEOUT."""
+        unread = self.unread
+        while unread and connection.can_read(timeout=0):
+            unread.popleft()
+            try:
+                connection.read_response()
+            except redis.ResponseError as exc:  # Redis refused one push: that one is lost
+                log.warning("a push was refused by Redis (%s)", exc)
+        if unread and time.monotonic() - unread[0] >= PUSH_TIMEOUT:
+            raise redis.TimeoutError(f"Redis has not answered a push for {PUSH_TIMEOUT:g} s")
+
+    def _drop(self) -> None:
+        if self.client is not None:
+            self.client.disconnect()
+        self.client = None
+        self.unread.clear()
+
+    def _connection(self):
+        if self.client is None or self.pid != os.getpid():
+            # After a fork the parent's socket is left to the parent (never closed here).
+            self.client, self.unread = None, collections.deque()
+            self.client = redis.Redis.from_url(
+                settings.REDIS_URL, socket_timeout=PUSH_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
+                retry=Retry(NoBackoff(), 0),  # a lost push is caught up from the database: never wait twice
+            ).connection_pool.make_connection()
+            self.pid = os.getpid()
+        return self.client
 
 
 _publisher = _Publisher()
