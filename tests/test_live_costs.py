@@ -168,3 +168,50 @@ def test_a_streamed_tail_is_encoded_once_for_all_the_sockets_that_get_it(alice, 
         assert len(set(sent)) == 1 and consumers.json.loads(sent[0])["ops"][0]["text"] == text, sent
     tails = [value for value in encoded if isinstance(value, dict) and value.get("ops", [{}])[0].get("op") == "tail"]
     assert len(tails) == 2, tails
+
+
+def test_a_reply_is_parsed_and_rendered_once_for_all_the_pages_that_follow_it(alice, bob, tmp_path, monkeypatch):
+    """PAGES pages follow a streaming reply; one more stored part (each page's fold looks
+    for new formulas in the whole text) and the turn's end (each page's fold renders the
+    closed reply's Markdown) reach every page: the text is parsed once and rendered once
+    for all of them (each page parsing and rendering its own was PAGES of each)."""
+    from sessions_app.live import markdown
+
+    session = a_session_with_a_reply(alice, tmp_path)
+    cookies = [cookie_of(alice), cookie_of(bob)]
+    monkeypatch.setattr(live_link, "_open", set())
+    parsed, rendered = [], []
+    real_formulas, real_render = markdown.formulas, markdown._MD.render
+    monkeypatch.setattr(markdown, "formulas", lambda md, text: parsed.append(text) or real_formulas(md, text))
+    monkeypatch.setattr(markdown._MD, "render", lambda text, *a: rendered.append(text) or real_render(text, *a))
+    last = f"and {tmp_path.name} $x^2$ "  # a text no earlier test of this process rendered
+    received: list[list[dict]] = []
+
+    async def scenario() -> None:
+        pages: list[WebsocketCommunicator] = []
+        try:
+            for n in range(PAGES):
+                comm = WebsocketCommunicator(application, f"/ws/sessions/{session.pk}/?after=4", headers=[
+                    (b"origin", b"http://" + HOST), (b"host", HOST), (b"cookie", cookies[n % 2].encode())])
+                assert (await comm.connect(timeout=10))[0]
+                pages.append(comm)
+            for comm in pages:
+                while (await comm.receive_json_from(timeout=10)).get("presence") != ["alice", "bob"]:
+                    pass
+            parsed.clear()
+            rendered.clear()
+            for seq, kind, payload in ((5, "assistant_text", {"text": last}), (6, "turn_end", {})):
+                await get_channel_layer().group_send(broadcast.group_name(session.pk), {
+                    "type": "transcript.event", "seq": seq, "kind": kind, "payload": payload})
+                received.append([await comm.receive_json_from(timeout=10) for comm in pages])
+        finally:
+            for comm in pages:
+                await comm.disconnect()
+
+    asyncio.run(scenario())
+    whole = "part 0 part 1 part 2 " + last
+    assert [[message["seq"] for message in messages] for messages in received] == [[5] * PAGES, [6] * PAGES]
+    closed = [op for op in received[1][0]["ops"] if op["op"] == "replace"]
+    assert closed and "x" in closed[0]["html"] and tmp_path.name in closed[0]["html"], received[1][0]
+    assert parsed == [whole], parsed
+    assert rendered == [whole], rendered

@@ -112,6 +112,20 @@ def tail_frame(dom_id: str, text: str) -> str:
     return _last_tail[2]
 
 
+#: The last event frame encoded: (session id, seq, its operations, the frame's JSON text).
+_last_event: tuple[int, int, list, str] = (0, 0, [], "")
+
+
+def event_frame(session_id: int, seq: int, ops: list) -> str:
+    """The JSON text of ``{"seq": seq, "ops": ops}``, encoded once for the sockets of this
+    process that send the same operations for the same event one after another (pages
+    of one session drawn for the same rights; the operations are compared, not assumed)."""
+    global _last_event
+    if _last_event[:2] != (session_id, seq) or _last_event[2] != ops:
+        _last_event = (session_id, seq, ops, json.dumps({"seq": seq, "ops": ops}))
+    return _last_event[3]
+
+
 @dataclass(frozen=True)
 class JoinedAt:
     """What a page opened at seq ``after`` of a session already holds, as its socket needs
@@ -406,7 +420,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             # streamed fragment.
             ops = self.renderer.feed(event)
         self.last_sent = seq
-        await self.send_json({"seq": seq, "ops": ops})
+        await self.send(text_data=event_frame(self.session_id, seq, ops))
         if kind == "settings" and "visibility" in payload:
             await self._recheck()
 
