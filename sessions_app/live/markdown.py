@@ -218,8 +218,9 @@ _MD = _make_parser()
 
 #: How many texts' renderings (and formulas) a process keeps: the replies its sockets are
 #: folding now, each asked for once per socket within moments (live pushes), are rendered
-#: once. Every rendering is a function of the text alone.
-RENDERS_KEPT = 256
+#: once. Every rendering is a function of the text alone. Bounded in memory: 128 replies
+#: of 50 kB and their HTML are some 20 MB at worst.
+RENDERS_KEPT = 128
 
 
 def reply_formulas(text: str) -> list[tuple[str, bool]]:
