@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 from asgiref.sync import SyncToAsync
+from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.db import connections
@@ -215,3 +216,37 @@ def test_a_reply_is_parsed_and_rendered_once_for_all_the_pages_that_follow_it(al
     assert closed and "x" in closed[0]["html"] and tmp_path.name in closed[0]["html"], received[1][0]
     assert parsed == [whole], parsed
     assert rendered == [whole], rendered
+
+
+def test_a_socket_behind_sends_only_the_newest_of_the_tails_waiting_for_it(alice, tmp_path, monkeypatch):
+    """Three tails reach a page's queue before its consumer runs (a daphne fallen behind):
+    the page is sent the newest only — it holds all the text of the others — and a tail
+    arriving alone afterwards is sent as ever (each tail sent was three frames)."""
+    session = a_session_with_a_reply(alice, tmp_path)
+    monkeypatch.setattr(live_link, "_open", set())
+    cookie = cookie_of(alice)
+    tails: list[str] = []
+
+    async def scenario() -> None:
+        comm = WebsocketCommunicator(application, f"/ws/sessions/{session.pk}/?after=4", headers=[
+            (b"origin", b"http://" + HOST), (b"host", HOST), (b"cookie", cookie.encode())])
+        assert (await comm.connect(timeout=10))[0]
+        try:
+            while "presence" not in await comm.receive_json_from(timeout=10):
+                pass
+            channel = (await database_sync_to_async(Watcher.objects.get)(session=session)).channel_name
+            layer = get_channel_layer()
+            queue = layer.channels[channel]
+            for text in ("part 3 ", "part 3 and 4 ", "part 3 and 4 and 5 "):  # no await between: all three wait
+                queue.put_nowait(layer.serialize({"type": "transcript.tail", "after": 4, "kind": "assistant_text",
+                                                  "text": text}))
+            tails.append((await comm.receive_json_from(timeout=10))["ops"][0]["text"])
+            assert await comm.receive_nothing(timeout=0.5)
+            await get_channel_layer().group_send(broadcast.group_name(session.pk), {
+                "type": "transcript.tail", "after": 4, "kind": "assistant_text", "text": "part 3 and 4 and 5 and 6 "})
+            tails.append((await comm.receive_json_from(timeout=10))["ops"][0]["text"])
+        finally:
+            await comm.disconnect()
+
+    asyncio.run(scenario())
+    assert tails == ["part 3 and 4 and 5 ", "part 3 and 4 and 5 and 6 "]

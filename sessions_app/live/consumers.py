@@ -352,11 +352,24 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         page empties a tail when stored text reaches its block, and all of them when it
         reconnects: text is counted once, by seq (docs/live-page.md)."""
         block = self.renderer.block
-        if self.cut_off or message["after"] != self.last_sent or block is None:
+        if self.cut_off or message["after"] != self.last_sent or block is None or self._newer_tail_waiting():
             return
         if BLOCK_KINDS.get(message["kind"]) != block.type:
             return
         await self.send(text_data=tail_frame(block.dom_id, message["text"]))
+
+    def _newer_tail_waiting(self) -> bool:
+        """Whether a later tail already waits in this socket's queue (channels_redis's
+        pub/sub layer: raw messages in an ``asyncio.Queue``). A tail holds all the text
+        since its stored event, so the later one says all this one does: a daphne that has
+        fallen behind (200 pages joining while a reply streams) sends each page the newest
+        tail only, instead of every one it missed. False whenever the queue cannot be
+        read (another layer, encrypted messages): then every tail is sent."""
+        try:
+            waiting = self.channel_layer.channels[self.channel_name]._queue
+        except (AttributeError, KeyError, TypeError):
+            return False
+        return any(isinstance(raw, bytes) and b"transcript.tail" in raw for raw in waiting)
 
     async def transcript_progress(self, message: dict) -> None:
         """How far a completion has come (broadcast.push_progress), as
