@@ -71,8 +71,9 @@ class Tally:
         redis_total = sum(self.redis.values())
         top = ", ".join(f"{name} {calls / per:.1f}" for name, calls in self.redis.most_common(5))
         writes = sum(self.sql[w] for w in WRITES)
-        statements = sum(v for k, v in self.sql.items() if k != "COMMIT")
+        statements = sum(v for k, v in self.sql.items() if k not in ("COMMIT", "CONNECT"))
         by_kind = ", ".join(f"{w.lower()} {self.sql[w] / per:.1f}" for w in WRITES)
         return (f"Redis {redis_total / per:.1f} commands ({top}); database {writes / per:.1f} writes "
-                f"({by_kind}; {self.sql['COMMIT'] / per:.1f} commits) of {statements / per:.1f} statements, "
+                f"({by_kind}; {self.sql['COMMIT'] / per:.1f} commits) of {statements / per:.1f} statements "
+                f"({self.sql['CONNECT'] / per:.2f} connections opened), "
                 f"per {unit}")

@@ -40,15 +40,19 @@ def test_the_web_process_keeps_its_database_connection_between_two_socket_messag
                                           working_dir=str(tmp_path), status="idle")
     cookie = cookie_of(alice)
     seen: list[tuple[object, int | None, int]] = []  # (the connection object, its backend pid, the thread)
-    real = SessionConsumer._access_now
 
-    def access_now(self):
-        answer = real(self)  # its queries first: the connection is open after them
-        pid = connection.connection.info.backend_pid if connection.vendor == "postgresql" else None
-        seen.append((connection.connection, pid, threading.get_ident()))
-        return answer
+    def recorded(real):
+        """``real`` (the access check of the handshake, or of a later message), noting
+        the connection it ran on."""
+        def access(self):
+            answer = real(self)  # its queries first: the connection is open after them
+            pid = connection.connection.info.backend_pid if connection.vendor == "postgresql" else None
+            seen.append((connection.connection, pid, threading.get_ident()))
+            return answer
+        return access
 
-    monkeypatch.setattr(SessionConsumer, "_access_now", access_now)
+    monkeypatch.setattr(SessionConsumer, "_access_now", recorded(SessionConsumer._access_now))
+    monkeypatch.setattr(SessionConsumer, "_access_at_handshake", recorded(SessionConsumer._access_at_handshake))
     # This process's count of open pages starts empty: a socket an earlier test never closed
     # (a communicator left without disconnect) would keep the connection by design.
     monkeypatch.setattr(live_link, "_open", set())

@@ -31,6 +31,13 @@ if DIRECTORY:
         return execute(sql, params, many, context)
 
     def watch(sender, connection, **kwargs):
+        # connection_created is sent at every (re)connect of the same DatabaseWrapper, whose
+        # execute_wrappers and commit outlive the connection: wrap them once, or every
+        # statement counts once per reconnect so far (daphne's database thread reconnects).
+        with lock:
+            counts["CONNECT"] += 1
+        if count in connection.execute_wrappers:
+            return
         connection.execute_wrappers.append(count)
         commit = connection.commit
 

@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 from importlib import import_module
 from types import SimpleNamespace
 from urllib.parse import parse_qs
@@ -95,6 +98,90 @@ class RefusedConsumer(AsyncWebsocketConsumer):
 MESSAGE_KINDS = frozenset({Kind.MESSAGE_TAKEN, Kind.MESSAGE_QUEUED})
 
 
+#: The last tail frame encoded: (dom id, text, the frame's JSON text).
+_last_tail: tuple[str, str, str] = ("", "", "")
+
+
+def tail_frame(dom_id: str, text: str) -> str:
+    """The JSON text of ``{"ops": [{"op": "tail", "id": dom_id, "text": text}]}``, encoded
+    once for all the sockets of this process that receive the same tail one after another
+    (every watcher of a session gets the same streamed text: W sockets, one encoding)."""
+    global _last_tail
+    if _last_tail[0] != dom_id or _last_tail[1] != text:
+        _last_tail = (dom_id, text, json.dumps({"ops": [{"op": "tail", "id": dom_id, "text": text}]}))
+    return _last_tail[2]
+
+
+#: The last event frame encoded: (session id, seq, its operations, the frame's JSON text).
+_last_event: tuple[int, int, list, str] = (0, 0, [], "")
+
+
+def event_frame(session_id: int, seq: int, ops: list) -> str:
+    """The JSON text of ``{"seq": seq, "ops": ops}``, encoded once for the sockets of this
+    process that send the same operations for the same event one after another (pages
+    of one session drawn for the same rights; the operations are compared, not assumed)."""
+    global _last_event
+    if _last_event[:2] != (session_id, seq) or _last_event[2] != ops:
+        _last_event = (session_id, seq, ops, json.dumps({"seq": seq, "ops": ops}))
+    return _last_event[3]
+
+
+@dataclass(frozen=True)
+class JoinedAt:
+    """What a page opened at seq ``after`` of a session already holds, as its socket needs
+    it: ``window``, the stored events that may leave something open on the page at
+    ``after`` (``items.prime_window`` of the transcript's tail); ``versions``, the
+    :data:`~.items.VERSION_KINDS` events up to ``after``; ``ready``, the payload of the
+    last ``server_ready`` up to ``after`` (None: none). Stored events never change, so
+    this is the same for every page opening at the same seq (:func:`joined_at`)."""
+
+    window: tuple[TranscriptEvent, ...]
+    versions: tuple[TranscriptEvent, ...]
+    ready: dict | None
+
+
+#: Sessions' :class:`JoinedAt`, newest last, by (session id, its creation, seq): read on
+#: the database thread only. 200 pages opening at one seq read the transcript once, not
+#: 200 times (docs/live-page.md, "What it costs").
+_joined: OrderedDict[tuple[int, object, int], JoinedAt] = OrderedDict()
+#: How many (session, seq) pairs :data:`_joined` keeps.
+JOINED_KEPT = 64
+
+
+def joined_at(session: AgentSession, after: int) -> JoinedAt:
+    """The session's :class:`JoinedAt` seq ``after`` (≥ 0), read from the database the
+    first time a page opens there and kept for the next pages (database thread). The key
+    holds the session's creation time too: a test database reusing an id is another session."""
+    key = (session.pk, session.created_at, after)
+    found = _joined.get(key)
+    if found is not None:
+        _joined.move_to_end(key)
+        return found
+    if after == 0:
+        found = JoinedAt((), (), None)
+    else:
+        before = TranscriptEvent.objects.filter(session_id=session.pk, seq__lte=after)
+        # Only the tail after the last event that leaves nothing open matters; read it
+        # newest first and stop there, rather than the whole transcript.
+        tail = []
+        for event in before.order_by("-seq").iterator(chunk_size=200):
+            tail.append(event)
+            if len(prime_window([event])) == 0:
+                break
+        ready = (before.filter(kind="server_ready").order_by("-seq").values_list("payload", flat=True).first())
+        found = JoinedAt(tuple(prime_window(tail[::-1])), tuple(load_kinds(session.pk, VERSION_KINDS, upto=after)),
+                         ready if isinstance(ready, dict) else None)
+    _joined[key] = found
+    while len(_joined) > JOINED_KEPT:
+        _joined.popitem(last=False)
+    return found
+
+
+def clear_join_cache() -> None:
+    """Forget every :class:`JoinedAt` (tests that count the database's statements)."""
+    _joined.clear()
+
+
 class SessionConsumer(AsyncJsonWebsocketConsumer):
     cut_off = False  # set when the user lost access mid-connection: send nothing more
     heartbeat: asyncio.Task | None = None
@@ -142,11 +229,14 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         refusal = self._refusal()
         if refusal is None:
             self.last_sent = _after(self.scope)
+            session, user = self._opened
+            self._joined_state = joined_at(session, self.last_sent)
             self.renderer = TranscriptView(
-                self.session_id, call_events=self._call_events, machine_name=self._machine_name(),
-                viewer=Viewer(self.scope["user"].pk, self.access, self._may_grant()), n_ctx=self._n_ctx(),
+                self.session_id, call_events=self._call_events, machine_name=session.machine.name if session.machine else "",
+                viewer=Viewer(user.pk, self.access, may_grant_always(session, user)), n_ctx=self._n_ctx(session),
                 allowance_events=self._allowance_events,
             )
+        self._opened = None  # the rows read for the handshake: only the renderer keeps what it needs
         return refusal
 
     def _start(self) -> list[TranscriptEvent]:
@@ -228,12 +318,14 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         if not self.cut_off:
             board().changed(self.session_id)
 
-    async def show_presence(self, names: list[str], html: str) -> None:
-        """Send the who-is-watching list (``html``: its rendering), unless the page shows it already."""
+    async def show_presence(self, names: list[str], frame: str) -> None:
+        """Send the who-is-watching list, unless the page shows it already (``frame``: the
+        message's JSON text, ``{"presence": names, "ops": [{"op": "replace", "id":
+        "presence", "html": …}]}``, encoded once by the board for all its sockets)."""
         if self.cut_off or names == self.presence_shown:
             return
         self.presence_shown = names
-        await self.send_json({"presence": names, "ops": [{"op": "replace", "id": "presence", "html": html}]})
+        await self.send(text_data=frame)
 
     async def dispatch(self, message: dict) -> None:
         """Channels' own dispatch, without its hop to the database thread before each
@@ -260,11 +352,24 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         page empties a tail when stored text reaches its block, and all of them when it
         reconnects: text is counted once, by seq (docs/live-page.md)."""
         block = self.renderer.block
-        if self.cut_off or message["after"] != self.last_sent or block is None:
+        if self.cut_off or message["after"] != self.last_sent or block is None or self._newer_tail_waiting():
             return
         if BLOCK_KINDS.get(message["kind"]) != block.type:
             return
-        await self.send_json({"ops": [{"op": "tail", "id": block.dom_id, "text": message["text"]}]})
+        await self.send(text_data=tail_frame(block.dom_id, message["text"]))
+
+    def _newer_tail_waiting(self) -> bool:
+        """Whether a later tail already waits in this socket's queue (channels_redis's
+        pub/sub layer: raw messages in an ``asyncio.Queue``). A tail holds all the text
+        since its stored event, so the later one says all this one does: a daphne that has
+        fallen behind (200 pages joining while a reply streams) sends each page the newest
+        tail only, instead of every one it missed. False whenever the queue cannot be
+        read (another layer, encrypted messages): then every tail is sent."""
+        try:
+            waiting = self.channel_layer.channels[self.channel_name]._queue
+        except (AttributeError, KeyError, TypeError):
+            return False
+        return any(isinstance(raw, bytes) and b"transcript.tail" in raw for raw in waiting)
 
     async def transcript_progress(self, message: dict) -> None:
         """How far a completion has come (broadcast.push_progress), as
@@ -328,7 +433,7 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
             # streamed fragment.
             ops = self.renderer.feed(event)
         self.last_sent = seq
-        await self.send_json({"seq": seq, "ops": ops})
+        await self.send(text_data=event_frame(self.session_id, seq, ops))
         if kind == "settings" and "visibility" in payload:
             await self._recheck()
 
@@ -352,6 +457,20 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         current = get_user_model().objects.filter(pk=user.pk).first()
         return session.access_for(current) if current is not None else Access.NONE
 
+    def _access_at_handshake(self) -> Access:
+        """:meth:`_access_now` for the handshake, from the rows it has just read: the
+        account as Channels' login lookup loaded it moments ago in this same handshake
+        (read afresh only on later checks), and the session read once for the access, the
+        page's ``after``, the machine's name, the gauge and "always" — one session read and
+        no account read (docs/live-page.md, "What it costs"). Keeps both in ``_opened``."""
+        user = self.scope["user"]
+        session = find_session(self.session_id)
+        if session is None:
+            return Access.NONE
+        self.machine_id = session.machine_id
+        self._opened = (session, user)
+        return session.access_for(user)
+
     def _refusal(self) -> CloseCode | None:
         """Why this socket cannot be served, checked in this order: nobody logged in, no
         such session for this user (a private session of someone else included), a
@@ -359,11 +478,11 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated or not user.is_active:
             return CloseCode.LOGGED_OUT
-        self.access = self._access_now()
+        self.access = self._access_at_handshake()
         if self.access == Access.NONE:
             return CloseCode.GONE
         after = _after(self.scope)
-        last_seq = AgentSession.objects.filter(pk=self.session_id).values_list("last_seq", flat=True).first() or 0
+        last_seq = self._opened[0].last_seq
         if after is None or after > last_seq:
             # Beyond the last event stored the page holds events this server never had
             # (a restored database): every push would look old to it. A reload mends it.
@@ -400,23 +519,13 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         """What the list of allowances folds from, up to seq ``upto`` (sync thread of feed())."""
         return load_kinds(self.session_id, [*ALLOWANCE_KINDS, Kind.IMPORTED], upto=upto)
 
-    def _may_grant(self) -> bool:
-        """Whether this user is offered "always" (actions.may_grant_always), read at connect."""
-        session = find_session(self.session_id)
-        user = get_user_model().objects.filter(pk=self.scope["user"].pk).first()
-        return session is not None and user is not None and may_grant_always(session, user)
-
-    def _n_ctx(self) -> int | None:
+    def _n_ctx(self, session: AgentSession) -> int | None:
         """The context size the page's gauge shows now (live.header.context_size: the last
-        ``server_ready``'s, else the session's contextSize; the view takes later ones from
-        the events). Reads that one event, never the whole transcript."""
-        ready = (TranscriptEvent.objects.filter(session_id=self.session_id, kind="server_ready", seq__lte=self.last_sent)
-                 .order_by("-seq").values_list("payload", flat=True).first())
-        params = AgentSession.objects.filter(pk=self.session_id).values_list("server_params", flat=True).first()
-        return context_size(ready if isinstance(ready, dict) else None, (params or {}).get("contextSize"))
-
-    def _machine_name(self) -> str:
-        return AgentSession.objects.filter(pk=self.session_id).values_list("machine__name", flat=True).first() or ""
+        ``server_ready``'s up to ``last_sent``, else the session's contextSize; the view
+        takes later ones from the events). That one event is read once per seq for every
+        page opening there (:func:`joined_at`), never the whole transcript."""
+        ready = self._joined_state.ready
+        return context_size(ready if isinstance(ready, dict) else None, (session.server_params or {}).get("contextSize"))
 
     def _events_after(self, after: int) -> list[TranscriptEvent]:
         return list(TranscriptEvent.objects.filter(session_id=self.session_id, seq__gt=after).order_by("seq"))
@@ -425,13 +534,6 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         """Learn what the page may still hold open at ``last_sent`` (no operations sent)."""
         if self.last_sent == 0:
             return
-        before = TranscriptEvent.objects.filter(session_id=self.session_id, seq__lte=self.last_sent)
-        # Only the tail after the last event that leaves nothing open matters; read it
-        # newest first and stop there, rather than the whole transcript.
-        tail = []
-        for event in before.order_by("-seq").iterator(chunk_size=200):
-            tail.append(event)
-            if len(prime_window([event])) == 0:
-                break
-        self.renderer.know_messages(load_kinds(self.session_id, VERSION_KINDS, upto=self.last_sent))
-        self.renderer.prime(prime_window(tail[::-1]))
+        state = self._joined_state
+        self.renderer.know_messages(state.versions)
+        self.renderer.prime(state.window)

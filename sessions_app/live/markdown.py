@@ -29,6 +29,7 @@ This module must not import Django; a template filter wraps it elsewhere.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -215,14 +216,26 @@ def _make_parser() -> MarkdownIt:
 
 _MD = _make_parser()
 
+#: How many texts' renderings (and formulas) a process keeps: the replies its sockets are
+#: folding now, each asked for once per socket within moments (live pushes), are rendered
+#: once. Every rendering is a function of the text alone. Bounded in memory: 128 replies
+#: of 50 kB and their HTML are some 20 MB at worst.
+RENDERS_KEPT = 128
+
 
 def reply_formulas(text: str) -> list[tuple[str, bool]]:
     """The formulas of a reply as :func:`render_markdown` reads them (``[(tex, display)]``,
     in order, each once): what the page's preview of a streaming reply takes from the
-    server (sessions_app/tex.py)."""
-    return formulas(_MD, text)
+    server (sessions_app/tex.py). Read once per text for all the pages that fold it (:data:`RENDERS_KEPT`)."""
+    return list(_formulas(text))
 
 
+@functools.lru_cache(maxsize=RENDERS_KEPT)
+def _formulas(text: str) -> tuple[tuple[str, bool], ...]:
+    return tuple(formulas(_MD, text))
+
+
+@functools.lru_cache(maxsize=RENDERS_KEPT)
 def formula_html(tex: str, display: bool) -> str:
     """One formula as sanitised MathML (or its source in a ``<code>``)."""
     return _CLEANER.clean(to_mathml(tex, display))
@@ -242,10 +255,17 @@ def render_markdown(text: str | None) -> str:
       no event-handler attributes, no ``script``, no images; every ``<a>`` has an
       ``http``/``https``/``mailto`` ``href`` (or none) and ``rel="noopener noreferrer
       nofollow"``.
-    - ``None`` or ``""`` gives ``""``. Deterministic: the same text, the same HTML.
+    - ``None`` or ``""`` gives ``""``. Deterministic: the same text, the same HTML — so
+      it is rendered once for all the pages that show it: every socket of a session folds
+      the same reply (200 watchers: one render, not 200; :data:`RENDERS_KEPT`).
     """
     if not text:
         return ""
+    return _render(text)
+
+
+@functools.lru_cache(maxsize=RENDERS_KEPT)
+def _render(text: str) -> str:
     return _CLEANER.clean(_MD.render(text))
 
 

@@ -33,10 +33,12 @@ def _expiry():
 
 
 def join(session_id: int, user_id: int, channel_name: str) -> None:
-    """Count one open connection of ``user_id`` on the session."""
-    Watcher.objects.update_or_create(
-        channel_name=channel_name,
-        defaults={"session_id": session_id, "user_id": user_id, "expires_at": _expiry()},
+    """Count one open connection of ``user_id`` on the session: one ``INSERT … ON
+    CONFLICT`` statement (a row already there for ``channel_name`` is updated), not a
+    locking read and an insert in a transaction of their own."""
+    Watcher.objects.bulk_create(
+        [Watcher(channel_name=channel_name, session_id=session_id, user_id=user_id, expires_at=_expiry())],
+        update_conflicts=True, unique_fields=["channel_name"], update_fields=["session", "user", "expires_at"],
     )
 
 

@@ -8,8 +8,8 @@ it: W sockets joining one session cost W² reads, renders and messages (50 socke
 
 Now a socket only hands the announcement to its process's :class:`PresenceBoard` (no
 database, nothing sent). The board waits :data:`COALESCE_SECONDS`, so that the
-announcements of a burst of joins become one, then reads the list once, renders it once,
-and sends it to each of the process's sockets of that session whose page does not
+announcements of a burst of joins become one, then reads the list once, renders and
+encodes it once, and sends the same frame to each of the process's sockets of that session whose page does not
 already show exactly that list. So one change costs one read and one render per daphne,
 and a message only to the sockets that must learn something: every socket gets the list
 when it joins, and again only when the names change. A second tab of someone already
@@ -23,6 +23,7 @@ first. One board per event loop (daphne runs one; tests run several, one after a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import weakref
 from typing import Protocol
@@ -36,12 +37,14 @@ logger = logging.getLogger(__name__)
 #: Seconds a board waits after an announcement before reading the list, so that the
 #: announcements of many sockets joining at once are answered by one read.
 COALESCE_SECONDS = 0.25
+#: Sockets sent a list between two turns of the event loop.
+YIELD_EVERY = 20
 
 
 class Watching(Protocol):
     """A session socket as the board sees it (sessions_app.live.consumers.SessionConsumer)."""
 
-    async def show_presence(self, names: list[str], html: str) -> None: ...
+    async def show_presence(self, names: list[str], frame: str) -> None: ...
 
 
 class PresenceBoard:
@@ -79,9 +82,14 @@ class PresenceBoard:
                 await asyncio.sleep(COALESCE_SECONDS)
                 self.again.discard(session_id)
                 names = await database_sync_to_async(presence.watching)(session_id)
-                html = render_presence(names)
-                for socket in list(self.sockets.get(session_id, ())):
-                    await socket.show_presence(names, html)
+                frame = json.dumps({"presence": names, "ops": [
+                    {"op": "replace", "id": "presence", "html": render_presence(names)}]})
+                for n, socket in enumerate(list(self.sockets.get(session_id, ()))):
+                    if n and n % YIELD_EVERY == 0:
+                        # Sending is no wait: 200 sockets in one go would hold the loop,
+                        # and the streamed reply's tokens behind it (docs/live-page.md).
+                        await asyncio.sleep(0)
+                    await socket.show_presence(names, frame)
                 if session_id not in self.again or session_id not in self.sockets:
                     return
         except Exception:
