@@ -104,17 +104,32 @@ def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: 
 HOST_TASK_EXPIRES = 10
 
 
+def hand_to_live_hosts(task: str, here, alive: set[str] | None) -> None:
+    """Each live host's share of a beat round (``alive``: liveness.live_hosts()): this
+    host's is run here and now (``here()``), by the worker that took the round — it reads
+    this host's own housekeeping queue too (:func:`read_this_hosts_own_queues`), so the
+    share would only have come back to it through the broker, a send, a wake-up and a task
+    every 2 s on an idle stack (docs/live-page.md, "What it costs"); every other live
+    host's is sent to its own queue (``task``, dropped after HOST_TASK_EXPIRES)."""
+    for host in sorted(alive or ()):
+        if host == settings.CORRAL_HOST_ID:
+            here()
+        else:
+            dispatch.enqueue_on_host(task, host, expires=HOST_TASK_EXPIRES)
+
+
 @shared_task
 def watch_servers() -> None:
     """The housekeeping beat: dead servers, lost starts, servers idle past their time,
     starts waiting for memory. Servers on SSH machines are watched here, by whichever host
-    took the task; those on a host's own local machine by that host, in
-    :func:`watch_host`, handed to each host whose housekeeping worker is alive (a host
-    that is down has nobody who could look at its servers: they are left as they are)."""
+    took the task; those on a host's own local machine by that host (:func:`watch_host`),
+    run here for this host and handed to each other host whose housekeeping worker is
+    alive (a host that is down has nobody who could look at its servers: they are left
+    as they are). The host keys are read once per round."""
     watch.watch_servers()
-    for host in sorted(liveness.live_hosts() or ()):
-        dispatch.enqueue_on_host(dispatch.WATCH_HOST, host, expires=HOST_TASK_EXPIRES)
-    watch.recover_starts()
+    alive = liveness.live_hosts()
+    hand_to_live_hosts(dispatch.WATCH_HOST, watch_host, alive)
+    watch.recover_starts(alive=alive)
     stop.sleep_idle_servers()
     room.admit_waiting()
 
@@ -129,10 +144,10 @@ def watch_host() -> None:
 @shared_task
 def sample_machines() -> None:
     """Each machine's memory, every half minute (the machines page; docs/behaviour.md §5):
-    SSH machines here, each host's local machine by that host (:func:`sample_host`)."""
+    SSH machines here, each host's local machine by that host (:func:`sample_host`; this
+    host's here too)."""
     room.sample_machines()
-    for host in sorted(liveness.live_hosts() or ()):
-        dispatch.enqueue_on_host(dispatch.SAMPLE_HOST, host, expires=HOST_TASK_EXPIRES)
+    hand_to_live_hosts(dispatch.SAMPLE_HOST, sample_host, liveness.live_hosts())
 
 
 @shared_task

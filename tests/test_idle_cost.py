@@ -114,3 +114,81 @@ def test_a_worker_thread_keeps_its_database_connection_from_task_to_task(monkeyp
         assert len(opened) == 2
     finally:
         connection_created.disconnect(count)
+
+
+OTHER_HOST = "other-host-1234abcd"
+
+
+@pytest.mark.django_db
+def test_a_watch_round_runs_this_hosts_share_in_place_and_reads_the_host_keys_once(monkeypatch):
+    """A watch round (every 2 s) handed this host its own share through the broker: a send,
+    a BRPOP's wake-up and a second task in the same worker, which reads this host's queue
+    too. Now this host's share runs in the round itself; only another live host's is sent
+    (docs/operations.md, "More hosts"). The host keys are read once per round, not once
+    for the hand-out and again for the lost starts."""
+    watched: list[str | None] = []
+    handed: list[tuple[str, str]] = []
+    reads: list[int] = []
+
+    def live_hosts():
+        reads.append(1)
+        return alive
+
+    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None: watched.append(host))
+    monkeypatch.setattr(tasks.liveness, "live_hosts", live_hosts)
+    monkeypatch.setattr(tasks.dispatch, "enqueue_on_host", lambda task, host, *a, **kw: handed.append((task, host)))
+
+    alive = {settings.CORRAL_HOST_ID}
+    tasks.watch_servers()
+    assert watched == [None, settings.CORRAL_HOST_ID]
+    assert handed == []
+    assert len(reads) == 1
+
+    watched.clear()
+    reads.clear()
+    alive = {settings.CORRAL_HOST_ID, OTHER_HOST}
+    tasks.watch_servers()
+    assert watched == [None, settings.CORRAL_HOST_ID]
+    assert handed == [(tasks.dispatch.WATCH_HOST, OTHER_HOST)]
+    assert len(reads) == 1
+
+    watched.clear()
+    handed.clear()
+    alive = None  # Redis cannot say: no host's share is handed out, as before
+    tasks.watch_servers()
+    assert watched == [None]
+    assert handed == []
+
+
+@pytest.mark.django_db
+def test_a_sampling_round_reads_this_hosts_machine_in_place(monkeypatch):
+    """The same for the memory sampling (every 10 s): this host's local machine is read
+    in the round, another live host's is handed to that host."""
+    sampled: list[str | None] = []
+    handed: list[tuple[str, str]] = []
+    monkeypatch.setattr(tasks.room, "sample_machines", lambda host=None: sampled.append(host))
+    monkeypatch.setattr(tasks.liveness, "live_hosts", lambda: {settings.CORRAL_HOST_ID, OTHER_HOST})
+    monkeypatch.setattr(tasks.dispatch, "enqueue_on_host", lambda task, host, *a, **kw: handed.append((task, host)))
+    tasks.sample_machines()
+    assert sampled == [None, settings.CORRAL_HOST_ID]
+    assert handed == [(tasks.dispatch.SAMPLE_HOST, OTHER_HOST)]
+
+
+def test_reading_the_liveness_keys_again_opens_no_new_redis_connection(monkeypatch):
+    """Each read of the liveness keys (the watch reads the host keys every 2 s) opened a
+    client of its own: a connect, AUTH and HELLO each time. The process keeps one client;
+    five reads open at most one connection (none once it is open). Real Redis."""
+    from redis.connection import AbstractConnection
+
+    connects: list[int] = []
+    on_connect = AbstractConnection.on_connect_check_health
+
+    def counting(self, *args, **kwargs):
+        connects.append(1)
+        return on_connect(self, *args, **kwargs)
+
+    monkeypatch.setattr(AbstractConnection, "on_connect_check_health", counting)
+    for _ in range(5):
+        assert tasks.liveness.live_hosts() is not None
+    assert tasks.liveness.live_workers() is not None
+    assert len(connects) <= 1

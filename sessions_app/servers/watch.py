@@ -7,6 +7,7 @@ the recovery of starts that were lost.
 from __future__ import annotations
 
 import time
+from types import EllipsisType
 
 from django.conf import settings
 from django.db.models import Q
@@ -30,20 +31,24 @@ Status = AgentSession.Status
 LOST_START = "The server's start was lost (a worker or the broker went away); starting it again."
 
 
-def recover_starts() -> list[int]:
+def recover_starts(alive: set[str] | None | EllipsisType = ...) -> list[int]:
     """Sessions left ``loading`` by a start that was lost — its task never ran (the broker
     was down) or its worker died — are started again: no live start claim, and nothing
     recorded for a claim's lifetime. The notice it records keeps it from being re-queued
     more often than that (docs/behaviour.md §5). A start on the local machine of a host
     that is down is left waiting: only that host can start it, and a copy queued every
-    round would pile up in its queue until it came back (its own copy still is there)."""
+    round would pile up in its queue until it came back (its own copy still is there).
+
+    ``alive``: the live hosts as the caller just read them (liveness.live_hosts(), None
+    when Redis cannot say); read here when not given."""
     now = timezone.now()
     stale = now - start_ttl()
     lost = AgentSession.objects.filter(
         Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now),
         status=Status.LOADING, last_activity_at__lt=stale,
     ).exclude(memory_claim__granted=False).select_related("machine")  # waiting for memory: room.admit_waiting
-    alive = liveness.live_hosts()  # None: Redis cannot say; every start is tried as before
+    if isinstance(alive, EllipsisType):
+        alive = liveness.live_hosts()  # None: Redis cannot say; every start is tried as before
     found = []
     for session in lost:
         owner = session.machine.owner_host
