@@ -464,6 +464,21 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
+def thread_wakeups(pids: dict[str, int]) -> dict[str, int]:
+    """``<process> <tid> <thread name>`` → its voluntary context switches so far (each a
+    wake-up after a wait), from ``/proc/<pid>/task/*/status``."""
+    found = {}
+    for name, pid in pids.items():
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines()
+                              if ":\t" in line)
+            except OSError:
+                continue
+            found[f"{name} {task.name} {status['Name'].strip()}"] = int(status["voluntary_ctxt_switches"])
+    return found
+
+
 def idle_goal(stack: Stack, session, port: int, cookie: str) -> list[str]:
     """2. The stack's CPU while nothing streams and two session pages are open (their
     sockets: the session's and the attention socket each), per second."""
@@ -474,11 +489,17 @@ def idle_goal(stack: Stack, session, port: int, cookie: str) -> list[str]:
     try:
         stack.settle()
         profiles = Profiles({k: v for k, v in stack.pids().items() if k != "redis"}, PROFILE_DIR, IDLE_SECONDS) if PROFILE_DIR else None
+        switches = thread_wakeups(stack.pids())
         before = stack.cpu_seconds()
         time.sleep(IDLE_SECONDS)
         spent = cpu_spent(before, stack.cpu_seconds())
         if profiles is not None:
             print("\n".join(profiles.summaries()), flush=True)
+            after = thread_wakeups(stack.pids())
+            print("wake-ups per second by thread (voluntary context switches):")
+            for key, count in sorted(after.items(), key=lambda item: -(item[1] - switches.get(item[0], 0))):
+                if count - switches.get(key, 0):
+                    print(f"   {(count - switches.get(key, 0)) / IDLE_SECONDS:6.2f}  {key}")
     finally:
         for page in pages:
             page.close()

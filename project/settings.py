@@ -248,8 +248,9 @@ CHANNEL_LAYERS = {
     "default": {
         # channels_redis's pub/sub layer: one PUBLISH per message, pushed to every daphne
         # subscribed (project/channel_layer.py; docs/live-page.md "What it costs"). A page that
-        # misses a message catches up from the database (docs/behaviour.md C17).
-        "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+        # misses a message catches up from the database (docs/behaviour.md C17). Its receiver
+        # waits in long reads, not ten a second (project/pubsub_layer.py).
+        "BACKEND": "project.pubsub_layer.QuietPubSubChannelLayer",
         "CONFIG": {"hosts": [REDIS_URL], "prefix": channel_prefix(REDIS_URL)},
     },
 }

@@ -192,3 +192,53 @@ def test_reading_the_liveness_keys_again_opens_no_new_redis_connection(monkeypat
         assert tasks.liveness.live_hosts() is not None
     assert tasks.liveness.live_workers() is not None
     assert len(connects) <= 1
+
+
+def test_an_idle_daphnes_channel_layer_reads_redis_once_in_seconds_not_ten_times_a_second(monkeypatch):
+    """channels_redis's pub/sub receiver read its subscription in reads of 0.1 s: ten
+    wake-ups a second in a daphne with nothing to deliver (project/pubsub_layer.py). The
+    layer of the settings, on the real Redis: over 2 s with a page subscribed and nothing
+    sent it reads at most once; a message sent then still ends the read and is received
+    (well before the read's own end), and so is one sent after the last page left and a
+    new one came (the receiver woken by the subscription, not by its next look)."""
+    import asyncio
+
+    from django.utils.module_loading import import_string
+    from redis.asyncio.client import PubSub
+
+    from project import pubsub_layer
+
+    reads: list[int] = []
+    get_message = PubSub.get_message
+
+    async def counting(self, *args, **kwargs):
+        reads.append(1)
+        return await get_message(self, *args, **kwargs)
+
+    monkeypatch.setattr(PubSub, "get_message", counting)
+    config = settings.CHANNEL_LAYERS["default"]
+    layer = import_string(config["BACKEND"])(**config["CONFIG"])
+    group = f"idle-test-{uuid.uuid4().hex[:12]}"
+    soon = pubsub_layer.RECEIVE_WAIT * 0.8
+
+    async def run() -> tuple[int, list[dict]]:
+        channel = await layer.new_channel()
+        await layer.group_add(group, channel)
+        await asyncio.sleep(0.5)  # the subscription's confirmation read
+        reads.clear()
+        await asyncio.sleep(2.0)
+        idle_reads = len(reads)
+        await layer.group_send(group, {"type": "first"})
+        received = [await asyncio.wait_for(layer.receive(channel), soon)]
+        await layer.group_discard(group, channel)
+        await asyncio.sleep(1.0)  # nothing subscribed: the receiver waits for a subscription
+        await layer.group_add(group, channel)
+        await asyncio.sleep(0.2)
+        await layer.group_send(group, {"type": "second"})
+        received.append(await asyncio.wait_for(layer.receive(channel), soon))
+        await layer.flush()
+        return idle_reads, received
+
+    idle_reads, received = asyncio.run(run())
+    assert received == [{"type": "first"}, {"type": "second"}]
+    assert idle_reads <= 1
