@@ -118,19 +118,43 @@ def hand_to_live_hosts(task: str, here, alive: set[str] | None) -> None:
             dispatch.enqueue_on_host(task, host, expires=HOST_TASK_EXPIRES)
 
 
+#: Seconds between two looks for lost starts and for servers idle past their time, from
+#: the watch (every 2 s): a lost start is taken for lost only once its claim has lapsed
+#: (CORRAL_START_CLAIM_SECONDS, 30 s) and an idle time is minutes, so a look every 2 s
+#: bought nothing, and its two queries were a third of an idle round (docs/live-page.md,
+#: "What it costs"). Starts waiting for memory are still tried every round.
+SLOW_LOOKS_EVERY = 10.0
+_slow_looks_at: list[float] = []
+
+
+def _slow_looks_due() -> bool:
+    """Whether this round looks for lost starts and idle servers (per worker process: a
+    pacing, not a state, like servers.watch's health pacing; a new worker looks at once)."""
+    now = time.monotonic()
+    if _slow_looks_at and now - _slow_looks_at[0] < SLOW_LOOKS_EVERY:
+        return False
+    _slow_looks_at[:] = [now]
+    return True
+
+
 @shared_task
 def watch_servers() -> None:
     """The housekeeping beat: dead servers, lost starts, servers idle past their time,
     starts waiting for memory. Servers on SSH machines are watched here, by whichever host
-    took the task; those on a host's own local machine by that host (:func:`watch_host`),
-    run here for this host and handed to each other host whose housekeeping worker is
-    alive (a host that is down has nobody who could look at its servers: they are left
-    as they are). The host keys are read once per round."""
-    watch.watch_servers()
+    took the task; those on a host's own local machine by that host (:func:`watch_host`):
+    this host's in the same pass (one query for both), each other host's handed to it while
+    its housekeeping worker is alive (a host that is down has nobody who could look at its
+    servers: they are left as they are). The host keys are read once per round; lost
+    starts and idle servers are looked for every SLOW_LOOKS_EVERY seconds."""
     alive = liveness.live_hosts()
-    hand_to_live_hosts(dispatch.WATCH_HOST, watch_host, alive)
-    watch.recover_starts(alive=alive)
-    stop.sleep_idle_servers()
+    here = settings.CORRAL_HOST_ID
+    watch.watch_servers(hosts=(None, here) if here and here in (alive or ()) else (None,))
+    for host in sorted(alive or ()):
+        if host != here:
+            dispatch.enqueue_on_host(dispatch.WATCH_HOST, host, expires=HOST_TASK_EXPIRES)
+    if _slow_looks_due():
+        watch.recover_starts(alive=alive)
+        stop.sleep_idle_servers()
     room.admit_waiting()
 
 

@@ -63,8 +63,12 @@ def test_an_idle_worker_waits_in_one_brpop_for_seconds_not_a_new_one_every_secon
 def test_a_quiet_health_watch_asks_the_database_five_times(django_assert_max_num_queries):
     """The watch beat runs every 2 s: with nothing waiting for memory, no server, no start
     and no pending stop it makes five queries (it made nine: the memory line alone took
-    five)."""
+    five), and three in the rounds that do not look for lost starts and idle servers."""
     with django_assert_max_num_queries(5):
+        tasks.watch_servers()
+    # The next rounds, until lost starts and idle servers are looked for again: the pending
+    # stops and the servers (this host's and the shared ones in one pass) and the memory line.
+    with django_assert_max_num_queries(3):
         tasks.watch_servers()
 
 
@@ -123,9 +127,10 @@ OTHER_HOST = "other-host-1234abcd"
 def test_a_watch_round_runs_this_hosts_share_in_place_and_reads_the_host_keys_once(monkeypatch):
     """A watch round (every 2 s) handed this host its own share through the broker: a send,
     a BRPOP's wake-up and a second task in the same worker, which reads this host's queue
-    too. Now this host's share runs in the round itself; only another live host's is sent
-    (docs/operations.md, "More hosts"). The host keys are read once per round, not once
-    for the hand-out and again for the lost starts."""
+    too. Now this host's share is watched in the round itself, in the same pass as the
+    shared part; only another live host's is sent (docs/operations.md, "More hosts"). The
+    host keys are read once per round, not once for the hand-out and again for the lost
+    starts."""
     watched: list[str | None] = []
     handed: list[tuple[str, str]] = []
     reads: list[int] = []
@@ -134,13 +139,13 @@ def test_a_watch_round_runs_this_hosts_share_in_place_and_reads_the_host_keys_on
         reads.append(1)
         return alive
 
-    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None: watched.append(host))
+    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None, hosts=None: watched.append(hosts))
     monkeypatch.setattr(tasks.liveness, "live_hosts", live_hosts)
     monkeypatch.setattr(tasks.dispatch, "enqueue_on_host", lambda task, host, *a, **kw: handed.append((task, host)))
 
     alive = {settings.CORRAL_HOST_ID}
     tasks.watch_servers()
-    assert watched == [None, settings.CORRAL_HOST_ID]
+    assert watched == [(None, settings.CORRAL_HOST_ID)]  # one pass for both
     assert handed == []
     assert len(reads) == 1
 
@@ -148,7 +153,7 @@ def test_a_watch_round_runs_this_hosts_share_in_place_and_reads_the_host_keys_on
     reads.clear()
     alive = {settings.CORRAL_HOST_ID, OTHER_HOST}
     tasks.watch_servers()
-    assert watched == [None, settings.CORRAL_HOST_ID]
+    assert watched == [(None, settings.CORRAL_HOST_ID)]
     assert handed == [(tasks.dispatch.WATCH_HOST, OTHER_HOST)]
     assert len(reads) == 1
 
@@ -156,7 +161,7 @@ def test_a_watch_round_runs_this_hosts_share_in_place_and_reads_the_host_keys_on
     handed.clear()
     alive = None  # Redis cannot say: no host's share is handed out, as before
     tasks.watch_servers()
-    assert watched == [None]
+    assert watched == [(None,)]
     assert handed == []
 
 
@@ -242,3 +247,27 @@ def test_an_idle_daphnes_channel_layer_reads_redis_once_in_seconds_not_ten_times
     idle_reads, received = asyncio.run(run())
     assert received == [{"type": "first"}, {"type": "second"}]
     assert idle_reads <= 1
+
+
+@pytest.mark.django_db
+def test_watch_rounds_look_for_lost_starts_and_idle_servers_every_ten_seconds_not_every_round(monkeypatch):
+    """Rounds come every 2 s; lost starts (a claim lapses after 30 s) and servers idle past
+    their time (minutes) are looked for every SLOW_LOOKS_EVERY seconds, each round still
+    trying the starts waiting for memory. Counted over rounds run back to back, the clock
+    moved by hand."""
+    looks: list[str] = []
+    now = [1000.0]
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tasks, "_slow_looks_at", [])
+    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None, hosts=None: None)
+    monkeypatch.setattr(tasks.watch, "recover_starts", lambda alive=None: looks.append("starts"))
+    monkeypatch.setattr(tasks.stop, "sleep_idle_servers", lambda: looks.append("idle"))
+    monkeypatch.setattr(tasks.room, "admit_waiting", lambda: looks.append("memory"))
+    for _ in range(5):  # 10 s of rounds
+        tasks.watch_servers()
+        now[0] += 2.0
+    assert looks.count("memory") == 5
+    assert looks.count("starts") == looks.count("idle") == 1
+    tasks.watch_servers()  # 10 s after the first look
+    assert looks.count("starts") == looks.count("idle") == 2
+    assert tasks.SLOW_LOOKS_EVERY <= 10

@@ -60,7 +60,7 @@ def recover_starts(alive: set[str] | None | EllipsisType = ...) -> list[int]:
     return found
 
 
-def watch_servers(host: str | None = None) -> None:
+def watch_servers(host: str | None = None, *, hosts: tuple[str | None, ...] | None = None) -> None:
     """Check every ready server's process (docs/behaviour.md §5, the health watch): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can. A server whose
@@ -70,10 +70,20 @@ def watch_servers(host: str | None = None) -> None:
 
     ``host`` None: the servers any host reaches (SSH machines); a host id: that host's own
     local machine's, which only it may judge — on another host its loopback port refuses
-    and its pid is not there (machines_app.models.reached_by)."""
-    orphans.settle_pending_stops(host)
+    and its pid is not there (machines_app.models.reached_by).
+
+    ``hosts``, when given, instead of ``host``: several of those shares in one pass, one
+    query for each kind of row (the round's shared part and this host's own:
+    sessions_app.tasks.watch_servers)."""
+    hosts = (host,) if hosts is None else hosts
+    if not hosts:
+        return
+    orphans.settle_pending_stops(hosts=hosts)
+    reached = Q()
+    for one in hosts:
+        reached |= reached_by(one, "machine__")
     records = ServerRecord.objects.filter(
-        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), reached_by(host, "machine__"), stopping=False
+        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), reached, stopping=False
     ).select_related("machine", "session")
     for record in records:
         check_server(record)
