@@ -4,6 +4,7 @@ opens for its tasks. Counts, not times: the times are bench/run.py's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -271,3 +272,27 @@ def test_watch_rounds_look_for_lost_starts_and_idle_servers_every_ten_seconds_no
     tasks.watch_servers()  # 10 s after the first look
     assert looks.count("starts") == looks.count("idle") == 2
     assert tasks.SLOW_LOOKS_EVERY <= 10
+
+
+def test_the_embedded_redis_runs_its_background_round_once_a_second_and_keys_still_lapse(tmp_path, monkeypatch):
+    """The embedded Redis ran its background round ten times a second (Redis's ``hz``),
+    most of an idle Redis's CPU (project/embedded_redis.py). Started as ``./corral run``
+    starts it: ``hz`` is 1, and a key written with a time to live, as the liveness keys
+    are, is gone for reads (GET, SCAN) once it expired."""
+    from project import launcher
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setenv("CORRAL_DATA_DIR", str(tmp_path / "redis-data"))
+    proc = launcher.ensure_redis()
+    try:
+        client = redis.Redis.from_url(os.environ["REDIS_URL"])
+        assert client.config_get("hz") == {"hz": "1"}
+        client.set("corral-test:worker:gone", 1, px=200)
+        assert client.get("corral-test:worker:gone") == b"1"
+        time.sleep(0.4)
+        assert client.get("corral-test:worker:gone") is None
+        client.set("corral-test:worker:gone", 1, px=200)
+        time.sleep(0.4)
+        assert list(client.scan_iter(match="corral-test:worker:*")) == []
+    finally:
+        proc.stop()
