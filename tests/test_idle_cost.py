@@ -296,3 +296,30 @@ def test_the_embedded_redis_runs_its_background_round_once_a_second_and_keys_sti
         assert list(client.scan_iter(match="corral-test:worker:*")) == []
     finally:
         proc.stop()
+
+
+@pytest.mark.django_db
+def test_the_beat_samples_memory_as_often_as_a_machine_is_sampled_and_a_round_a_little_early_still_samples():
+    """The sampling round came every 10 s for a sample every 30 s: two rounds in three found
+    the last sample too recent (a task and four queries for nothing). It comes every
+    SAMPLE_SECONDS now; a round a little early (the beat's jitter) still takes its sample,
+    one far too early does not. A real reading of this host's local machine."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from machines_app.models import Machine, MachineSample
+    from sessions_app import room
+
+    assert settings.CELERY_BEAT_SCHEDULE["sample-machines"]["schedule"] == room.SAMPLE_SECONDS
+    machine = Machine.objects.create(name="here")
+    host = machine.corral_host or None
+
+    def last_sample_age(seconds: float) -> None:
+        MachineSample.objects.filter(machine=machine).delete()
+        MachineSample.objects.create(machine=machine, taken_at=timezone.now() - timedelta(seconds=seconds))
+
+    last_sample_age(room.SAMPLE_SECONDS - 2)  # the round came 2 s early
+    assert room.sample_machines(host=host) == [machine.pk]
+    last_sample_age(room.SAMPLE_SECONDS / 2)
+    assert room.sample_machines(host=host) == []
