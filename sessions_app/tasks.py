@@ -196,7 +196,10 @@ def recover_turns(self) -> None:
     both miss it, and a read counts only when it holds this worker's own key: a read just
     after Redis lost its keys (a restart) says nothing about the others, whose next beat
     is at most a beat away. The keys are read only when some step holds a lease
-    (turns.held_leases): with none, there is no step to take over."""
+    (turns.held_leases): with none, there is no step to take over. With no open turn at
+    all (turns.any_open_turn), there is nothing to do: one query."""
+    if not turns.any_open_turn():
+        return
     rounds = []
     if turns.held_leases():
         rounds.append(live_workers())

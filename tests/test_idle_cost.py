@@ -323,3 +323,11 @@ def test_the_beat_samples_memory_as_often_as_a_machine_is_sampled_and_a_round_a_
     assert room.sample_machines(host=host) == [machine.pk]
     last_sample_age(room.SAMPLE_SECONDS / 2)
     assert room.sample_machines(host=host) == []
+
+
+@pytest.mark.django_db
+def test_a_turn_recovery_round_with_no_open_turn_asks_the_database_once(django_assert_num_queries):
+    """Turn recovery runs every 5 s: with no open turn anywhere it asks once whether there
+    is one, and stops (it asked three times: the held leases, the free and the lapsed ones)."""
+    with django_assert_num_queries(1):
+        tasks.recover_turns.apply()
