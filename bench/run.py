@@ -39,7 +39,9 @@ It runs the real stack (daphne, the Celery workers, beat, llama-server on SmolLM
 throwaway data directory with SQLite and an embedded Redis, unless DATABASE_URL /
 REDIS_URL are set. Numbers are noisy on a shared machine: ``uptime`` is printed first.
 ``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 and the
-goals alone; ``--turn-only`` the goals alone; ``--live-only`` runs item 6 alone.
+goals alone; ``--turn-only`` the goals alone; ``--idle-only`` goal 2 alone (with
+``--profile DIR``, each process recorded by py-spy over it: bench/profiling.py); ``--live-only``
+runs item 6 alone.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import live_scale
 from _setup import ROOT, Stack, boot, cpu_spent  # bench/ is the script's own directory
+from profiling import Profiles
 
 DATA = boot("corral-bench-")
 
@@ -123,6 +127,8 @@ def main() -> None:
     cpu_only = "--cpu-only" in sys.argv[1:]  # item 1 alone
     warm_only = "--warm-only" in sys.argv[1:]  # item 4 (and the prompt cache) alone, then item 5
     turn_only = "--turn-only" in sys.argv[1:]  # goals 1-3 alone (the turn's own cost)
+    idle_only = "--idle-only" in sys.argv[1:]  # goal 2 alone (the idle stack)
+    turn_only = turn_only or idle_only
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     call_command("migrate", verbosity=0)
     from machines_app import catalog
@@ -177,7 +183,10 @@ def main() -> None:
         client.force_login(user)
         cookie = f"sessionid={client.cookies['sessionid'].value}"
         if turn_only:
-            turn_goals(stack, session, user, port, cookie, base_url, record.api_key)
+            if idle_only:
+                print(*idle_goal(stack, session, port, cookie), sep="\n", flush=True)
+            else:
+                turn_goals(stack, session, user, port, cookie, base_url, record.api_key)
             return
 
         from websockets.sync.client import connect
@@ -391,6 +400,8 @@ TTFT_RUNS = 10
 TTFT_PROMPT = "Say hello in one short sentence."
 TTFT_MAX_TOKENS = 8
 IDLE_SECONDS = 20
+#: ``--profile DIR``: goal 2 records each process with py-spy over its measurement into DIR.
+PROFILE_DIR = Path(sys.argv[sys.argv.index("--profile") + 1]) if "--profile" in sys.argv[1:-1] else None
 
 
 class Page:
@@ -453,6 +464,21 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
+def thread_wakeups(pids: dict[str, int]) -> dict[str, int]:
+    """``<process> <tid> <thread name>`` → its voluntary context switches so far (each a
+    wake-up after a wait), from ``/proc/<pid>/task/*/status``."""
+    found = {}
+    for name, pid in pids.items():
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines()
+                              if ":\t" in line)
+            except OSError:
+                continue
+            found[f"{name} {task.name} {status['Name'].strip()}"] = int(status["voluntary_ctxt_switches"])
+    return found
+
+
 def idle_goal(stack: Stack, session, port: int, cookie: str) -> list[str]:
     """2. The stack's CPU while nothing streams and two session pages are open (their
     sockets: the session's and the attention socket each), per second."""
@@ -462,9 +488,18 @@ def idle_goal(stack: Stack, session, port: int, cookie: str) -> list[str]:
     pages = [Page(port, session.pk, cookie, after) for _ in range(2)]
     try:
         stack.settle()
+        profiles = Profiles({k: v for k, v in stack.pids().items() if k != "redis"}, PROFILE_DIR, IDLE_SECONDS) if PROFILE_DIR else None
+        switches = thread_wakeups(stack.pids())
         before = stack.cpu_seconds()
         time.sleep(IDLE_SECONDS)
         spent = cpu_spent(before, stack.cpu_seconds())
+        if profiles is not None:
+            print("\n".join(profiles.summaries()), flush=True)
+            after = thread_wakeups(stack.pids())
+            print("wake-ups per second by thread (voluntary context switches):")
+            for key, count in sorted(after.items(), key=lambda item: -(item[1] - switches.get(item[0], 0))):
+                if count - switches.get(key, 0):
+                    print(f"   {(count - switches.get(key, 0)) / IDLE_SECONDS:6.2f}  {key}")
     finally:
         for page in pages:
             page.close()

@@ -165,11 +165,21 @@ def embedded_redis_config(password: str) -> str:
     return f"requirepass {password}\n"
 
 
+#: How many times a second the embedded Redis runs its background round (Redis's ``hz``;
+#: its default is 10). That round — expiring keys nobody reads, client bookkeeping — was
+#: most of an idle Redis's CPU, ten wake-ups a second (docs/live-page.md, "What it
+#: costs"). Corral needs nothing of it sooner: an expired key (a worker's liveness key)
+#: is gone for every read the moment it expires, whatever ``hz`` is; a blocking pop's own
+#: timeout (a worker's 10 s BRPOP) may end up to a round late, which only delays the next one.
+EMBEDDED_REDIS_HZ = 1
+
+
 def embedded_redis_argv(binary: str, conf: Path, port: int, workdir: Path) -> list[str]:
     """The embedded Redis's command line: its configuration file ``conf`` (the password),
-    loopback only on ``port``, nothing saved, ``workdir`` as its directory."""
+    loopback only on ``port``, nothing saved, ``workdir`` as its directory, its background
+    round once a second (:data:`EMBEDDED_REDIS_HZ`)."""
     return [binary, str(conf), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir)]
+            "--dir", str(workdir), "--hz", str(EMBEDDED_REDIS_HZ)]
 
 
 def _read_replies(sock: socket.socket, count: int) -> bytes:

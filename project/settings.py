@@ -248,8 +248,9 @@ CHANNEL_LAYERS = {
     "default": {
         # channels_redis's pub/sub layer: one PUBLISH per message, pushed to every daphne
         # subscribed (project/channel_layer.py; docs/live-page.md "What it costs"). A page that
-        # misses a message catches up from the database (docs/behaviour.md C17).
-        "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+        # misses a message catches up from the database (docs/behaviour.md C17). Its receiver
+        # waits in long reads, not ten a second (project/pubsub_layer.py).
+        "BACKEND": "project.pubsub_layer.QuietPubSubChannelLayer",
         "CONFIG": {"hosts": [REDIS_URL], "prefix": channel_prefix(REDIS_URL)},
     },
 }
@@ -290,7 +291,9 @@ CELERY_BEAT_SCHEDULER = "project.beat:Scheduler"
 CELERY_BEAT_SCHEDULE = {
     "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
     "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},
-    "sample-machines": {"task": "sessions_app.tasks.sample_machines", "schedule": 10.0, "options": {"expires": 20}},
+    # As often as a machine is sampled (sessions_app/room.py, SAMPLE_SECONDS): a round every
+    # 10 s found the last sample too recent two times in three, each a task and four queries.
+    "sample-machines": {"task": "sessions_app.tasks.sample_machines", "schedule": 30.0, "options": {"expires": 20}},
     # Images no event refers to any more (sessions_app.images.forget_unreferenced); a
     # session's deletion removes its own at once, this catches what that missed.
     "forget-images": {"task": "sessions_app.tasks.forget_images", "schedule": 3600.0, "options": {"expires": 600}},

@@ -133,15 +133,29 @@ def name_in_use(nodename: str, watch: float | None = None) -> int | None:
     return _read(renewed)
 
 
+_clients: dict[str, redis.Redis] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client() -> redis.Redis:
+    """This process's client for the reads below, one per Redis URL, kept: the health
+    watch reads the host keys every 2 s, and a client of its own each time cost a connect,
+    an ``AUTH`` and a ``HELLO`` per read — most of an idle housekeeping worker's Redis work
+    (docs/live-page.md, "What it costs"). Its pool is thread-safe; a connection broken
+    under it (Redis restarted) is dropped and made again at the next command."""
+    url = settings.REDIS_URL
+    with _clients_lock:
+        client = _clients.get(url)
+        if client is None:
+            client = _clients[url] = _client()
+        return client
+
+
 def _read(query):
-    """``query(client)`` on a client of its own, closed after; None (logged) when Redis
-    cannot be read."""
+    """``query(client)`` on this process's kept client (:func:`_shared_client`); None
+    (logged) when Redis cannot be read."""
     try:
-        client = _client()
-        try:
-            return query(client)
-        finally:
-            client.close()
+        return query(_shared_client())
     except redis.RedisError as exc:
         log.warning("could not read the workers' liveness keys: %s", exc)
         return None

@@ -108,17 +108,19 @@ def settle_machine(machine: Machine, transport: Transport) -> None:
             ) from None
 
 
-def settle_pending_stops(host: str | None = None) -> int:
+def settle_pending_stops(host: str | None = None, *, hosts: tuple[str | None, ...] | None = None) -> int:
     """The watch's part: try every pending stop, one machine at a time (a machine still
     unreachable is tried once per round, not once per process). Returns how many are left.
     ``host`` as for servers.watch.watch_servers: None for the machines every host reaches, a
-    host id for that host's own local machine (only it can stop a process there)."""
+    host id for that host's own local machine (only it can stop a process there);
+    ``hosts``, when given, several of those at once (one query for all)."""
+    hosts = (host,) if hosts is None else hosts
     left = 0
     unreachable: set[str] = set()
     for pending in PendingStop.objects.select_related("machine").order_by("created_at"):
         place = pending.place
         owner = str(place.get("corral_host") or "") if place.get("transport") == "local" else ""
-        if (owner or None) != host:
+        if (owner or None) not in hosts:
             continue  # another host's own machine: its watch settles it
         name = str(pending.place.get("name"))
         if name in unreachable:

@@ -52,8 +52,13 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two tries of the head of a machine's line (each reads the machine).
 RETRY_SECONDS = 4
-#: Seconds between two samples of a machine's memory (the machines page's plot).
+#: Seconds between two samples of a machine's memory (the machines page's plot); the beat's
+#: sampling round comes as often (project/settings.py).
 SAMPLE_SECONDS = 30
+#: A sample taken less than this before a round counts as this round's already: the
+#: rounds come every SAMPLE_SECONDS, a little early or late, and a sample found 29.9 s old
+#: would have skipped a round (a sample every minute).
+SAMPLE_SLACK_SECONDS = 5
 #: How long samples are kept.
 SAMPLES_KEPT = timedelta(hours=2)
 
@@ -399,7 +404,8 @@ def fits(machine: Machine, models: list[ModelFile], server_params: dict | None =
 
 def sample_machines(*, force: bool = False, host: str | None = None) -> list[int]:
     """Read each enabled machine's memory and store it (:class:`MachineSample`), at most
-    every :data:`SAMPLE_SECONDS` per machine; drop samples older than :data:`SAMPLES_KEPT`.
+    every :data:`SAMPLE_SECONDS` per machine (less :data:`SAMPLE_SLACK_SECONDS`); drop samples
+    older than :data:`SAMPLES_KEPT`.
     A machine that cannot be read gets a sample saying why. The machines sampled: with
     ``host`` None those every host reaches (SSH machines), with a host id that host's own
     local machine (machines_app.models.reached_by)."""
@@ -407,7 +413,7 @@ def sample_machines(*, force: bool = False, host: str | None = None) -> list[int
     done = []
     for machine in Machine.objects.filter(reached_by(host), enabled=True):
         last = latest_sample(machine)
-        if not force and last is not None and last.taken_at > now - timedelta(seconds=SAMPLE_SECONDS):
+        if not force and last is not None and last.taken_at > now - timedelta(seconds=SAMPLE_SECONDS - SAMPLE_SLACK_SECONDS):
             continue
         sample_machine(machine)
         done.append(machine.pk)

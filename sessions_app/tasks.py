@@ -104,18 +104,57 @@ def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: 
 HOST_TASK_EXPIRES = 10
 
 
+def hand_to_live_hosts(task: str, here, alive: set[str] | None) -> None:
+    """Each live host's share of a beat round (``alive``: liveness.live_hosts()): this
+    host's is run here and now (``here()``), by the worker that took the round — it reads
+    this host's own housekeeping queue too (:func:`read_this_hosts_own_queues`), so the
+    share would only have come back to it through the broker, a send, a wake-up and a task
+    every 2 s on an idle stack (docs/live-page.md, "What it costs"); every other live
+    host's is sent to its own queue (``task``, dropped after HOST_TASK_EXPIRES)."""
+    for host in sorted(alive or ()):
+        if host == settings.CORRAL_HOST_ID:
+            here()
+        else:
+            dispatch.enqueue_on_host(task, host, expires=HOST_TASK_EXPIRES)
+
+
+#: Seconds between two looks for lost starts and for servers idle past their time, from
+#: the watch (every 2 s): a lost start is taken for lost only once its claim has lapsed
+#: (CORRAL_START_CLAIM_SECONDS, 30 s) and an idle time is minutes, so a look every 2 s
+#: bought nothing, and its two queries were a third of an idle round (docs/live-page.md,
+#: "What it costs"). Starts waiting for memory are still tried every round.
+SLOW_LOOKS_EVERY = 10.0
+_slow_looks_at: list[float] = []
+
+
+def _slow_looks_due() -> bool:
+    """Whether this round looks for lost starts and idle servers (per worker process: a
+    pacing, not a state, like servers.watch's health pacing; a new worker looks at once)."""
+    now = time.monotonic()
+    if _slow_looks_at and now - _slow_looks_at[0] < SLOW_LOOKS_EVERY:
+        return False
+    _slow_looks_at[:] = [now]
+    return True
+
+
 @shared_task
 def watch_servers() -> None:
     """The housekeeping beat: dead servers, lost starts, servers idle past their time,
     starts waiting for memory. Servers on SSH machines are watched here, by whichever host
-    took the task; those on a host's own local machine by that host, in
-    :func:`watch_host`, handed to each host whose housekeeping worker is alive (a host
-    that is down has nobody who could look at its servers: they are left as they are)."""
-    watch.watch_servers()
-    for host in sorted(liveness.live_hosts() or ()):
-        dispatch.enqueue_on_host(dispatch.WATCH_HOST, host, expires=HOST_TASK_EXPIRES)
-    watch.recover_starts()
-    stop.sleep_idle_servers()
+    took the task; those on a host's own local machine by that host (:func:`watch_host`):
+    this host's in the same pass (one query for both), each other host's handed to it while
+    its housekeeping worker is alive (a host that is down has nobody who could look at its
+    servers: they are left as they are). The host keys are read once per round; lost
+    starts and idle servers are looked for every SLOW_LOOKS_EVERY seconds."""
+    alive = liveness.live_hosts()
+    here = settings.CORRAL_HOST_ID
+    watch.watch_servers(hosts=(None, here) if here and here in (alive or ()) else (None,))
+    for host in sorted(alive or ()):
+        if host != here:
+            dispatch.enqueue_on_host(dispatch.WATCH_HOST, host, expires=HOST_TASK_EXPIRES)
+    if _slow_looks_due():
+        watch.recover_starts(alive=alive)
+        stop.sleep_idle_servers()
     room.admit_waiting()
 
 
@@ -129,10 +168,10 @@ def watch_host() -> None:
 @shared_task
 def sample_machines() -> None:
     """Each machine's memory, every half minute (the machines page; docs/behaviour.md §5):
-    SSH machines here, each host's local machine by that host (:func:`sample_host`)."""
+    SSH machines here, each host's local machine by that host (:func:`sample_host`; this
+    host's here too)."""
     room.sample_machines()
-    for host in sorted(liveness.live_hosts() or ()):
-        dispatch.enqueue_on_host(dispatch.SAMPLE_HOST, host, expires=HOST_TASK_EXPIRES)
+    hand_to_live_hosts(dispatch.SAMPLE_HOST, sample_host, liveness.live_hosts())
 
 
 @shared_task
@@ -157,7 +196,10 @@ def recover_turns(self) -> None:
     both miss it, and a read counts only when it holds this worker's own key: a read just
     after Redis lost its keys (a restart) says nothing about the others, whose next beat
     is at most a beat away. The keys are read only when some step holds a lease
-    (turns.held_leases): with none, there is no step to take over."""
+    (turns.held_leases): with none, there is no step to take over. With no open turn at
+    all (turns.any_open_turn), there is nothing to do: one query."""
+    if not turns.any_open_turn():
+        return
     rounds = []
     if turns.held_leases():
         rounds.append(live_workers())

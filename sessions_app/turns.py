@@ -377,6 +377,14 @@ def holder_is_dead(owner: str, *, live: Collection[str] | None = None,
     return False
 
 
+def any_open_turn() -> bool:
+    """Whether any session has an open turn (one indexed-column query): without one, turn
+    recovery has nothing to take over or re-queue (:func:`held_leases`, :func:`recoverable`
+    read only open turns), and its round, every 5 s, stops here (docs/live-page.md, "What
+    it costs")."""
+    return AgentSession.objects.filter(turn_active=True).exists()
+
+
 def held_leases() -> bool:
     """Whether any open turn's step holds an unexpired lease: the only steps
     :func:`take_over_dead_steps` can take over (one indexed-column query)."""

@@ -4,6 +4,7 @@ opens for its tasks. Counts, not times: the times are bench/run.py's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -63,8 +64,12 @@ def test_an_idle_worker_waits_in_one_brpop_for_seconds_not_a_new_one_every_secon
 def test_a_quiet_health_watch_asks_the_database_five_times(django_assert_max_num_queries):
     """The watch beat runs every 2 s: with nothing waiting for memory, no server, no start
     and no pending stop it makes five queries (it made nine: the memory line alone took
-    five)."""
+    five), and three in the rounds that do not look for lost starts and idle servers."""
     with django_assert_max_num_queries(5):
+        tasks.watch_servers()
+    # The next rounds, until lost starts and idle servers are looked for again: the pending
+    # stops and the servers (this host's and the shared ones in one pass) and the memory line.
+    with django_assert_max_num_queries(3):
         tasks.watch_servers()
 
 
@@ -114,3 +119,215 @@ def test_a_worker_thread_keeps_its_database_connection_from_task_to_task(monkeyp
         assert len(opened) == 2
     finally:
         connection_created.disconnect(count)
+
+
+OTHER_HOST = "other-host-1234abcd"
+
+
+@pytest.mark.django_db
+def test_a_watch_round_runs_this_hosts_share_in_place_and_reads_the_host_keys_once(monkeypatch):
+    """A watch round (every 2 s) handed this host its own share through the broker: a send,
+    a BRPOP's wake-up and a second task in the same worker, which reads this host's queue
+    too. Now this host's share is watched in the round itself, in the same pass as the
+    shared part; only another live host's is sent (docs/operations.md, "More hosts"). The
+    host keys are read once per round, not once for the hand-out and again for the lost
+    starts."""
+    watched: list[str | None] = []
+    handed: list[tuple[str, str]] = []
+    reads: list[int] = []
+
+    def live_hosts():
+        reads.append(1)
+        return alive
+
+    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None, hosts=None: watched.append(hosts))
+    monkeypatch.setattr(tasks.liveness, "live_hosts", live_hosts)
+    monkeypatch.setattr(tasks.dispatch, "enqueue_on_host", lambda task, host, *a, **kw: handed.append((task, host)))
+
+    alive = {settings.CORRAL_HOST_ID}
+    tasks.watch_servers()
+    assert watched == [(None, settings.CORRAL_HOST_ID)]  # one pass for both
+    assert handed == []
+    assert len(reads) == 1
+
+    watched.clear()
+    reads.clear()
+    alive = {settings.CORRAL_HOST_ID, OTHER_HOST}
+    tasks.watch_servers()
+    assert watched == [(None, settings.CORRAL_HOST_ID)]
+    assert handed == [(tasks.dispatch.WATCH_HOST, OTHER_HOST)]
+    assert len(reads) == 1
+
+    watched.clear()
+    handed.clear()
+    alive = None  # Redis cannot say: no host's share is handed out, as before
+    tasks.watch_servers()
+    assert watched == [(None,)]
+    assert handed == []
+
+
+@pytest.mark.django_db
+def test_a_sampling_round_reads_this_hosts_machine_in_place(monkeypatch):
+    """The same for the memory sampling (every 10 s): this host's local machine is read
+    in the round, another live host's is handed to that host."""
+    sampled: list[str | None] = []
+    handed: list[tuple[str, str]] = []
+    monkeypatch.setattr(tasks.room, "sample_machines", lambda host=None: sampled.append(host))
+    monkeypatch.setattr(tasks.liveness, "live_hosts", lambda: {settings.CORRAL_HOST_ID, OTHER_HOST})
+    monkeypatch.setattr(tasks.dispatch, "enqueue_on_host", lambda task, host, *a, **kw: handed.append((task, host)))
+    tasks.sample_machines()
+    assert sampled == [None, settings.CORRAL_HOST_ID]
+    assert handed == [(tasks.dispatch.SAMPLE_HOST, OTHER_HOST)]
+
+
+def test_reading_the_liveness_keys_again_opens_no_new_redis_connection(monkeypatch):
+    """Each read of the liveness keys (the watch reads the host keys every 2 s) opened a
+    client of its own: a connect, AUTH and HELLO each time. The process keeps one client;
+    five reads open at most one connection (none once it is open). Real Redis."""
+    from redis.connection import AbstractConnection
+
+    connects: list[int] = []
+    on_connect = AbstractConnection.on_connect_check_health
+
+    def counting(self, *args, **kwargs):
+        connects.append(1)
+        return on_connect(self, *args, **kwargs)
+
+    monkeypatch.setattr(AbstractConnection, "on_connect_check_health", counting)
+    for _ in range(5):
+        assert tasks.liveness.live_hosts() is not None
+    assert tasks.liveness.live_workers() is not None
+    assert len(connects) <= 1
+
+
+def test_an_idle_daphnes_channel_layer_reads_redis_once_in_seconds_not_ten_times_a_second(monkeypatch):
+    """channels_redis's pub/sub receiver read its subscription in reads of 0.1 s: ten
+    wake-ups a second in a daphne with nothing to deliver (project/pubsub_layer.py). The
+    layer of the settings, on the real Redis: over 2 s with a page subscribed and nothing
+    sent it reads at most once; a message sent then still ends the read and is received
+    (well before the read's own end), and so is one sent after the last page left and a
+    new one came (the receiver woken by the subscription, not by its next look)."""
+    import asyncio
+
+    from django.utils.module_loading import import_string
+    from redis.asyncio.client import PubSub
+
+    from project import pubsub_layer
+
+    reads: list[int] = []
+    get_message = PubSub.get_message
+
+    async def counting(self, *args, **kwargs):
+        reads.append(1)
+        return await get_message(self, *args, **kwargs)
+
+    monkeypatch.setattr(PubSub, "get_message", counting)
+    config = settings.CHANNEL_LAYERS["default"]
+    layer = import_string(config["BACKEND"])(**config["CONFIG"])
+    group = f"idle-test-{uuid.uuid4().hex[:12]}"
+    soon = pubsub_layer.RECEIVE_WAIT * 0.8
+
+    async def run() -> tuple[int, list[dict]]:
+        channel = await layer.new_channel()
+        await layer.group_add(group, channel)
+        await asyncio.sleep(0.5)  # the subscription's confirmation read
+        reads.clear()
+        await asyncio.sleep(2.0)
+        idle_reads = len(reads)
+        await layer.group_send(group, {"type": "first"})
+        received = [await asyncio.wait_for(layer.receive(channel), soon)]
+        await layer.group_discard(group, channel)
+        await asyncio.sleep(1.0)  # nothing subscribed: the receiver waits for a subscription
+        await layer.group_add(group, channel)
+        await asyncio.sleep(0.2)
+        await layer.group_send(group, {"type": "second"})
+        received.append(await asyncio.wait_for(layer.receive(channel), soon))
+        await layer.flush()
+        return idle_reads, received
+
+    idle_reads, received = asyncio.run(run())
+    assert received == [{"type": "first"}, {"type": "second"}]
+    assert idle_reads <= 1
+
+
+@pytest.mark.django_db
+def test_watch_rounds_look_for_lost_starts_and_idle_servers_every_ten_seconds_not_every_round(monkeypatch):
+    """Rounds come every 2 s; lost starts (a claim lapses after 30 s) and servers idle past
+    their time (minutes) are looked for every SLOW_LOOKS_EVERY seconds, each round still
+    trying the starts waiting for memory. Counted over rounds run back to back, the clock
+    moved by hand."""
+    looks: list[str] = []
+    now = [1000.0]
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tasks, "_slow_looks_at", [])
+    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None, hosts=None: None)
+    monkeypatch.setattr(tasks.watch, "recover_starts", lambda alive=None: looks.append("starts"))
+    monkeypatch.setattr(tasks.stop, "sleep_idle_servers", lambda: looks.append("idle"))
+    monkeypatch.setattr(tasks.room, "admit_waiting", lambda: looks.append("memory"))
+    for _ in range(5):  # 10 s of rounds
+        tasks.watch_servers()
+        now[0] += 2.0
+    assert looks.count("memory") == 5
+    assert looks.count("starts") == looks.count("idle") == 1
+    tasks.watch_servers()  # 10 s after the first look
+    assert looks.count("starts") == looks.count("idle") == 2
+    assert tasks.SLOW_LOOKS_EVERY <= 10
+
+
+def test_the_embedded_redis_runs_its_background_round_once_a_second_and_keys_still_lapse(tmp_path, monkeypatch):
+    """The embedded Redis ran its background round ten times a second (Redis's ``hz``),
+    most of an idle Redis's CPU (project/embedded_redis.py). Started as ``./corral run``
+    starts it: ``hz`` is 1, and a key written with a time to live, as the liveness keys
+    are, is gone for reads (GET, SCAN) once it expired."""
+    from project import launcher
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setenv("CORRAL_DATA_DIR", str(tmp_path / "redis-data"))
+    proc = launcher.ensure_redis()
+    try:
+        client = redis.Redis.from_url(os.environ["REDIS_URL"])
+        assert client.config_get("hz") == {"hz": "1"}
+        client.set("corral-test:worker:gone", 1, px=200)
+        assert client.get("corral-test:worker:gone") == b"1"
+        time.sleep(0.4)
+        assert client.get("corral-test:worker:gone") is None
+        client.set("corral-test:worker:gone", 1, px=200)
+        time.sleep(0.4)
+        assert list(client.scan_iter(match="corral-test:worker:*")) == []
+    finally:
+        proc.stop()
+
+
+@pytest.mark.django_db
+def test_the_beat_samples_memory_as_often_as_a_machine_is_sampled_and_a_round_a_little_early_still_samples():
+    """The sampling round came every 10 s for a sample every 30 s: two rounds in three found
+    the last sample too recent (a task and four queries for nothing). It comes every
+    SAMPLE_SECONDS now; a round a little early (the beat's jitter) still takes its sample,
+    one far too early does not. A real reading of this host's local machine."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from machines_app.models import Machine, MachineSample
+    from sessions_app import room
+
+    assert settings.CELERY_BEAT_SCHEDULE["sample-machines"]["schedule"] == room.SAMPLE_SECONDS
+    machine = Machine.objects.create(name="here")
+    host = machine.corral_host or None
+
+    def last_sample_age(seconds: float) -> None:
+        MachineSample.objects.filter(machine=machine).delete()
+        MachineSample.objects.create(machine=machine, taken_at=timezone.now() - timedelta(seconds=seconds))
+
+    last_sample_age(room.SAMPLE_SECONDS - 2)  # the round came 2 s early
+    assert room.sample_machines(host=host) == [machine.pk]
+    last_sample_age(room.SAMPLE_SECONDS / 2)
+    assert room.sample_machines(host=host) == []
+
+
+@pytest.mark.django_db
+def test_a_turn_recovery_round_with_no_open_turn_asks_the_database_once(django_assert_num_queries):
+    """Turn recovery runs every 5 s: with no open turn anywhere it asks once whether there
+    is one, and stops (it asked three times: the held leases, the free and the lapsed ones)."""
+    with django_assert_num_queries(1):
+        tasks.recover_turns.apply()

@@ -7,6 +7,7 @@ the recovery of starts that were lost.
 from __future__ import annotations
 
 import time
+from types import EllipsisType
 
 from django.conf import settings
 from django.db.models import Q
@@ -30,20 +31,24 @@ Status = AgentSession.Status
 LOST_START = "The server's start was lost (a worker or the broker went away); starting it again."
 
 
-def recover_starts() -> list[int]:
+def recover_starts(alive: set[str] | None | EllipsisType = ...) -> list[int]:
     """Sessions left ``loading`` by a start that was lost — its task never ran (the broker
     was down) or its worker died — are started again: no live start claim, and nothing
     recorded for a claim's lifetime. The notice it records keeps it from being re-queued
     more often than that (docs/behaviour.md §5). A start on the local machine of a host
     that is down is left waiting: only that host can start it, and a copy queued every
-    round would pile up in its queue until it came back (its own copy still is there)."""
+    round would pile up in its queue until it came back (its own copy still is there).
+
+    ``alive``: the live hosts as the caller just read them (liveness.live_hosts(), None
+    when Redis cannot say); read here when not given."""
     now = timezone.now()
     stale = now - start_ttl()
     lost = AgentSession.objects.filter(
         Q(start_owner="") | Q(start_expires__isnull=True) | Q(start_expires__lt=now),
         status=Status.LOADING, last_activity_at__lt=stale,
     ).exclude(memory_claim__granted=False).select_related("machine")  # waiting for memory: room.admit_waiting
-    alive = liveness.live_hosts()  # None: Redis cannot say; every start is tried as before
+    if isinstance(alive, EllipsisType):
+        alive = liveness.live_hosts()  # None: Redis cannot say; every start is tried as before
     found = []
     for session in lost:
         owner = session.machine.owner_host
@@ -55,7 +60,7 @@ def recover_starts() -> list[int]:
     return found
 
 
-def watch_servers(host: str | None = None) -> None:
+def watch_servers(host: str | None = None, *, hosts: tuple[str | None, ...] | None = None) -> None:
     """Check every ready server's process (docs/behaviour.md §5, the health watch): one that died
     without being stopped ends with "llama-server exited" and status ``exited``; one whose
     liveness cannot be told makes the session ``unknown`` until it can. A server whose
@@ -65,10 +70,20 @@ def watch_servers(host: str | None = None) -> None:
 
     ``host`` None: the servers any host reaches (SSH machines); a host id: that host's own
     local machine's, which only it may judge — on another host its loopback port refuses
-    and its pid is not there (machines_app.models.reached_by)."""
-    orphans.settle_pending_stops(host)
+    and its pid is not there (machines_app.models.reached_by).
+
+    ``hosts``, when given, instead of ``host``: several of those shares in one pass, one
+    query for each kind of row (the round's shared part and this host's own:
+    sessions_app.tasks.watch_servers)."""
+    hosts = (host,) if hosts is None else hosts
+    if not hosts:
+        return
+    orphans.settle_pending_stops(hosts=hosts)
+    reached = Q()
+    for one in hosts:
+        reached |= reached_by(one, "machine__")
     records = ServerRecord.objects.filter(
-        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), reached_by(host, "machine__"), stopping=False
+        Q(ready_at__isnull=False) | Q(session__status=Status.UNKNOWN), reached, stopping=False
     ).select_related("machine", "session")
     for record in records:
         check_server(record)
