@@ -145,3 +145,28 @@ def test_an_idle_stop_for_a_session_deleted_since_the_beat_found_it_does_nothing
                                           model_key=model_key(local_machine, "llama"), status="idle")
     AgentSession.objects.filter(pk=session.pk).delete()
     assert sleep_server(session.pk) is False
+
+
+def test_a_server_whose_worker_died_before_recording_it_is_stopped_by_the_next_start(fake_machine, alice, tmp_path):
+    from machines_app import catalog
+    from machines_app.transports import transport_for
+    from sessions_app.servers import start
+
+    machine = fake_machine()
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
+                                          working_dir=str(tmp_path), status="loading")
+    try:
+        # What a worker killed between the spawn and the record leaves: the process, no row.
+        # (A stand-in for the kill: _spawn's own steps up to the launch, then nothing.)
+        transport = transport_for(machine)
+        model = catalog.model_for_session(machine, session.model_key)
+        port = transport.free_port()
+        spec = start._spec(session, transport, model, port, start.key_path_for(session, transport, port))
+        start._launch(session, transport, model, spec, start.log_path_for(session, transport, port))
+        lost = wait_for(lambda: servers_of(session), 30, what="the lost server")
+        start_server(session.pk)  # the beat's recovery, or a Restart
+        assert fresh(session).status == "idle"
+        assert len(servers_of(session)) == 1 and not set(lost) & set(servers_of(session))
+    finally:
+        for pid in servers_of(session):
+            os.kill(pid, 9)
