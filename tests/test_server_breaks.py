@@ -170,3 +170,21 @@ def test_a_server_whose_worker_died_before_recording_it_is_stopped_by_the_next_s
     finally:
         for pid in servers_of(session):
             os.kill(pid, 9)
+
+
+def test_a_session_deleted_while_its_server_loads_leaves_nothing_running(fake_machine, alice, tmp_path):
+    machine = fake_machine(FAKE_LOADING_SECONDS="4")
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
+                                          working_dir=str(tmp_path), status="loading")
+    threads, errors = in_threads(lambda: start_server(session.pk))
+    try:
+        wait_for(lambda: servers_of(session) and ServerRecord.objects.filter(session=session).exists(), 30,
+                 what="the loading server")
+        AgentSession.objects.filter(pk=session.pk).delete()  # no stop worker here: the start must notice
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert servers_of(session) == []
+    finally:
+        for pid in servers_of(session):
+            os.kill(pid, 9)
