@@ -188,3 +188,20 @@ def test_a_session_deleted_while_its_server_loads_leaves_nothing_running(fake_ma
     finally:
         for pid in servers_of(session):
             os.kill(pid, 9)
+
+
+def test_stop_pressed_twice_at_once_stops_once_and_says_so_once(fake_machine, alice, tmp_path):
+    machine = fake_machine(FAKE_IGNORE_TERM="1")  # the first stop waits out the grace
+    session = AgentSession.objects.create(owner=alice, machine=machine, model_key=model_key(machine, "llama"),
+                                          working_dir=str(tmp_path), status="loading")
+    try:
+        start_server(session.pk)
+        threads, errors = in_threads(lambda: stop_server(session.pk), lambda: stop_server(session.pk))
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        assert fresh(session).status == "stopped" and servers_of(session) == []
+        assert TranscriptEvent.objects.filter(session=session, kind="server_stopped").count() == 1
+    finally:
+        for pid in servers_of(session):
+            os.kill(pid, 9)
