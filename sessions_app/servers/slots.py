@@ -10,7 +10,7 @@ import posixpath
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from machines_app import catalog
@@ -116,10 +116,15 @@ def save_before_stop(record: ServerRecord, transport: Transport) -> None:
         return
     if AgentSession.objects.filter(pk=record.session_id, purpose=AgentSession.Purpose.API).exists():
         return
-    saved, _ = SlotSave.objects.get_or_create(
-        session_id=record.session_id, machine=record.machine, model_key=record.model_key,
-        defaults={"fingerprint": record.slot_key},
-    )
+    try:
+        saved, _ = SlotSave.objects.get_or_create(
+            session_id=record.session_id, machine=record.machine, model_key=record.model_key,
+            defaults={"fingerprint": record.slot_key},
+        )
+    except IntegrityError:
+        # The session was deleted since this stop read its record (an idle stop racing a
+        # delete): nothing of it is kept; its delete stops the process.
+        return
     try:
         # Whatever is at the path goes first: llama-server opens the name for writing, and
         # a link planted there must not be written through (docs/behaviour.md C43).
@@ -132,7 +137,15 @@ def save_before_stop(record: ServerRecord, transport: Transport) -> None:
     if n_saved <= 0:
         forget_slot(saved, transport)
         return
-    SlotSave.objects.filter(pk=saved.pk).update(fingerprint=record.slot_key, n_tokens=n_saved, saved_at=timezone.now())
+    if not SlotSave.objects.filter(pk=saved.pk).update(fingerprint=record.slot_key, n_tokens=n_saved,
+                                                        saved_at=timezone.now()):
+        # The session was deleted while llama-server wrote the file, after its delete had
+        # removed the files it knew of: this one goes too, or the conversation's prompt
+        # cache would stay on the machine's disk with no row to find it by.
+        try:
+            transport.remove(slot_path(transport, record.session_id, saved.pk))
+        except TransportError as exc:
+            log.warning("session %s: slot file of a deleted session not removed: %s", record.session_id, exc)
 
 
 def remove_slot_file(place: dict, session_id: int, save_id: int) -> None:

@@ -175,6 +175,7 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
         # A stop still pending on this machine first (docs/behaviour.md §5 "no orphans"):
         # never a new server beside one Corral meant to stop.
         orphans.settle_machine(session.machine, transport)
+        _stop_lost_spawns(session, transport)
         model = catalog.model_for_session(session.machine, session.model_key)
         port = transport.free_port()
         key_path = key_path_for(session, transport, port)
@@ -195,6 +196,24 @@ def _spawn(session: AgentSession, transport: Transport, *, restore: bool = True)
     except TransportError as exc:  # the next start tries again; this one goes on
         log.warning("session %s: old server logs not pruned: %s", session.pk, exc)
     _wait_then(session, transport, record, restore=restore)
+
+
+def _stop_lost_spawns(session: AgentSession, transport: Transport) -> None:
+    """Stop the session's servers that no record names (docs/behaviour.md §5 "no orphans"):
+    spawned by a start whose worker died before it recorded them, so adoption cannot find
+    them. Only the holder of the start claim spawns, so none of them is another start's.
+    A machine whose processes cannot be listed starts as before (admins see such servers
+    as unrecorded on the machine's admin page)."""
+    try:
+        lost = [s for s in orphans.unrecorded_servers(session.machine) if s.session_id == session.pk]
+    except TransportError as exc:
+        log.warning("session %s: servers of lost starts not looked for: %s", session.pk, exc)
+        return
+    for server in lost:
+        log.warning("session %s: stopping pid %s, started by a start that was lost", session.pk, server.proc.pid)
+        transport.stop(server.proc, grace=settings.CORRAL_STOP_GRACE)
+        transport.release_port(server.port)
+        transport.remove(key_path_for(session, transport, server.port))
 
 
 def _spec(session: AgentSession, transport: Transport, model: catalog.ResolvedModel, port: int,

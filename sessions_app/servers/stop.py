@@ -92,7 +92,10 @@ def stop_process(session_id: int, *, stopped: dict | None = None, claimed: bool 
         orphans.defer_stop(machine_place(record.machine), record.pid, record.start_time, record.port, session_id, exc)
     transport.release_port(record.port)
     with transaction.atomic():
-        session = locked(session_id)
+        try:
+            session = locked(session_id)
+        except AgentSession.DoesNotExist:
+            return True  # deleted while it stopped: its record went with it, nobody is left to tell
         if stopped is not None:
             append(session, Kind.SERVER_STOPPED, stopped)
         if status is not None:
@@ -113,15 +116,19 @@ def stop_server(session_id: int, *, reason: str = "stopped", by: dict | None = N
     off hands nothing on meanwhile (``turns.finish_turn`` with ``stopped``).
     """
     stopped = {"reason": reason, **({"by": by} if by else {})}
-    if not stop_process(session_id, stopped=stopped, status=Status.STOPPED):
-        # No server here (it exited) or another stop stopped it: still stopped on purpose,
-        # unless a restart took over meanwhile (loading).
-        with transaction.atomic():
-            session = locked(session_id)
-            if session.status != Status.LOADING and session.status != Status.STOPPED:
-                append(session, Kind.SERVER_STOPPED, stopped)
-                change_status(session, Status.STOPPED)
-    turns.finish_if_unheld(session_id, TurnEnd.STOPPED)
+    try:
+        if not stop_process(session_id, stopped=stopped, status=Status.STOPPED):
+            # No server here (it exited) or another stop stopped it: still stopped on purpose,
+            # unless a restart took over meanwhile (loading).
+            with transaction.atomic():
+                session = locked(session_id)
+                if session.status != Status.LOADING and session.status != Status.STOPPED:
+                    append(session, Kind.SERVER_STOPPED, stopped)
+                    change_status(session, Status.STOPPED)
+        turns.finish_if_unheld(session_id, TurnEnd.STOPPED)
+    except AgentSession.DoesNotExist:
+        # Deleted meanwhile: its delete stops whatever still runs (stop_when_deleted).
+        log.info("session %s: deleted while its server stopped", session_id)
 
 
 def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict | None = None) -> bool:
@@ -133,7 +140,10 @@ def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict
     message arriving meanwhile either comes first (nothing sleeps) or finds it
     ``sleeping`` and waits for this stop. True when it was put to sleep."""
     with transaction.atomic():
-        session = locked(session_id)
+        try:
+            session = locked(session_id)
+        except AgentSession.DoesNotExist:
+            return False  # deleted since the beat found it idle
         if session.turn_active or session.status != Status.IDLE:
             return False
         if session.api_busy_until is not None and session.api_busy_until > timezone.now():
