@@ -257,10 +257,13 @@ catalog.refresh_models(machine)
     owner = wait_for(lambda: two_hosts.sql("SELECT lease_owner FROM sessions_app_agentsession WHERE id = %s",
                                            session)[0][0], 60, interval=0.2, what="host 1's step to hold the lease")
     assert owner.endswith(f"turns@{one.id}")
-    two.start_worker("turns")
-    assert not two_hosts.events(session, "turn_end"), "the reply ended before host 1's worker could be killed"
+    # Host 1's worker dies at once, while the reply streams (SmolLM2 may end its count by
+    # itself within seconds: starting host 2's worker first took long enough, on a busy
+    # box, for the reply to end before the kill). Host 2's worker starts after it.
     before = len(two.log("turns"))
     one.stop_worker("turns", signal.SIGKILL)  # its host went down; nothing restarts it
+    assert not two_hosts.events(session, "turn_end"), "the reply ended before host 1's worker could be killed"
+    two.start_worker("turns")
     two_hosts.turn_ended(session, timeout=120)
     assert {"message": turns.RESUMING_NOTICE} in two_hosts.events(session, "notice")
     assert "sessions_app.tasks.run_turn" in two.log("turns")[before:]  # host 2 ran the step that ended it
