@@ -61,6 +61,16 @@ def do_repin(machine: Machine) -> tuple[str, str]:
     return old, new
 
 
+def _containment_sentence(machine: Machine, transport) -> str:
+    """Whether ``machine``'s tools are contained, in words, checked through ``transport``
+    (MachineError when it cannot be asked)."""
+    try:
+        bwrap = check_containment(machine, transport)
+    except TransportError as exc:
+        raise MachineError(str(exc)) from None
+    return f"tools contained by bubblewrap ({bwrap})" if bwrap else f"tools NOT contained: {machine.containment_reason}"
+
+
 def do_test_connection(machine: Machine) -> str:
     """Connect (host key checked, key authentication) and answer a sentence for the admin.
     The machine's link state is updated either way. Another Corral host's local machine is
@@ -71,23 +81,11 @@ def do_test_connection(machine: Machine) -> str:
     except TransportError as exc:
         raise MachineError(str(exc)) from None
     if isinstance(transport, RelayTransport):
-        try:
-            bwrap = check_containment(machine, transport)
-        except TransportError as exc:
-            raise MachineError(str(exc)) from None
-        contained = (f"tools contained by bubblewrap ({bwrap})" if bwrap
-                     else f"tools NOT contained: {machine.containment_reason}")
         return (f"Machine '{machine.name}' is the local machine of the Corral host {transport.host}, which answers; "
-                f"{contained}.")
+                f"{_containment_sentence(machine, transport)}.")
     if not isinstance(transport, SSHTransport):
         # Reachable by being here; what is left to check is whether its tools are contained.
-        try:
-            bwrap = check_containment(machine, transport)
-        except TransportError as exc:
-            raise MachineError(str(exc)) from None
-        contained = (f"tools contained by bubblewrap ({bwrap})" if bwrap
-                     else f"tools NOT contained: {machine.containment_reason}")
-        return f"Machine '{machine.name}' is this backend itself: always reachable; {contained}."
+        return f"Machine '{machine.name}' is this backend itself: always reachable; {_containment_sentence(machine, transport)}."
     try:
         home = transport.check()
         bwrap = check_containment(machine, transport)
