@@ -193,8 +193,10 @@ def test_a_push_waits_for_no_reply_and_a_reply_missing_a_push_timeout_stops_the_
     wait_for(lambda: publisher.client.can_read(timeout=0), 10, what="Redis's replies")
     broadcast.push_event(7, 3, "notice", {"message": "hi"})
     assert publisher.pending() == 1, "the replies that had come were not read, or the last push waited for its own"
+    # The last reply before the pause has come (waited for, not slept for: on a busy box
+    # 0.1 s was once not enough and it was still pending at the silent pushes).
+    wait_for(lambda: publisher.client.can_read(timeout=0), 10, what="the third push's reply")
     silent_redis.pause()
-    time.sleep(0.1)  # the last reply before the pause has come
     for seq in (4, 5, 6):
         broadcast.push_event(7, seq, "notice", {"message": "silent"})  # taken: none waits for Redis
     assert publisher.pending() == 3

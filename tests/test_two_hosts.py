@@ -24,6 +24,7 @@ runs on.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -236,6 +237,14 @@ def test_the_turns_of_a_dead_hosts_worker_on_an_ssh_machine_go_on_on_the_other_h
                 host.start_worker(kind)
     if "housekeeping" not in one.workers:
         one.start_worker("housekeeping", "-B", "-s", str(one.data / "celerybeat-schedule"))
+    # The gpu machine's llama-server never ends a reply before max_tokens (llama.cpp's
+    # --ignore-eos): SmolLM2 ends its count by itself within seconds, sometimes before
+    # host 1's worker could be killed mid-reply (CI, twice). A wrapper adds the flag;
+    # the server is the real one, started over SSH as always.
+    real = two_hosts.sql("SELECT llama_server_path FROM machines_app_machine WHERE name = 'local'")[0][0]
+    wrapper = tmp_path / "llama-server-ignore-eos"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(real)} "$@" --ignore-eos\n')
+    wrapper.chmod(0o755)
     two_hosts.shell.run(f"""
 from pathlib import Path
 from machines_app import catalog, keystore
@@ -243,11 +252,10 @@ from machines_app.models import Machine
 machine = Machine.objects.create(
     name="gpu", transport="ssh", host="127.0.0.1", port={sshd.port}, user={sshd.user!r},
     private_key_sealed=keystore.seal_key(Path({str(sshd.client_key)!r}).read_text()), host_key={sshd.host_key_line!r},
-    models_dir={str(one.data / "models")!r}, llama_server_path=Machine.objects.get(name="local").llama_server_path,
-    workspace_roots="")
+    models_dir={str(one.data / "models")!r}, llama_server_path={str(wrapper)!r}, workspace_roots="")
 catalog.refresh_models(machine)
 """)
-    session = two_hosts.new_session("gpu", str(tmp_path), max_tokens=1500)
+    session = two_hosts.new_session("gpu", str(tmp_path), max_tokens=800)
     two_hosts.wait_idle(session)
     two.stop_worker("turns")  # the turn starts on host 1
     two_hosts.send(session, "Count from 1 to 400, one number per line, and nothing else.")
@@ -257,9 +265,8 @@ catalog.refresh_models(machine)
     owner = wait_for(lambda: two_hosts.sql("SELECT lease_owner FROM sessions_app_agentsession WHERE id = %s",
                                            session)[0][0], 60, interval=0.2, what="host 1's step to hold the lease")
     assert owner.endswith(f"turns@{one.id}")
-    # Host 1's worker dies at once, while the reply streams (SmolLM2 may end its count by
-    # itself within seconds: starting host 2's worker first took long enough, on a busy
-    # box, for the reply to end before the kill). Host 2's worker starts after it.
+    # Host 1's worker dies at once, while the reply streams (800 tokens: seconds even on a
+    # fast box). Host 2's worker starts after it.
     before = len(two.log("turns"))
     one.stop_worker("turns", signal.SIGKILL)  # its host went down; nothing restarts it
     assert not two_hosts.events(session, "turn_end"), "the reply ended before host 1's worker could be killed"
