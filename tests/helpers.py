@@ -167,11 +167,11 @@ def idle_seeded_session(machine, user, tmp_path) -> AgentSession:
     return fresh(session)
 
 
-def converse_once(session, user, text) -> None:
-    """Send ``text`` as ``user`` and wait for that turn to end (120 s at most)."""
+def converse_once(session, user, text, timeout: float = 120) -> None:
+    """Send ``text`` as ``user`` and wait for that turn to end (``timeout`` seconds at most)."""
     ended = len(payloads(session, "turn_end"))
     actions.do_send_message(fresh(session), user, text)
-    wait_for(lambda: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
+    wait_for(lambda: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, timeout,
              what="the turn to end")
 
 
@@ -200,10 +200,7 @@ def wait_until_idle(session, n_ready: int | None = None) -> None:
 def converse(session, user, texts) -> None:
     """Send each of ``texts`` as ``user``, waiting for each turn to end (120 s at most each)."""
     for text in texts:
-        ended = len(payloads(session, "turn_end"))
-        actions.do_send_message(fresh(session), user, text)
-        wait_for(lambda ended=ended: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 120,
-                 what="the turn to end")
+        converse_once(session, user, text)
 
 
 def stop(session, user) -> None:

@@ -24,7 +24,7 @@ from sessions_app.servers.models import ServerRecord
 from sessions_app.servers.start import start_server
 
 from .conftest import make_ssh_machine, model_key, wait_for
-from .helpers import InlineCode, fresh, payloads
+from .helpers import InlineCode, converse_once, fresh, payloads
 
 SMALL = {"contextSize": 2048}
 
@@ -38,13 +38,6 @@ def create(machine, user, tmp_path, arch="llama", params=SMALL) -> AgentSession:
         user, machine=machine, model_key=model_key(machine, arch), working_dir=str(tmp_path),
         server_params=dict(params), sampling={"temperature": 0, "max_tokens": 16, "seed": 1}, permission_mode="manual",
     )
-
-
-def converse(session, user, text) -> None:
-    ended = len(payloads(session, "turn_end"))
-    actions.do_send_message(fresh(session), user, text)
-    wait_for(lambda: len(payloads(session, "turn_end")) > ended and not fresh(session).turn_active, 180,
-             what="the turn to end")
 
 
 def need(machine, arch="llama", params=SMALL) -> int:
@@ -127,8 +120,8 @@ def test_with_a_budget_for_two_a_third_start_sleeps_the_least_recently_used_whic
     wait_for(lambda: fresh(first).status == "idle", 180, what="the first server")
     second = create(local_machine, alice, tmp_path)
     wait_for(lambda: fresh(second).status == "idle", 180, what="the second server")
-    converse(first, alice, "My sheep is called Dolly.")
-    converse(second, alice, "Hello.")  # the first is now the least recently used
+    converse_once(first, alice, "My sheep is called Dolly.", timeout=180)
+    converse_once(second, alice, "Hello.", timeout=180)  # the first is now the least recently used
 
     third = create(local_machine, alice, tmp_path)
     wait_for(lambda: fresh(third).status == "idle", 180, what="the third server")
@@ -138,7 +131,7 @@ def test_with_a_budget_for_two_a_third_start_sleeps_the_least_recently_used_whic
     assert any("Put to sleep to make room" in n for n in notices(first))
     assert ServerRecord.objects.filter(machine=local_machine).count() == 2
 
-    converse(first, alice, "What is my sheep called?")  # wakes it: the least recently used idle one sleeps
+    converse_once(first, alice, "What is my sheep called?", timeout=180)  # wakes it: the least recently used idle one sleeps
     assert fresh(first).status == "idle"
     assert payloads(first, "server_ready")[-1].get("warm_tokens", 0) > 0
     assert fresh(second).status == "sleeping" and fresh(third).status == "idle"
