@@ -72,16 +72,26 @@ def authenticate(token: str) -> tuple[object | None, ApiKey | None, Refusal | No
         return None, None, Refusal("missing_api_key", (
             "No API key was sent. Send 'Authorization: Bearer corral-…' with a key made on Corral's API keys page."))
     key = ApiKey.objects.select_related("user").filter(digest=digest_of(token)).first()
-    if key is None:
-        return None, None, Refusal("invalid_api_key", (
-            "This API key is not known to Corral (mistyped, or its account was deleted). Make one on the API keys "
-            "page."))
-    if key.revoked:
-        return None, None, Refusal("invalid_api_key", (
-            f"This API key ('{key.name}', {key.prefix}…) was revoked on {key.revoked_at:%Y-%m-%d %H:%M} UTC. Make a "
-            "new one on the API keys page."))
-    if not key.user.is_active:
-        return None, None, Refusal("invalid_api_key", "The account this API key belongs to is turned off.")
+    refusal = refusal_of(key)
+    if key is None or refusal is not None:
+        return None, None, refusal
     with transaction.atomic():
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=timezone.now())
     return key.user, key, None
+
+
+def refusal_of(key: ApiKey | None) -> Refusal | None:
+    """Why ``key`` (with its ``user`` loaded; None: no such key) opens the API no more, or
+    None while it does: unknown (mistyped, or deleted with its account), revoked, or its
+    account turned off. Asked when a request comes and again while it is served."""
+    if key is None:
+        return Refusal("invalid_api_key", (
+            "This API key is not known to Corral (mistyped, or its account was deleted). Make one on the API keys "
+            "page."))
+    if key.revoked:
+        return Refusal("invalid_api_key", (
+            f"This API key ('{key.name}', {key.prefix}…) was revoked on {key.revoked_at:%Y-%m-%d %H:%M} UTC. Make a "
+            "new one on the API keys page."))
+    if not key.user.is_active:
+        return Refusal("invalid_api_key", "The account this API key belongs to is turned off.")
+    return None

@@ -37,6 +37,9 @@ from sessions_app.servers import records, watch
 from sessions_app.servers.models import ServerRecord
 from sessions_app.transcript import Kind
 
+from . import keys
+from .models import ApiKey
+
 Status = AgentSession.Status
 
 #: The account that owns the hidden API sessions: inactive, no password, never logs in.
@@ -60,6 +63,25 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def access_lost(key_id: int, machine_id: int) -> ApiError | None:
+    """The refusal a request with the key ``key_id`` on the machine ``machine_id`` would get
+    now (401 ``invalid_api_key``: revoked, deleted, its account turned off; 403
+    ``machine_not_allowed``: its owner no longer in the machine's groups, or the machine
+    turned off or deleted), or None while it may go on. Asked while a request is served
+    (docs/api.md "Keys"): what would refuse a new request ends one under way too."""
+    key = ApiKey.objects.select_related("user").filter(pk=key_id).first()
+    refusal = keys.refusal_of(key)
+    if key is None or refusal is not None:
+        return ApiError(401, refusal.code if refusal else "invalid_api_key",
+                        refusal.message if refusal else "This API key is gone.")
+    machine = Machine.objects.filter(pk=machine_id).first()
+    if machine is None:
+        return ApiError(403, "machine_not_allowed", "The machine this model is on was removed from Corral.",
+                        type="permission_error")
+    refused = machine_refusal(key.user, machine)
+    return ApiError(403, "machine_not_allowed", refused, type="permission_error") if refused else None
 
 
 def model_id(machine_name: str, key: str) -> str:

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -51,6 +51,9 @@ TOOLS_REFUSED = ("Corral's API runs no tools and passes none to the model: send 
 MAX_GRAMMAR_NESTING = 256
 #: Seconds between two polls of a server that is starting.
 POLL_SECONDS = 0.25
+#: Seconds between two checks, while a request is served, that its key may still use its
+#: machine (:class:`_Access`): a revoke or an access change ends a reply within this.
+ACCESS_CHECK_SECONDS = 2.0
 
 
 def _request_finished(user, model_file: ModelFile, usage: dict, seconds: float, timings: dict | None = None,
@@ -80,10 +83,42 @@ def _error(exc: ApiError) -> JsonResponse:
 
 async def _user(request: HttpRequest):
     """The member whose key the request carries. Raises ApiError 401."""
-    user, _key, refusal = await sync_to_async(keys.authenticate)(keys.bearer(request.headers.get("Authorization", "")))
-    if refusal is not None:
-        raise ApiError(401, refusal.code, refusal.message)
-    return user
+    return (await _key_of(request)).user
+
+
+async def _key_of(request: HttpRequest) -> ApiKey:
+    """The live key the request carries, its ``user`` loaded. Raises ApiError 401."""
+    _owner, key, refusal = await sync_to_async(keys.authenticate)(keys.bearer(request.headers.get("Authorization", "")))
+    if refusal is not None or key is None:
+        raise ApiError(401, refusal.code if refusal else "invalid_api_key", refusal.message if refusal else "")
+    return key
+
+
+class _Access:
+    """A request's right to go on being served, asked again every
+    :data:`ACCESS_CHECK_SECONDS` while it is (:func:`_held`; serving.access_lost): a key
+    revoked, its account turned off, or its owner no longer allowed on the machine ends
+    the request as a new one would be refused (docs/api.md "Keys"). ``lost`` is that
+    refusal once it came; ``client``, once the request is sent, is closed then, which breaks
+    off what the request waits for from llama-server (httpx raises ReadError there)."""
+
+    def __init__(self, key_id: int, machine_id: int) -> None:
+        self.key_id, self.machine_id = key_id, machine_id
+        self.lost: ApiError | None = None
+        self.client: httpx.AsyncClient | None = None
+
+    async def check(self) -> None:
+        if self.lost is not None:
+            return
+        self.lost = await sync_to_async(serving.access_lost)(self.key_id, self.machine_id)
+        if self.lost is not None and self.client is not None:
+            await self.client.aclose()
+
+    def ended(self) -> ApiError:
+        """The refusal, worded for a request it ended (``lost`` is set)."""
+        assert self.lost is not None
+        lost = self.lost
+        return ApiError(lost.status, lost.code, f"Corral ended this request: {lost.message}", type=lost.type)
 
 
 def _entry(model: ModelFile) -> dict:
@@ -182,12 +217,15 @@ def upstream_body(body: dict) -> bytes:
     return json.dumps({**body, "cache_prompt": False, **counted}).encode()
 
 
-async def _wait_for_server(session_id: int, after: int, wanted: str) -> Endpoint:
+async def _wait_for_server(session_id: int, after: int, wanted: str, access: _Access) -> Endpoint:
     """The ready server's endpoint, waiting while it starts (and while it waits for
-    memory) for up to ``CORRAL_API_WAIT_SECONDS``. Raises ApiError 503 with why."""
+    memory) for up to ``CORRAL_API_WAIT_SECONDS``. Raises ApiError 503 with why, or the
+    refusal that ended the request meanwhile (``access``)."""
     deadline = time.monotonic() + settings.CORRAL_API_WAIT_SECONDS
     state = serving.ServerState()
     while time.monotonic() < deadline:
+        if access.lost is not None:
+            raise access.ended()
         state = await sync_to_async(serving.server_state)(session_id, after)
         if state.endpoint is not None:
             return state.endpoint
@@ -258,17 +296,24 @@ def usage_from_timings(timings: dict | None) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def _held(session_id: int, hold: int | None):
+async def _held(session_id: int, hold: int | None, access: _Access):
     """Keep the request's lease on its server (serving.renew) and its quota hold
     (usage_app.quota.renew_hold) for as long as the block runs, whether or not the server
     sends anything meanwhile (a long prompt is read in silence): a task renews them every
-    ``RENEW_SECONDS``."""
+    ``RENEW_SECONDS``, and asks every :data:`ACCESS_CHECK_SECONDS` whether the request may
+    still be served (``access``)."""
 
     async def renew() -> None:
+        tick = min(ACCESS_CHECK_SECONDS, serving.RENEW_SECONDS)
+        renewed = time.monotonic()
         while True:
-            await asyncio.sleep(serving.RENEW_SECONDS)
-            await sync_to_async(serving.renew)(session_id)
-            await sync_to_async(quota.renew_hold)(hold)
+            await asyncio.sleep(tick)
+            await access.check()
+            # Half a tick early rather than a whole tick late.
+            if time.monotonic() - renewed >= serving.RENEW_SECONDS - tick / 2:
+                renewed = time.monotonic()
+                await sync_to_async(serving.renew)(session_id)
+                await sync_to_async(quota.renew_hold)(hold)
 
     task = asyncio.create_task(renew())
     try:
@@ -310,7 +355,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     if request.method != "POST":
         return _error(ApiError(405, "method_not_allowed", "Use POST for /v1/chat/completions."))
     try:
-        user = await _user(request)
+        key = await _key_of(request)
+        user = key.user
         try:
             raw = request.body
         except RequestDataTooBig:
@@ -326,11 +372,12 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
         if spent is not None:
             raise ApiError(429, "insufficient_quota", spent, type="insufficient_quota")
         wanted = serving.model_id(model.machine.name, model.key)
+        access = _Access(key.pk, model.machine_id)
         try:
             session_id, after = await sync_to_async(serving.claim)(user, model)
             try:
-                async with _held(session_id, hold):
-                    endpoint = await _wait_for_server(session_id, after, wanted)
+                async with _held(session_id, hold, access):
+                    endpoint = await _wait_for_server(session_id, after, wanted, access)
             except ApiError:
                 await sync_to_async(serving.finished)(session_id)
                 raise
@@ -340,7 +387,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     except ApiError as exc:
         return _error(exc)
     relay = asyncio.ensure_future(_detached(_relay(user, model, session_id, hold, endpoint, upstream_body(body),
-                                                   stream=bool(body.get("stream")))))
+                                                   stream=bool(body.get("stream")), access=access)))
     try:
         return await asyncio.shield(relay)
     except asyncio.CancelledError:
@@ -374,6 +421,42 @@ async def _detached(work):
         executor.shutdown(wait=False)
 
 
+class _Stream:
+    """A relayed stream as Django's StreamingHttpResponse takes it: the async iterator of
+    its frames, and a ``close()`` Django calls when the request is over
+    (HttpResponseBase.close). A client that leaves after the view returned but before
+    Django began to send the stream leaves the frames never iterated, so their own
+    clean-up (``finally``: close the upstream, count the usage, drop the hold) would never
+    run: ``close()`` then reads the first chunk llama-server has sent (its ``timings``
+    say the prompt it read) and closes the frames, as for a stream the client cut."""
+
+    def __init__(self, frames: AsyncGenerator[bytes]) -> None:
+        self.frames = frames
+        self.began = False  # set by the frames themselves once iterated
+        self.loop = asyncio.get_running_loop()
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.frames
+
+    def close(self) -> None:
+        """Django's: called from a thread (sync_to_async), on every request's end."""
+        if not self.began:
+            self.loop.call_soon_threadsafe(self._abandon)
+
+    def _abandon(self) -> None:
+        _abandoned.add(task := asyncio.ensure_future(_detached(self._cut())))
+        task.add_done_callback(_abandoned.discard)
+
+    async def _cut(self) -> None:
+        try:
+            with contextlib.suppress(StopAsyncIteration):
+                await anext(self.frames)
+        except Exception:
+            log.exception("an API stream whose client went away before it began did not finish")
+        finally:
+            await self.frames.aclose()
+
+
 async def _finish_abandoned(relay: asyncio.Future) -> None:
     """Let a request whose client left run to its end, so its usage is recorded and its
     hold dropped as for any other (a stream is read to ``[DONE]`` with nobody to send it to)."""
@@ -393,9 +476,9 @@ async def _finish_abandoned(relay: asyncio.Future) -> None:
 
 
 async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endpoint: Endpoint, content: bytes, *,
-                 stream: bool) -> HttpResponseBase:
+                 stream: bool, access: _Access) -> HttpResponseBase:
     started = time.monotonic()
-    client = _client()
+    client = access.client = _client()
     upstream_request = client.build_request(
         "POST", f"{endpoint.url}/v1/chat/completions", content=content,
         headers={"Content-Type": "application/json", **auth_headers(endpoint.api_key)},
@@ -409,19 +492,21 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
         # llama-server answers a non-streamed request only once the whole reply is written
         # (a stream, once its first result is ready): the request is served all that time,
         # so its lease and its hold are kept through the wait as through a stream.
-        async with _held(session_id, hold):
+        async with _held(session_id, hold, access):
             upstream = await client.send(upstream_request, stream=True)
     except httpx.HTTPError as exc:
         await client.aclose()
-        why = await sync_to_async(serving.server_went_away)(session_id)
         await done({}, None)
+        if access.lost is not None:
+            return _error(access.ended())
+        why = await sync_to_async(serving.server_went_away)(session_id)
         return _error(ApiError(503, "server_unavailable", why or f"The model's server did not answer: {exc}.",
                                type="server_error"))
     content_type = upstream.headers.get("content-type", "application/json")
     if not stream or upstream.status_code != 200:
         failure: httpx.HTTPError | None = None
         try:
-            async with _held(session_id, hold):
+            async with _held(session_id, hold, access):
                 content = await upstream.aread()
         except httpx.HTTPError as exc:
             content, failure = b"", exc
@@ -430,6 +515,8 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
             await client.aclose()
         usage, timings = _whole_usage(content) if failure is None and upstream.status_code == 200 else ({}, None)
         await done(usage, timings)
+        if failure is not None and access.lost is not None:
+            return _error(access.ended())
         if failure is not None:
             why = await sync_to_async(serving.server_went_away)(session_id)
             return _error(ApiError(503, "server_unavailable", why or f"The model's server broke off: {failure}.",
@@ -444,10 +531,11 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
             recorded = True
             await done(seen.usage or usage_from_timings(seen.timings), seen.timings)
 
-    async def frames() -> AsyncIterator[bytes]:
+    async def frames() -> AsyncGenerator[bytes]:
+        relayed.began = True
         seen = Usage()
         try:
-            async with _held(session_id, hold):
+            async with _held(session_id, hold, access):
                 async for chunk in upstream.aiter_raw():
                     seen.feed(chunk)
                     if seen.ended:
@@ -457,16 +545,20 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
                         await record(seen)
                     yield chunk
         except httpx.HTTPError as exc:
-            why = await sync_to_async(serving.server_went_away)(session_id)
-            error = ApiError(503, "server_unavailable", why or f"The model's server broke off the reply: {exc}.",
-                             type="server_error")
+            if access.lost is not None:
+                error = access.ended()
+            else:
+                why = await sync_to_async(serving.server_went_away)(session_id)
+                error = ApiError(503, "server_unavailable", why or f"The model's server broke off the reply: {exc}.",
+                                 type="server_error")
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
         finally:
             await upstream.aclose()
             await client.aclose()
             await record(seen)  # a reply broken off: what the server said it used so far
 
-    response = StreamingHttpResponse(frames(), status=200, content_type=content_type)
+    relayed = _Stream(frames())
+    response = StreamingHttpResponse(relayed, status=200, content_type=content_type)
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # a proxy in front must pass each frame on at once
     return response

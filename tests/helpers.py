@@ -94,8 +94,32 @@ def open_session(page, stack, session, *, status: str = "idle", wait_s: float = 
     except PlaywrightTimeout:
         # Say where the session stood (a server that never started is told in its events),
         # not only which selector was missing.
-        raise AssertionError(f"session {session.pk} never showed {status!r}: {where_it_stands(session)}") from None
+        raise AssertionError(f"session {session.pk} never showed {status!r}: {where_it_stands(session)}; "
+                             f"{page_stands(page)}; {log_tail(stack, 'web')}") from None
     page.wait_for_selector("#conn-state[data-state=live]")
+
+
+def page_stands(page) -> str:
+    """What the page shows of its session and its live link, for a failure message: the
+    status badge, the link's state and, when the socket was closed for good, why."""
+    try:
+        shown = page.evaluate("""() => ({
+            badge: (document.getElementById("status-badge") || {}).dataset?.status,
+            link: (document.getElementById("conn-state") || {}).dataset?.state,
+            closed: (el => el && !el.hidden ? el.innerText : "")(document.getElementById("conn-closed")),
+        })""")
+    except Exception as exc:  # a page that cannot be read says so
+        return f"the page could not be read ({exc})"
+    return f"the page shows status {shown['badge']!r}, live link {shown['link']!r}, closed: {shown['closed']!r}"
+
+
+def log_tail(stack, name: str, lines: int = 25) -> str:
+    """The last ``lines`` lines of the stack's ``<name>.log`` (daphne: web), for a failure message."""
+    try:
+        text = (stack.data_dir / f"{name}.log").read_text(errors="replace")
+    except OSError as exc:
+        return f"no {name}.log ({exc})"
+    return f"{name}.log ends: " + " | ".join(text.splitlines()[-lines:])
 
 
 def where_it_stands(session) -> str:

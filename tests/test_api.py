@@ -19,11 +19,13 @@ from django.utils import timezone
 from api_app import keys, serving
 from api_app.models import ApiKey
 from api_app.views import Usage, usage_from_timings
+from machines_app.llama_server import auth_headers
 from machines_app.models import Machine
 from sessions_app.models import AgentSession
 from sessions_app.server_state import idle_sessions
 from sessions_app.servers import stop
 from sessions_app.servers.models import ServerRecord, SlotSave
+from sessions_app.servers.records import server_endpoint
 from usage_app.models import Quota, UsageRecord
 
 from .conftest import model_key, wait_for
@@ -479,3 +481,120 @@ def test_a_client_that_leaves_before_a_whole_reply_comes_back_is_still_counted(s
     row = UsageRecord.objects.filter(member=alice).order_by("-pk").first()
     assert row.prompt_tokens > 5 and row.completion_tokens == 500
     assert not Hold.objects.filter(member=alice).exists()
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+@pytest.mark.parametrize("change", ["revoke the key", "leave the machine's groups", "turn the account off"])
+def test_access_lost_while_a_reply_streams_ends_the_reply_as_a_new_request_would_be_refused(
+        stack, local_machine, alice, change):
+    """What refuses a new request ends one under way (docs/api.md "Keys"): the key revoked,
+    its owner no longer in the machine's groups, or the account turned off, while a long
+    reply (``ignore_eos``: it cannot end by itself first) streams. The stream ends with
+    an error frame saying why, llama-server stops writing (the next request is answered
+    at once), and the tokens written so far count."""
+    smol, token = smol_id(local_machine), make_key(alice)
+    Quota.objects.create(user=alice, tokens_per_day=10**9)
+    received, error = 0, None
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", timeout=300,
+                      headers={"Authorization": f"Bearer {token}"},
+                      json={"model": smol, "max_tokens": 6000, "ignore_eos": True, "stream": True,
+                            "messages": [{"role": "user", "content": "Tell me a long story."}]}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            frame = json.loads(line[6:])
+            if "error" in frame:
+                error = frame["error"]
+                continue
+            choices = frame.get("choices") or [{}]
+            received += bool(choices[0].get("delta", {}).get("content"))
+            if received == 5:  # streaming: the access changes now
+                if change == "revoke the key":
+                    ApiKey.objects.filter(user=alice).update(revoked_at=timezone.now())
+                elif change == "leave the machine's groups":
+                    local_machine.allowed_groups.add(Group.objects.create(name="shepherds"))
+                else:
+                    type(alice).objects.filter(pk=alice.pk).update(is_active=False)
+    expected = {"revoke the key": (401, "invalid_api_key", "was revoked on"),
+                "leave the machine's groups": (403, "machine_not_allowed", "limited to some groups"),
+                "turn the account off": (401, "invalid_api_key", "is turned off")}[change]
+    assert error is not None, f"the reply ran to its end ({received} frames) after the access changed"
+    assert error["code"] == expected[1] and error["message"].startswith("Corral ended this request: ")
+    assert expected[2] in error["message"], error
+    assert received < 6000
+    row = wait_for(lambda: UsageRecord.objects.filter(member=alice, source="api").first(), 30,
+                   what="the ended request's usage row")
+    assert row.completion_tokens >= 5
+    # llama-server stopped writing the ended reply (its connection was closed): its one
+    # slot is free, not still writing 6,000 tokens for nobody.
+    endpoint = server_endpoint(AgentSession.objects.get(purpose="api"))
+
+    def slot_free() -> bool:
+        slots = httpx.get(f"{endpoint.url}/slots", headers=auth_headers(endpoint.api_key), timeout=10).json()
+        return not any(slot["is_processing"] for slot in slots)
+
+    wait_for(slot_free, 30, interval=0.5, what="llama-server to stop the ended reply")
+    assert UsageRecord.objects.get(member=alice, source="api").completion_tokens < 6000
+
+
+@pytest.mark.usefixtures("stop_servers_after")
+def test_a_client_that_leaves_before_its_stream_begins_is_counted_and_its_server_freed(stack, local_machine, alice):
+    """The client's leaving reaches Django at any moment; here after the view returned its
+    stream and before Django began to send it (the headers not yet written): the frames
+    are never iterated, so their own clean-up does not run. The request is still cut as a
+    stream the client cut is (api_app.views._Stream): the prompt llama-server read counts,
+    the hold is dropped, and llama-server stops writing. Django's ASGI application is
+    driven here in-process, with a client that leaves just then; the server is the real
+    one the workers started."""
+    import asyncio
+
+    from django.core.asgi import get_asgi_application
+
+    from api_app import views
+    from usage_app.models import Hold
+
+    smol, token = smol_id(local_machine), make_key(alice)
+    Quota.objects.create(user=alice, tokens_per_day=10**9)
+    host = stack.base_url.removeprefix("http://")
+    body = json.dumps({"model": smol, "max_tokens": 6000, "ignore_eos": True, "stream": True,
+                       "messages": [{"role": "user", "content": "Tell me a long story."}]}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 80),
+             "headers": [(b"host", host.encode()), (b"authorization", f"Bearer {token}".encode()),
+                         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    sent: list[dict] = []
+
+    async def leave_before_the_stream() -> None:
+        headers_out = asyncio.Event()
+        asked = 0
+
+        async def receive() -> dict:
+            nonlocal asked
+            asked += 1
+            if asked == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await headers_out.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.start":
+                headers_out.set()
+                await asyncio.sleep(60)  # the client is gone before the headers are written
+
+        await get_asgi_application()(scope, receive, send)
+        while views._abandoned:  # the clean-up runs on this loop: let it end
+            await asyncio.sleep(0.1)
+
+    asyncio.run(leave_before_the_stream())
+    assert [m["type"] for m in sent] == ["http.response.start"] and sent[0]["status"] == 200, sent
+    row = wait_for(lambda: UsageRecord.objects.filter(member=alice, source="api").first(), 30,
+                   what="the request's usage row")
+    assert row.prompt_tokens > 5, (row.prompt_tokens, row.completion_tokens)
+    wait_for(lambda: not Hold.objects.filter(member=alice).exists(), 10, what="the request's hold dropped")
+    endpoint = server_endpoint(AgentSession.objects.get(purpose="api"))
+    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(
+        f"{endpoint.url}/slots", headers=auth_headers(endpoint.api_key), timeout=10).json()), 30, interval=0.5,
+        what="llama-server to stop the request's reply")
