@@ -10,7 +10,8 @@ Each round (:data:`ROUNDS`) comes every ``period`` seconds and has two parts:
   lost starts, idle servers, turn recovery, old images and slots: run once per period
   by one housekeeping worker of the whole deployment, whichever first takes the round's
   claim, ``SET <prefix>round:<name> <worker> NX PX <period less a margin, ms>`` (the
-  prefix is the channel layer's, as for the liveness keys). However many hosts and
+  prefix is the channel layer's, as for the liveness keys), which the worker holding it
+  renews at its next run. However many hosts and
   workers there are, no round is run twice for one period, and none is left undone
   while one housekeeping worker lives.
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 from django.db import close_old_connections, connections
+from redis.commands.core import Script
 
 from project.channel_layer import channel_prefix
 
@@ -181,9 +183,18 @@ ROUNDS: tuple[Round, ...] = (
 # --- the threads ------------------------------------------------------------------------------
 
 #: A round's claim lapses this much before its next run is due (at most; a tenth of the
-#: period for short ones): the worker that took it takes it again at its next run, even
-#: when that ``SET`` reaches Redis a little sooner after the due time than the last one did.
+#: period for short ones), so that a worker that died leaves it free in time for the
+#: next period.
 CLAIM_MARGIN_SECONDS = 0.2
+#: The claim: ``SET key worker NX PX ms``; or, when the key still names this worker (its
+#: claim of the last period, whose ``SET`` reached Redis later after its due time than
+#: this one did), that claim renewed. One script, so no other worker's claim is ever
+#: overwritten; without the renewal a worker alone would skip the shared part now and then.
+_CLAIM = """
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 1 end
+return 0
+"""
 #: A round thread keeps its database connection between runs (the worker's CONN_MAX_AGE,
 #: project/celery.py) when its period is at most this; a rarer round closes it after each
 #: run rather than hold a connection idle for minutes.
@@ -213,8 +224,8 @@ class Rounds:
     ``host`` is a host id. :meth:`start` starts them (each round's first run at once);
     :meth:`stop` ends them after the run in progress, waiting up to ``join`` seconds.
 
-    A run: the round's claim is tried (Redis that cannot be reached: the shared part is
-    left for a later run, logged once per outage), then ``round.run(share)`` with the
+    A run: the round's claim is tried (:data:`_CLAIM`; Redis that cannot be reached: the
+    shared part is left for a later run, logged once per outage), then ``round.run(share)`` with the
     database connections of the thread refreshed before and after, as for a task. A run
     that raises is logged and the thread goes on."""
 
@@ -223,7 +234,7 @@ class Rounds:
         self.stopped = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(r,), name=f"corral-round-{r.name}", daemon=True)
                         for r in rounds]
-        self._client: redis.Redis | None = None
+        self._claim: Script | None = None
         self._failing = False
         self._lock = threading.Lock()  # the client made once, an outage said once
 
@@ -241,11 +252,11 @@ class Rounds:
     def claim(self, round_: Round) -> bool:
         """Whether this worker takes ``round_``'s shared part for this period."""
         with self._lock:
-            if self._client is None:
-                self._client = _client()  # thread-safe: its pool hands each thread a connection
-            client = self._client
+            if self._claim is None:  # thread-safe: its client's pool hands each thread a connection
+                self._claim = _client().register_script(_CLAIM)
+            claim = self._claim
         try:
-            taken = bool(client.set(claim_key(round_.name), self.worker, nx=True, px=claim_ms(round_.period)))
+            taken = bool(claim(keys=[claim_key(round_.name)], args=[self.worker, claim_ms(round_.period)]))
         except redis.RedisError as exc:
             with self._lock:
                 if not self._failing:  # once per outage, not every round

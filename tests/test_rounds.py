@@ -59,17 +59,25 @@ def test_two_workers_run_the_shared_part_once_a_period_between_them_and_each_its
     assert redis.Redis.from_url(settings.REDIS_URL).get(key) in (b"housekeeping@one", b"housekeeping@two", None)
 
 
-def test_a_claim_lapses_just_before_the_next_run_so_one_worker_alone_runs_every_shared_part():
+def test_one_worker_alone_runs_every_shared_part_and_never_takes_another_workers_claim():
     """One worker alone takes the shared part every period: its claim of the last period
-    has lapsed when its next run comes (a claim lived the whole period, and a SET a little
-    early found its own claim still there)."""
+    lapses just before its next run, or is renewed by it when that run's claim reaches
+    Redis first (a claim that lived the whole period was found still there now and then).
+    A claim another worker holds is left alone."""
     assert rounds.claim_ms(2.0) == 1800 and rounds.claim_ms(3600.0) == 3_599_800
     assert rounds.claim_ms(0.4) == 360
     shared: list[bool] = []
-    alone = rounds.Rounds("housekeeping@alone", rounds=(_round(lambda share: shared.append(share.shared)),)).start()
+    round_ = _round(lambda share: shared.append(share.shared))
+    alone = rounds.Rounds("housekeeping@alone", rounds=(round_,)).start()
     time.sleep(PERIOD * 6 + PERIOD / 2)
     alone.stop()
     assert len(shared) >= 6 and all(shared), shared
+    assert alone.claim(round_)  # its own claim, still there: renewed
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.set(rounds.claim_key(round_.name), "housekeeping@other", px=10_000)
+    assert not alone.claim(round_)
+    assert client.get(rounds.claim_key(round_.name)) == b"housekeeping@other"
+    client.delete(rounds.claim_key(round_.name))
 
 
 def test_a_round_that_raises_is_logged_and_its_thread_goes_on(caplog):
