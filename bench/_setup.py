@@ -40,8 +40,9 @@ def boot(prefix: str) -> Path:
 
 
 class Stack:
-    """Daphne, one Celery worker per queue and beat, started like ``./corral run`` does
-    (project/launcher.py), in the bench's data directory; logs in ``<data>/logs``.
+    """Daphne and one Celery worker per queue (the housekeeping one runs the periodic
+    rounds), started like ``./corral run`` does (project/launcher.py), in the bench's
+    data directory; logs in ``<data>/logs``.
 
     :meth:`cpu_seconds` is the CPU time (user + system, from ``/proc/<pid>/stat``) that
     Corral's own processes have spent so far: these, plus the embedded Redis. Not
@@ -73,7 +74,6 @@ class Stack:
             "worker-housekeeping": [*celery, "worker", "-Q", queues.HOUSEKEEPING, "-n",
                                     f"{queues.HOUSEKEEPING}@bench", "-P", "threads",
                                     "-c", str(queues.HOUSEKEEPING_CONCURRENCY), *quiet, "-l", "warning"],
-            "beat": [*celery, "beat", "-l", "warning", "-s", str(data / "celerybeat-schedule")],
         }
         logs = data / "logs"
         logs.mkdir(exist_ok=True)

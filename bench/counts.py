@@ -2,7 +2,7 @@
 that adds round trips shows as a number (bench/many_sessions.py, bench/many_watchers.py).
 
 - Redis: the server's own ``INFO commandstats`` (every command any client sent: daphne,
-  the workers, beat, the bench itself), read before and after; a pipeline's commands
+  the workers, the bench itself), read before and after; a pipeline's commands
   count one each, a ``PUBLISH`` one however many subscribers it reaches.
 - Database: the statements of every process of the stack, counted by
   bench/counting/sitecustomize.py (loaded into each process through ``PYTHONPATH`` when

@@ -15,7 +15,7 @@ websocket watchers (as browser pages would). Printed for each N:
 - p50 / p95 delay from the stand-in writing a token to the watcher first showing it (in
   the open block's tail, or stored) (goal: p95 <= 100 ms at N = 32; at N = 64 with two
   watchers each);
-- Corral's CPU per token: the CPU of daphne, the workers, beat and Redis over the run
+- Corral's CPU per token: the CPU of daphne, the workers and Redis over the run
   (each process's CPU-time clock: bench/_setup.py), divided by the tokens streamed;
 - Redis commands and database writes per 100 tokens (bench/counts.py), counted.
 

@@ -1,7 +1,7 @@
 """Benchmarks for docs/behaviour.md §13, printed with their goals; run with ``.venv/bin/python bench/run.py``.
 
 1. Corral's CPU per streamed token: the CPU time (``/proc/<pid>/stat``) of Corral's own
-   processes — daphne, the three Celery workers, beat, Redis — over one 400-token reply
+   processes — daphne, the three Celery workers, Redis — over one 400-token reply
    of SmolLM2 watched by one websocket client, divided by the reply's tokens. Goal:
    <= 0.5 ms per token. The stack's idle rate (housekeeping, heartbeats) is printed too.
 2. Stream throughput: tokens/s seen by a websocket client of Corral vs a client reading
@@ -35,7 +35,7 @@ Goals of the turn's own cost (``turn_goals``; printed after item 1, or alone wit
  goal 3. Corral's CPU per streamed token, idle cost included, with one and with two
    watchers: <= 0.3 ms at the box's llama-server token rate (printed beside it).
 
-It runs the real stack (daphne, the Celery workers, beat, llama-server on SmolLM2) in a
+It runs the real stack (daphne, the Celery workers, llama-server on SmolLM2) in a
 throwaway data directory with SQLite and an embedded Redis, unless DATABASE_URL /
 REDIS_URL are set. Numbers are noisy on a shared machine: ``uptime`` is printed first.
 ``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 and the

@@ -23,7 +23,7 @@ class EmbeddedRedis:
     ``password``, kept running: a watcher thread starts it again, on the same port with
     the same password (so ``REDIS_URL`` stays valid for every process), whenever it exits
     while it should run, and says so on the launcher's output. Nothing is saved, so a
-    Redis started again is empty: Celery's workers and beat reconnect by themselves, the
+    Redis started again is empty: Celery's workers reconnect by themselves, the
     turn recovery re-queues every step whose message was lost (sessions_app/turns.py,
     ``recoverable``) and each page catches up from the database (docs/operations.md,
     "When Redis stops")."""

@@ -6,8 +6,9 @@ process imports them.
 
 ``python -m project.launcher run [--port N | --port=N] [--debug]``: embedded Redis when ``REDIS_URL`` is not
 set, migrations, the local machine with the demo models, an admin account, then
-supervisord (the ``supervisor`` package) running daphne, one Celery worker per queue
-(``project/queues.py``) and Celery beat. supervisord restarts a process that dies (at
+supervisord (the ``supervisor`` package) running daphne and one Celery worker per queue
+(``project/queues.py``; the housekeeping worker runs the periodic rounds too,
+``sessions_app/rounds.py``). supervisord restarts a process that dies (at
 once, then with a growing back-off while it keeps dying at start) and leaves the others
 alone. SIGTERM or SIGINT (Ctrl-C) on the launcher stops all of them and the embedded
 Redis; sessions' llama-servers are not Corral's children and keep running. DEBUG is off
@@ -129,10 +130,10 @@ def _control_socket_live(path: Path) -> bool:
 
 #: supervisord's ``stopwaitsecs``: how long a program has between SIGTERM and SIGKILL.
 #: An idle Corral process exits in about a second (a Celery worker notices the stop at
-#: its next poll, up to 1 s; then half a second of interpreter teardown), but all five
+#: its next poll, up to 1 s; then half a second of interpreter teardown), but they all
 #: tear down at once, and on a small busy host (2 cores, a build or tests running) that
-#: took 5–6 s each: beat and worker-turns, given 5 s, were killed while exiting
-#: cleanly. SIGKILL is for a process that hangs, not for a slow machine.
+#: took 5–6 s each: worker-turns and beat (a program then), given 5 s, were killed while
+#: exiting cleanly. SIGKILL is for a process that hangs, not for a slow machine.
 STOP_WAIT_SECONDS = 15
 
 # One [program:x] section per Corral process. A % would have to be written %% (supervisor
@@ -197,8 +198,8 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     """supervisord's configuration for ``./corral run``: the text of an ini file.
 
     Programs: ``web`` (daphne on 127.0.0.1:``port``), ``worker-turns`` (``turn_workers``
-    threads), ``worker-servers``, ``worker-housekeeping`` (project/queues.py) and
-    ``beat``. Each is restarted when it exits (``autorestart``); one that dies within
+    threads), ``worker-servers`` and ``worker-housekeeping`` (project/queues.py; it runs
+    the periodic rounds too: sessions_app/rounds.py). Each is restarted when it exits (``autorestart``); one that dies within
     3 s of its start is retried with a back-off growing by a second each time, up to
     10 times, then left FATAL (logged). A stop sends SIGTERM to every program's process
     group at once and SIGKILL to one still there after STOP_WAIT_SECONDS. supervisord's
@@ -206,11 +207,10 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
     a live one means another ``./corral run`` owns this data directory, and supervisord
     refuses to start)."""
     bin_dir = Path(sys.executable).parent
-    celery = f"{bin_dir / 'celery'} -A project"
     run_dir = data / "run"
     # Each program dies with supervisord (prctl PR_SET_PDEATHSIG through util-linux's
     # ``setpriv``, which then execs the program itself): supervisord killed with -9 used to
-    # leave daphne and the four Celery processes running, and the next ``./corral run``
+    # leave daphne and the Celery processes running, and the next ``./corral run``
     # refused with "port already in use".
     with_parent = "setpriv --pdeathsig SIGTERM -- " if shutil.which("setpriv") else ""
     host = data_dir.read_host_id(data)
@@ -225,7 +225,6 @@ def supervisor_config(*, data: Path, port: int, daphne_args: list[str], turn_wor
         # would bury everything else (the admin password printed once included).
         "worker-housekeeping": " ".join(worker_argv(queues.HOUSEKEEPING, host,
                                                     concurrency=queues.HOUSEKEEPING_CONCURRENCY, loglevel="warning")),
-        "beat": f"{celery} beat -l warning -s {data / 'celerybeat-schedule'}",
     }
     head = (
         "[supervisord]\n"
@@ -306,7 +305,7 @@ def _run(port: int, *, debug: bool = False) -> int:
             [str(bin_dir / "supervisord"), "-c", str(config)], cwd=BASE_DIR, start_new_session=True,
             preexec_fn=die_with_parent,
         )
-        print("starting daphne, the Celery workers and beat…", flush=True)
+        print("starting daphne and the Celery workers…", flush=True)
         if wait_until_answering(f"http://127.0.0.1:{port}/login/", supervisord):
             print(f"\nCorral is running at http://127.0.0.1:{port}/\n", flush=True)
         return supervisord.wait()

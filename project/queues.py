@@ -6,13 +6,15 @@ queue, docs/operations.md shows the production units)::
     turns         sessions_app.tasks.run_turn            (one thread per streaming turn)
     servers       start / stop / restart / sleep a llama-server, stop an orphan, remove a
                   deleted session's slot files and logs
-    housekeeping  watch_servers, recover_turns, sample_machines (beat, every few seconds),
-                  watch_host, sample_host (each host's share of those),
-                  forget_old_slots (beat, every 10 minutes) and forget_host_slots
-                  (each host's share of it), refresh_models, machine_call (a page's
-                  read-only question about a host's own local machine, always sent
-                  to that host's own queue: machines_app/transports/relay.py),
-                  Web Push of a question (attention_app.tasks.push_question)
+    housekeeping  refresh_models, machine_call (a page's read-only question about a
+                  host's own local machine, always sent to that host's own queue:
+                  machines_app/transports/relay.py),
+                  Web Push of a question (attention_app.tasks.push_question); its
+                  workers also run the periodic rounds, each in a thread of its own
+                  (the health watch, turn recovery, memory sampling, clean-ups:
+                  sessions_app/rounds.py), and the tasks that run one of those rounds
+                  by hand (watch_servers, recover_turns, sample_machines,
+                  forget_old_slots, forget_images)
 
 A full ``turns`` pool (every thread streaming a reply) therefore never delays a health
 check, a recovery or a Stop.
@@ -45,12 +47,9 @@ ROUTES: dict[str, dict[str, str]] = {
     "sessions_app.tasks.remove_slot": {"queue": SERVERS},
     "sessions_app.tasks.remove_logs": {"queue": SERVERS},
     "sessions_app.tasks.watch_servers": {"queue": HOUSEKEEPING},
-    "sessions_app.tasks.watch_host": {"queue": HOUSEKEEPING},
-    "sessions_app.tasks.sample_host": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.recover_turns": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.sample_machines": {"queue": HOUSEKEEPING},
     "sessions_app.tasks.forget_old_slots": {"queue": HOUSEKEEPING},
-    "sessions_app.tasks.forget_host_slots": {"queue": HOUSEKEEPING},
     "machines_app.tasks.refresh_models": {"queue": HOUSEKEEPING},
     "machines_app.tasks.machine_call": {"queue": HOUSEKEEPING},
     "attention_app.tasks.push_question": {"queue": HOUSEKEEPING},
@@ -85,6 +84,7 @@ def worker_name(queue: str, host_id: str) -> str:
 
 #: Threads of the servers and housekeeping workers that ``./corral run`` starts (a start
 #: waits for a model to load, up to CORRAL_READY_TIMEOUT; a model refresh over SSH may take
-#: a while, so housekeeping keeps threads free for the 2-second health watch).
+#: a while, so housekeeping keeps threads free for the others; its periodic rounds run in
+#: threads of their own besides, sessions_app/rounds.py).
 SERVERS_CONCURRENCY = 4
 HOUSEKEEPING_CONCURRENCY = 4

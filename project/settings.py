@@ -105,7 +105,7 @@ ASGI_APPLICATION = "project.asgi.application"
 
 DATABASES = {"default": env_db("DATABASE_URL", f"sqlite:///{DATA_DIR / 'corral.sqlite3'}")}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # Daphne, the Celery worker and beat write to one file: wait for the lock instead of
+    # Daphne and the Celery workers write to one file: wait for the lock instead of
     # failing, and let readers go on while a turn streams (WAL).
     DATABASES["default"]["OPTIONS"] = {
         "timeout": 30,
@@ -284,21 +284,8 @@ CELERY_DB_REUSE_MAX = 1_000_000
 # One queue per kind of work, each with workers of its own (project/queues.py).
 CELERY_TASK_ROUTES = queues.ROUTES
 CELERY_TASK_DEFAULT_QUEUE = queues.HOUSEKEEPING
-# Periodic checks expire rather than pile up while their worker is down: the next one
-# comes a few seconds later anyway.
-# Celery's scheduler without its busy wait just before each entry is due (project/beat.py).
-CELERY_BEAT_SCHEDULER = "project.beat:Scheduler"
-CELERY_BEAT_SCHEDULE = {
-    "watch-servers": {"task": "sessions_app.tasks.watch_servers", "schedule": 2.0, "options": {"expires": 10}},
-    "recover-turns": {"task": "sessions_app.tasks.recover_turns", "schedule": 5.0, "options": {"expires": 10}},
-    # As often as a machine is sampled (sessions_app/room.py, SAMPLE_SECONDS): a round every
-    # 10 s found the last sample too recent two times in three, each a task and four queries.
-    "sample-machines": {"task": "sessions_app.tasks.sample_machines", "schedule": 30.0, "options": {"expires": 20}},
-    # Images no event refers to any more (sessions_app.images.forget_unreferenced); a
-    # session's deletion removes its own at once, this catches what that missed.
-    "forget-images": {"task": "sessions_app.tasks.forget_images", "schedule": 3600.0, "options": {"expires": 600}},
-    "forget-old-slots": {"task": "sessions_app.tasks.forget_old_slots", "schedule": 600.0, "options": {"expires": 300}},
-}
+# No Celery beat: the periodic checks run in threads of the housekeeping workers, one
+# worker of the deployment taking each round's shared part (sessions_app/rounds.py).
 
 # A refused token is answered like any refusal, in the page's message line.
 CSRF_FAILURE_VIEW = "sessions_app.views.csrf_failure"

@@ -3,9 +3,10 @@
 Actions and the servers package must not import :mod:`sessions_app.tasks` (the tasks import
 them: that would be an import circle), and an enqueue that fails — the broker is down for a
 moment — must never undo or hide what the caller already stored. Work that is lost this
-way is not lost for good: the beat's ``recover_turns`` picks up every open turn whose step
-is not running, and ``watch_servers`` starts again a session left ``loading`` by a start that
-never ran (servers.watch.recover_starts; the page's Restart works then too: docs/architecture.md).
+way is not lost for good: the housekeeping rounds' turn recovery picks up every open turn
+whose step is not running, and their health watch starts again a session left ``loading``
+by a start that never ran (sessions_app/rounds.py, servers.watch.recover_starts; the
+page's Restart works then too: docs/architecture.md).
 
 Work on a server of a host's own local machine goes to that host's queue of its kind
 (``turns.<host id>``…, project/queues.py): only that host can reach the process, its
@@ -37,9 +38,6 @@ REMOVE_SLOT = "sessions_app.tasks.remove_slot"
 REMOVE_LOGS = "sessions_app.tasks.remove_logs"
 PUSH_QUESTION = "attention_app.tasks.push_question"
 REFRESH_MODELS = "machines_app.tasks.refresh_models"
-WATCH_HOST = "sessions_app.tasks.watch_host"
-SAMPLE_HOST = "sessions_app.tasks.sample_host"
-FORGET_HOST_SLOTS = "sessions_app.tasks.forget_host_slots"
 
 
 def owner_host(task: str, args: tuple) -> str:
@@ -73,19 +71,6 @@ def enqueue(task: str, *args: object) -> bool:
             current_app.send_task(task, args=args)
     except Exception as exc:  # kombu/redis raise many kinds; none may fail the caller
         log.warning("could not enqueue %s%r: %s", task, args, exc)
-        return False
-    return True
-
-
-def enqueue_on_host(task: str, host: str, *args: object, expires: float | None = None) -> bool:
-    """Send ``task`` with ``args`` to the host ``host``'s own queue of its kind (the health
-    watch's share of each host: sessions_app.tasks.watch_servers), dropped unrun after
-    ``expires`` seconds when given; False, logged, when the broker cannot take it."""
-    try:
-        current_app.send_task(task, args=args, queue=queues.on_host(queues.ROUTES[task]["queue"], host),
-                              expires=expires)
-    except Exception as exc:
-        log.warning("could not enqueue %s%r on host %s: %s", task, args, host, exc)
         return False
     return True
 

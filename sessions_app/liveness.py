@@ -57,8 +57,8 @@ def _client() -> redis.Redis:
 class Heartbeat:
     """The thread that keeps this worker's key (started once per worker process), and
     with ``host`` (a host id: this worker consumes that host's own housekeeping queue)
-    the host's key too, which tells the health watch that the host's own servers can be
-    watched there (:func:`live_hosts`)."""
+    the host's key too, which tells that the host is up: a start lost on a host that is
+    down waits for it rather than being queued again (:func:`live_hosts`)."""
 
     def __init__(self, nodename: str, host: str = "") -> None:
         self.key = _key_prefix() + nodename
@@ -139,7 +139,7 @@ _clients_lock = threading.Lock()
 
 def _shared_client() -> redis.Redis:
     """This process's client for the reads below, one per Redis URL, kept: the health
-    watch reads the host keys every 2 s, and a client of its own each time cost a connect,
+    watch read the host keys every 2 s, and a client of its own each time cost a connect,
     an ``AUTH`` and a ``HELLO`` per read — most of an idle housekeeping worker's Redis work
     (docs/live-page.md, "What it costs"). Its pool is thread-safe; a connection broken
     under it (Redis restarted) is dropped and made again at the next command."""

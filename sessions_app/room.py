@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two tries of the head of a machine's line (each reads the machine).
 RETRY_SECONDS = 4
-#: Seconds between two samples of a machine's memory (the machines page's plot); the beat's
-#: sampling round comes as often (project/settings.py).
+#: Seconds between two samples of a machine's memory (the machines page's plot); the
+#: sampling round comes as often (sessions_app/rounds.py).
 SAMPLE_SECONDS = 30
 #: A sample taken less than this before a round counts as this round's already: the
 #: rounds come every SAMPLE_SECONDS, a little early or late, and a sample found 29.9 s old

@@ -8,23 +8,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 
 from celery import shared_task
-from celery.signals import celeryd_after_setup, celeryd_init, worker_ready
+from celery.signals import celeryd_after_setup, celeryd_init, worker_ready, worker_shutdown
 from channels.layers import get_channel_layer
 from django.conf import settings
 
 from machines_app.llama_server import tls_context
 from project import heap, queues
 
-from . import agent, dispatch, images, liveness, room, turns
-from .servers import logs, slots, start, stop, watch
+from . import agent, dispatch, liveness, rounds, turns
+from .servers import logs, slots, start, stop
 
 log = logging.getLogger(__name__)
-#: Seconds between recovery's two reads of the liveness keys: more than a beat, so a live
-#: worker has written its key between them.
-ROUND_GAP = liveness.BEAT_SECONDS * 1.25
 
 
 @shared_task
@@ -58,11 +54,9 @@ def remove_slot(place: dict, session_id: int, save_id: int) -> None:
 
 @shared_task
 def forget_images() -> None:
-    """The housekeeping sweep (hourly, beat): delete the stored images no transcript event
-    refers to any more — leftovers of a deletion whose own clean-up did not run."""
-    deleted = images.forget_unreferenced()
-    if deleted:
-        log.info("deleted %d stored image(s) no message refers to any more", deleted)
+    """The hourly sweep of stored images no transcript event refers to any more
+    (rounds.forget_images), run here and now: the rounds run it by themselves."""
+    rounds.forget_images(_whole_round())
 
 
 @shared_task
@@ -71,26 +65,11 @@ def remove_logs(place: dict, session_id: int) -> None:
     logs.remove_server_logs(place, session_id)
 
 
-#: Seconds a host's share of the slot clean-up stays worth running (it comes every 10 minutes).
-SLOTS_TASK_EXPIRES = 300
-
-
 @shared_task
 def forget_old_slots() -> None:
-    """Housekeeping: saved slots of sessions without a server for CORRAL_SLOT_KEEP_HOURS
-    are deleted, each session told (docs/operations.md "Disk"): those on SSH machines
-    here, those on a host's own local machine by that host (:func:`forget_host_slots`),
-    handed to each host whose housekeeping worker is alive."""
-    slots.forget_old_slots()
-    for host in sorted(liveness.live_hosts() or ()):
-        dispatch.enqueue_on_host(dispatch.FORGET_HOST_SLOTS, host, expires=SLOTS_TASK_EXPIRES)
-
-
-@shared_task
-def forget_host_slots() -> None:
-    """This host's share of :func:`forget_old_slots`: the saved slots on its own local
-    machine, whose files only it can reach."""
-    slots.forget_old_slots(host=settings.CORRAL_HOST_ID)
+    """The slot clean-up (rounds.forget_old_slots: SSH machines' and this host's), run
+    here and now: the rounds run it every 10 minutes by themselves."""
+    rounds.forget_old_slots(_whole_round())
 
 
 @shared_task
@@ -99,85 +78,27 @@ def stop_process(place: dict, pid: int, start_time: str, port: int, session_id: 
     stop.stop_orphan(place, pid, start_time, port, session_id)
 
 
-#: Seconds a watch or a sample handed to one host's own queue stays worth running: a host
-#: that has fallen behind drops the stale ones instead of running each in turn.
-HOST_TASK_EXPIRES = 10
+def _whole_round(worker: str = "") -> rounds.Share:
+    """A round's run as a task does it: the shared part and this host's own share."""
+    return rounds.Share(shared=True, host=settings.CORRAL_HOST_ID, worker=worker)
 
 
-def hand_to_live_hosts(task: str, here, alive: set[str] | None) -> None:
-    """Each live host's share of a beat round (``alive``: liveness.live_hosts()): this
-    host's is run here and now (``here()``), by the worker that took the round — it reads
-    this host's own housekeeping queue too (:func:`read_this_hosts_own_queues`), so the
-    share would only have come back to it through the broker, a send, a wake-up and a task
-    every 2 s on an idle stack (docs/live-page.md, "What it costs"); every other live
-    host's is sent to its own queue (``task``, dropped after HOST_TASK_EXPIRES)."""
-    for host in sorted(alive or ()):
-        if host == settings.CORRAL_HOST_ID:
-            here()
-        else:
-            dispatch.enqueue_on_host(task, host, expires=HOST_TASK_EXPIRES)
-
-
-#: Seconds between two looks for lost starts and for servers idle past their time, from
-#: the watch (every 2 s): a lost start is taken for lost only once its claim has lapsed
-#: (CORRAL_START_CLAIM_SECONDS, 30 s) and an idle time is minutes, so a look every 2 s
-#: bought nothing, and its two queries were a third of an idle round (docs/live-page.md,
-#: "What it costs"). Starts waiting for memory are still tried every round.
-SLOW_LOOKS_EVERY = 10.0
-_slow_looks_at: list[float] = []
-
-
-def _slow_looks_due() -> bool:
-    """Whether this round looks for lost starts and idle servers (per worker process: a
-    pacing, not a state, like servers.watch's health pacing; a new worker looks at once)."""
-    now = time.monotonic()
-    if _slow_looks_at and now - _slow_looks_at[0] < SLOW_LOOKS_EVERY:
-        return False
-    _slow_looks_at[:] = [now]
-    return True
-
+# The periodic checks run in threads of each housekeeping worker (sessions_app/rounds.py,
+# started by keep_liveness_key below), not as tasks. These tasks run one round here and
+# now, whole, for a test or an operator (``celery -A project call sessions_app.tasks.…``).
 
 @shared_task
 def watch_servers() -> None:
-    """The housekeeping beat: dead servers, lost starts, servers idle past their time,
-    starts waiting for memory. Servers on SSH machines are watched here, by whichever host
-    took the task; those on a host's own local machine by that host (:func:`watch_host`):
-    this host's in the same pass (one query for both), each other host's handed to it while
-    its housekeeping worker is alive (a host that is down has nobody who could look at its
-    servers: they are left as they are). The host keys are read once per round; lost
-    starts and idle servers are looked for every SLOW_LOOKS_EVERY seconds."""
-    alive = liveness.live_hosts()
-    here = settings.CORRAL_HOST_ID
-    watch.watch_servers(hosts=(None, here) if here and here in (alive or ()) else (None,))
-    for host in sorted(alive or ()):
-        if host != here:
-            dispatch.enqueue_on_host(dispatch.WATCH_HOST, host, expires=HOST_TASK_EXPIRES)
-    if _slow_looks_due():
-        watch.recover_starts(alive=alive)
-        stop.sleep_idle_servers()
-    room.admit_waiting()
-
-
-@shared_task
-def watch_host() -> None:
-    """This host's share of the health watch: the servers of its own local machine
-    (docs/operations.md, "More hosts")."""
-    watch.watch_servers(host=settings.CORRAL_HOST_ID)
+    """One health watch round here and now (rounds.watch_servers): SSH machines' servers
+    and this host's own, starts waiting for memory; lost starts and idle servers when
+    their look is due."""
+    rounds.watch_servers(_whole_round())
 
 
 @shared_task
 def sample_machines() -> None:
-    """Each machine's memory, every half minute (the machines page; docs/behaviour.md §5):
-    SSH machines here, each host's local machine by that host (:func:`sample_host`; this
-    host's here too)."""
-    room.sample_machines()
-    hand_to_live_hosts(dispatch.SAMPLE_HOST, sample_host, liveness.live_hosts())
-
-
-@shared_task
-def sample_host() -> None:
-    """This host's local machine's memory reading."""
-    room.sample_machines(host=settings.CORRAL_HOST_ID)
+    """One memory sampling round here and now (rounds.sample_machines)."""
+    rounds.sample_machines(_whole_round())
 
 
 @shared_task(bind=True)
@@ -187,35 +108,9 @@ def run_turn(self, session_id: int) -> None:
 
 @shared_task(bind=True)
 def recover_turns(self) -> None:
-    """Take over the steps of workers that are gone (their liveness key lapsed:
-    sessions_app/liveness.py), then re-enqueue the step of every open turn whose step is
-    not running (a worker that died mid-step, or a step message that was lost); see
-    turns.take_over_dead_steps, turns.recoverable.
-
-    A worker counts as gone only when two reads of the keys, a beat and a quarter apart,
-    both miss it, and a read counts only when it holds this worker's own key: a read just
-    after Redis lost its keys (a restart) says nothing about the others, whose next beat
-    is at most a beat away. The keys are read only when some step holds a lease
-    (turns.held_leases): with none, there is no step to take over. With no open turn at
-    all (turns.any_open_turn), there is nothing to do: one query."""
-    if not turns.any_open_turn():
-        return
-    rounds = []
-    if turns.held_leases():
-        rounds.append(live_workers())
-        time.sleep(ROUND_GAP)
-        rounds.append(live_workers())
-    if rounds and all(live is not None and self.request.hostname in live for live in rounds):
-        taken = turns.take_over_dead_steps(live=rounds[0] | rounds[1])
-        if taken:
-            log.warning("took over the turns of sessions %s from workers that are gone", taken)
-    for session_id in turns.recoverable():
-        dispatch.enqueue(dispatch.RUN_TURN, session_id)
-
-
-def live_workers() -> set[str] | None:
-    """Nodenames of the workers alive now; None when that cannot be read (Redis down)."""
-    return liveness.live_workers()
+    """One turn recovery round here and now (rounds.recover_turns), checked against this
+    worker's own liveness key."""
+    rounds.recover_turns(_whole_round(self.request.hostname))
 
 
 @worker_ready.connect
@@ -261,14 +156,32 @@ def consumed_queues(consumer) -> set[str]:
     return set(getattr(consumer.app.amqp.queues, "consume_from", None) or {})
 
 
+#: This worker process's housekeeping rounds (sessions_app/rounds.py), once started.
+_rounds: list[rounds.Rounds] = []
+
+
 @worker_ready.connect
 def keep_liveness_key(sender, **_kwargs) -> None:
-    """Start this worker's liveness key (sessions_app/liveness.py), read by recover_turns;
-    and this host's key when it reads the host's own housekeeping queue (the health watch
-    then hands it its share: :func:`watch_servers`)."""
+    """Start this worker's liveness key (sessions_app/liveness.py), read by the turn
+    recovery, and this host's key when it reads the host's own housekeeping queue. A
+    worker that reads a housekeeping queue (the shared one or this host's own) runs the
+    housekeeping rounds too (sessions_app/rounds.py): the shared parts when it takes
+    their claim, this host's own share when it reads this host's own queue."""
     host = settings.CORRAL_HOST_ID
-    own = host if host and queues.on_host(queues.HOUSEKEEPING, host) in consumed_queues(sender) else ""
+    consumed = consumed_queues(sender)
+    own = host if host and queues.on_host(queues.HOUSEKEEPING, host) in consumed else ""
     liveness.Heartbeat(sender.hostname, host=own).start()
+    if own or queues.HOUSEKEEPING in consumed:
+        _rounds.append(rounds.Rounds(sender.hostname, host=own).start())
+
+
+@worker_shutdown.connect
+def stop_rounds(**_kwargs) -> None:
+    """Stop this worker's housekeeping rounds when it shuts down, after the run in
+    progress (a run cut by the process's exit would leave nothing worse: the next one,
+    on this host or another, does it again)."""
+    while _rounds:
+        _rounds.pop().stop()
 
 
 @worker_ready.connect

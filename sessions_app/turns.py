@@ -24,7 +24,7 @@ the session's row lock and recorded as events in the same transaction::
 - No worker waits for a person: a question ends the step; the answer queues a new one.
 - :func:`interrupt` sets the flag a streaming step watches; a turn that no step holds
   (waiting for a person, for the model to load) is finished at once.
-- :func:`recoverable` lists open turns whose step is not running, for beat to re-queue.
+- :func:`recoverable` lists open turns whose step is not running, for the recovery round to re-queue.
 - A step's lease id names its worker (:func:`step_owner`), so a step whose worker is known
   dead — gone from Celery's view, or restarted under the same name — is taken over at
   once (:func:`take_over_dead_steps`) instead of after the lease lapses.

@@ -1,7 +1,7 @@
 """Shared fixtures: named users, the real models, and the real running stack.
 
 ``stack`` starts what a deployment runs — daphne (real websockets) and a Celery worker
-with beat (threads pool) — as subprocesses against the test database and the configured
+(threads pool) reading every queue, so running the housekeeping rounds too — as subprocesses against the test database and the configured
 Redis, so a test drives the product exactly as a browser would.
 """
 
@@ -43,7 +43,7 @@ def wait_for(predicate: Callable[[], object], timeout: float = 60.0, interval: f
 @pytest.fixture(scope="session", autouse=True)
 def flush_despite_a_busy_worker():
     """Transactional tests empty the database with one TRUNCATE of every table when they
-    end, while the stack's worker and beat may still be in a transaction (a health watch,
+    end, while the stack's worker may still be in a transaction (a health watch,
     a turn's recovery). PostgreSQL can then pick the TRUNCATE as a deadlock's victim; the
     next test would start on the last one's rows. Try the flush again, as an operator
     would: the worker's transaction is short."""
@@ -170,22 +170,22 @@ class Stack:
     def ws_url(self, session_id: int, after: int = 0) -> str:
         return f"{self.ws_base}/ws/sessions/{session_id}/?after={after}"
 
-    def start_worker(self, concurrency: int = 8, *, queue_names: tuple[str, ...] = queues.ALL, name: str = "worker",
-                     beat: bool = True) -> None:
-        """A Celery worker consuming ``queue_names`` (all by default) as ``procs[name]``, with
-        beat inside it when ``beat``; returns once it consumes (its liveness key holds its
+    def start_worker(self, concurrency: int = 8, *, queue_names: tuple[str, ...] = queues.ALL,
+                     name: str = "worker") -> None:
+        """A Celery worker consuming ``queue_names`` (all by default) as ``procs[name]``,
+        running the housekeeping rounds when it reads the housekeeping queue
+        (sessions_app/rounds.py); returns once it consumes (its liveness key holds its
         pid: the workers run without Celery's remote control, so nothing answers a ping)."""
         log = open(self.data_dir / f"{name}.log", "ab")
         # Each queue with this host's own of its kind (project/queues.py): the tests' local
         # machines are the test process's host's (it shares its CORRAL_HOST_ID).
         consumed = [q for name_ in queue_names for q in queues.consumed_by(name_, settings.CORRAL_HOST_ID)]
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "project", "worker", *(["-B"] if beat else []),
+            [sys.executable, "-m", "celery", "-A", "project", "worker",
              "-Q", ",".join(consumed), "-n", f"{name}@%h", "-P", "threads", "-c", str(concurrency),
-             "--without-gossip", "--without-mingle", "-l", "info",
-             "-s", str(self.data_dir / "celerybeat-schedule")],
+             "--without-gossip", "--without-mingle", "-l", "info"],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its embedded beat is a child: signal the whole group
+            start_new_session=True,  # signal it and whatever it started as a group
         )
         from sessions_app import liveness
 
@@ -202,7 +202,7 @@ class Stack:
                 os.killpg(proc.pid, 9)
                 proc.wait()
             try:
-                os.killpg(proc.pid, 9)  # whatever of the group is left (beat)
+                os.killpg(proc.pid, 9)  # whatever of the group is left
             except ProcessLookupError:
                 pass
 
@@ -232,7 +232,8 @@ class Stack:
 
 @pytest.fixture(scope="session")
 def stack(django_db_setup, django_db_blocker, tmp_path_factory):
-    """daphne + Celery worker (+beat) on the test database; one for the whole run."""
+    """daphne + a Celery worker (with the housekeeping rounds) on the test database; one
+    for the whole run."""
     import redis
 
     from machines_app.transports import LocalTransport

@@ -2,7 +2,7 @@
 bounded time: the watch asks it ``GET /health`` within ``CORRAL_HEALTH_TIMEOUT`` and the
 session shows ``unknown`` with a sentence, back to ``idle`` once it answers again; a
 reply's stream that sends nothing for ``CORRAL_STREAM_IDLE_SECONDS`` is abandoned with a
-sentence, not after the 30-minute cap. Real llama-server, real worker and beat."""
+sentence, not after the 30-minute cap. Real llama-server, real worker and its rounds."""
 
 from __future__ import annotations
 

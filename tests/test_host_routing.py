@@ -20,7 +20,7 @@ from django.utils import timezone
 from machines_app.models import Machine, PendingStop
 from machines_app.transports import ElsewhereError, machine_place, transport_at, transport_for
 from project import queues
-from sessions_app import dispatch, liveness, orphans, tasks
+from sessions_app import dispatch, liveness, orphans, rounds
 from sessions_app.models import AgentSession, TranscriptEvent
 from sessions_app.servers.models import ServerRecord, SlotSave
 from sessions_app.servers.slots import forget_old_slots
@@ -197,8 +197,8 @@ def _old_slot(machine: Machine, owner) -> AgentSession:
 def test_old_slots_are_forgotten_by_the_host_that_reaches_them(alice, monkeypatch):
     """Issue 23: the slot clean-up ran on whichever host took it, over every machine: on
     another host's local machine it met ElsewhereError each round and left the file. The
-    shared round takes the machines every host reaches; each host's own local machine is
-    its own share, handed to it while its housekeeping worker is alive."""
+    shared part takes the machines every host reaches; each host's own local machine is
+    its own share, run by that host's housekeeping rounds (sessions_app/rounds.py)."""
     mine = _old_slot(Machine.objects.create(name="here"), alice)
     theirs = _old_slot(Machine.objects.create(name="there", corral_host=OTHER), alice)
     shared = _old_slot(Machine.objects.create(name="unclaimed", corral_host=""), alice)
@@ -207,13 +207,13 @@ def test_old_slots_are_forgotten_by_the_host_that_reaches_them(alice, monkeypatc
     assert forget_old_slots(host=settings.CORRAL_HOST_ID) == [mine.pk]
     assert list(SlotSave.objects.values_list("session_id", flat=True)) == [theirs.pk]  # its host's to forget
 
-    handed = []
-    monkeypatch.setattr(liveness, "live_hosts", lambda: {OTHER, settings.CORRAL_HOST_ID})
-    monkeypatch.setattr(dispatch, "enqueue_on_host", lambda task, host, *args, **kw: handed.append((task, host, kw)))
-    tasks.forget_old_slots()
-    assert handed == [(dispatch.FORGET_HOST_SLOTS, host, {"expires": tasks.SLOTS_TASK_EXPIRES})
-                      for host in sorted({OTHER, settings.CORRAL_HOST_ID})]
-    assert queues.ROUTES[dispatch.FORGET_HOST_SLOTS] == {"queue": queues.HOUSEKEEPING}
+    forgotten = []
+    monkeypatch.setattr(rounds.slots, "forget_old_slots", lambda host=None: forgotten.append(host))
+    rounds.forget_old_slots(rounds.Share(shared=True, host=settings.CORRAL_HOST_ID, worker="w"))
+    assert forgotten == [None, settings.CORRAL_HOST_ID]
+    forgotten.clear()
+    rounds.forget_old_slots(rounds.Share(shared=False, host=OTHER, worker="w"))
+    assert forgotten == [OTHER]  # the other host's rounds, for its own machine only
 
 
 def test_a_lost_start_on_a_host_that_is_down_is_not_queued_again_every_round(alice, monkeypatch):

@@ -20,7 +20,7 @@ from kombu import Consumer, Queue
 
 from project import celery as corral_celery
 from project.celery import app
-from sessions_app import tasks
+from sessions_app import rounds, tasks
 from sessions_app.models import AgentSession
 
 
@@ -62,7 +62,7 @@ def test_an_idle_worker_waits_in_one_brpop_for_seconds_not_a_new_one_every_secon
 
 @pytest.mark.django_db
 def test_a_quiet_health_watch_asks_the_database_five_times(django_assert_max_num_queries):
-    """The watch beat runs every 2 s: with nothing waiting for memory, no server, no start
+    """The watch round runs every 2 s: with nothing waiting for memory, no server, no start
     and no pending stop it makes five queries (it made nine: the memory line alone took
     five), and three in the rounds that do not look for lost starts and idle servers."""
     with django_assert_max_num_queries(5):
@@ -121,63 +121,41 @@ def test_a_worker_thread_keeps_its_database_connection_from_task_to_task(monkeyp
         connection_created.disconnect(count)
 
 
-OTHER_HOST = "other-host-1234abcd"
-
-
-@pytest.mark.django_db
-def test_a_watch_round_runs_this_hosts_share_in_place_and_reads_the_host_keys_once(monkeypatch):
-    """A watch round (every 2 s) handed this host its own share through the broker: a send,
-    a BRPOP's wake-up and a second task in the same worker, which reads this host's queue
-    too. Now this host's share is watched in the round itself, in the same pass as the
-    shared part; only another live host's is sent (docs/operations.md, "More hosts"). The
-    host keys are read once per round, not once for the hand-out and again for the lost
-    starts."""
-    watched: list[str | None] = []
-    handed: list[tuple[str, str]] = []
-    reads: list[int] = []
-
-    def live_hosts():
-        reads.append(1)
-        return alive
-
-    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None, hosts=None: watched.append(hosts))
-    monkeypatch.setattr(tasks.liveness, "live_hosts", live_hosts)
-    monkeypatch.setattr(tasks.dispatch, "enqueue_on_host", lambda task, host, *a, **kw: handed.append((task, host)))
-
-    alive = {settings.CORRAL_HOST_ID}
-    tasks.watch_servers()
-    assert watched == [(None, settings.CORRAL_HOST_ID)]  # one pass for both
-    assert handed == []
-    assert len(reads) == 1
-
+def test_a_watch_round_watches_this_hosts_share_in_the_shared_pass_and_hands_nothing_out(monkeypatch):
+    """A watch round (every 2 s) was a task sent by beat, which handed each other live
+    host its own share through that host's queue, the host keys read for it every round.
+    Now every host's housekeeping worker runs its own round (sessions_app/rounds.py): the
+    worker that took the shared part watches this host's servers in the same pass (one
+    query for both), every other only its own host's; no host key is read and nothing is
+    sent (docs/operations.md, "More hosts")."""
+    watched: list[tuple] = []
+    monkeypatch.setattr(rounds.watch, "watch_servers", lambda host=None, hosts=None: watched.append(hosts))
+    monkeypatch.setattr(rounds.liveness, "live_hosts", lambda: pytest.fail("read the host keys"))
+    monkeypatch.setattr(rounds.dispatch, "enqueue", lambda *a: pytest.fail(f"sent {a}"))
+    monkeypatch.setattr(rounds, "_slow_looks_due", lambda: False)
+    monkeypatch.setattr(rounds.room, "admit_waiting", lambda: watched.append("memory"))
+    here = settings.CORRAL_HOST_ID
+    rounds.watch_servers(rounds.Share(shared=True, host=here, worker="housekeeping@a"))
+    assert watched == [(None, here), "memory"]  # one pass for both
     watched.clear()
-    reads.clear()
-    alive = {settings.CORRAL_HOST_ID, OTHER_HOST}
-    tasks.watch_servers()
-    assert watched == [(None, settings.CORRAL_HOST_ID)]
-    assert handed == [(tasks.dispatch.WATCH_HOST, OTHER_HOST)]
-    assert len(reads) == 1
-
+    rounds.watch_servers(rounds.Share(shared=False, host=here, worker="housekeeping@a"))
+    assert watched == [(here,)]  # another worker took the shared part: this host's only
     watched.clear()
-    handed.clear()
-    alive = None  # Redis cannot say: no host's share is handed out, as before
-    tasks.watch_servers()
-    assert watched == [(None,)]
-    assert handed == []
+    rounds.watch_servers(rounds.Share(shared=True, host="", worker="housekeeping@a"))
+    assert watched == [(None,), "memory"]  # a worker that does not read this host's queue
 
 
-@pytest.mark.django_db
-def test_a_sampling_round_reads_this_hosts_machine_in_place(monkeypatch):
-    """The same for the memory sampling (every 10 s): this host's local machine is read
-    in the round, another live host's is handed to that host."""
+def test_a_sampling_round_reads_this_hosts_machine_in_its_own_share(monkeypatch):
+    """The same for the memory sampling (every 30 s): SSH machines in the shared part,
+    this host's local machine in its own share, nothing handed to another host."""
     sampled: list[str | None] = []
-    handed: list[tuple[str, str]] = []
-    monkeypatch.setattr(tasks.room, "sample_machines", lambda host=None: sampled.append(host))
-    monkeypatch.setattr(tasks.liveness, "live_hosts", lambda: {settings.CORRAL_HOST_ID, OTHER_HOST})
-    monkeypatch.setattr(tasks.dispatch, "enqueue_on_host", lambda task, host, *a, **kw: handed.append((task, host)))
-    tasks.sample_machines()
-    assert sampled == [None, settings.CORRAL_HOST_ID]
-    assert handed == [(tasks.dispatch.SAMPLE_HOST, OTHER_HOST)]
+    here = settings.CORRAL_HOST_ID
+    monkeypatch.setattr(rounds.room, "sample_machines", lambda host=None: sampled.append(host))
+    rounds.sample_machines(rounds.Share(shared=True, host=here, worker="w"))
+    assert sampled == [None, here]
+    sampled.clear()
+    rounds.sample_machines(rounds.Share(shared=False, host=here, worker="w"))
+    assert sampled == [here]
 
 
 def test_reading_the_liveness_keys_again_opens_no_new_redis_connection(monkeypatch):
@@ -195,8 +173,8 @@ def test_reading_the_liveness_keys_again_opens_no_new_redis_connection(monkeypat
 
     monkeypatch.setattr(AbstractConnection, "on_connect_check_health", counting)
     for _ in range(5):
-        assert tasks.liveness.live_hosts() is not None
-    assert tasks.liveness.live_workers() is not None
+        assert rounds.liveness.live_hosts() is not None
+    assert rounds.liveness.live_workers() is not None
     assert len(connects) <= 1
 
 
@@ -258,12 +236,12 @@ def test_watch_rounds_look_for_lost_starts_and_idle_servers_every_ten_seconds_no
     moved by hand."""
     looks: list[str] = []
     now = [1000.0]
-    monkeypatch.setattr(tasks.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(tasks, "_slow_looks_at", [])
-    monkeypatch.setattr(tasks.watch, "watch_servers", lambda host=None, hosts=None: None)
-    monkeypatch.setattr(tasks.watch, "recover_starts", lambda alive=None: looks.append("starts"))
-    monkeypatch.setattr(tasks.stop, "sleep_idle_servers", lambda: looks.append("idle"))
-    monkeypatch.setattr(tasks.room, "admit_waiting", lambda: looks.append("memory"))
+    monkeypatch.setattr(rounds.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(rounds, "_slow_looks_at", [])
+    monkeypatch.setattr(rounds.watch, "watch_servers", lambda host=None, hosts=None: None)
+    monkeypatch.setattr(rounds.watch, "recover_starts", lambda alive=None: looks.append("starts"))
+    monkeypatch.setattr(rounds.stop, "sleep_idle_servers", lambda: looks.append("idle"))
+    monkeypatch.setattr(rounds.room, "admit_waiting", lambda: looks.append("memory"))
     for _ in range(5):  # 10 s of rounds
         tasks.watch_servers()
         now[0] += 2.0
@@ -271,7 +249,7 @@ def test_watch_rounds_look_for_lost_starts_and_idle_servers_every_ten_seconds_no
     assert looks.count("starts") == looks.count("idle") == 1
     tasks.watch_servers()  # 10 s after the first look
     assert looks.count("starts") == looks.count("idle") == 2
-    assert tasks.SLOW_LOOKS_EVERY <= 10
+    assert rounds.SLOW_LOOKS_EVERY <= 10
 
 
 def test_the_embedded_redis_runs_its_background_round_once_a_second_and_keys_still_lapse(tmp_path, monkeypatch):
@@ -299,10 +277,10 @@ def test_the_embedded_redis_runs_its_background_round_once_a_second_and_keys_sti
 
 
 @pytest.mark.django_db
-def test_the_beat_samples_memory_as_often_as_a_machine_is_sampled_and_a_round_a_little_early_still_samples():
+def test_the_rounds_sample_memory_as_often_as_a_machine_is_sampled_and_a_round_a_little_early_still_samples():
     """The sampling round came every 10 s for a sample every 30 s: two rounds in three found
     the last sample too recent (a task and four queries for nothing). It comes every
-    SAMPLE_SECONDS now; a round a little early (the beat's jitter) still takes its sample,
+    SAMPLE_SECONDS now; a round a little early (a late claim before) still takes its sample,
     one far too early does not. A real reading of this host's local machine."""
     from datetime import timedelta
 
@@ -311,7 +289,7 @@ def test_the_beat_samples_memory_as_often_as_a_machine_is_sampled_and_a_round_a_
     from machines_app.models import Machine, MachineSample
     from sessions_app import room
 
-    assert settings.CELERY_BEAT_SCHEDULE["sample-machines"]["schedule"] == room.SAMPLE_SECONDS
+    assert {r.name: r.period for r in rounds.ROUNDS}["sample-machines"] == room.SAMPLE_SECONDS
     machine = Machine.objects.create(name="here")
     host = machine.corral_host or None
 

@@ -130,7 +130,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Settings and process wiring read from the environment.
     ("config", (
         # The package itself loads the Celery app (Celery's pattern for Django projects).
-        "project", "project.env", "project.data_dir", "project.settings", "project.celery", "project.beat", "project.launcher",
+        "project", "project.env", "project.data_dir", "project.settings", "project.celery", "project.launcher",
         "project.embedded_redis", "project.processes", "project.output_log",
         "project.websocket_security", "project.login_throttle", "project.pubsub_layer",
     )),
@@ -173,6 +173,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "sessions_app.agent", "sessions_app.agent.step", "sessions_app.agent.lease",
         "sessions_app.agent.request", "sessions_app.agent.completion", "sessions_app.agent.calls",
         "sessions_app.agent.folds", "sessions_app.signals", "*.tasks", "api_app.serving",
+        # The periodic rounds, run by threads of the housekeeping workers.
+        "sessions_app.rounds",
     )),
     # What a person or a process reaches: views, forms, admin, sockets, URLs, commands.
     ("interface", (

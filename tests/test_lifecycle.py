@@ -131,7 +131,7 @@ def test_a_killed_server_shows_exited_quickly_and_restart_brings_it_back(stack, 
     session = idle_session(local_machine, alice, tmp_path, max_tokens=10)
     record = ServerRecord.objects.get(session=session)
     os.kill(record.pid, 9)
-    # Nobody acts on the session: only the watch (every 2 s, by beat) can see the death, and
+    # Nobody acts on the session: only the watch (every 2 s, a housekeeping round) can see the death, and
     # "exited" (not the health check's "unknown") says the process check saw it. 60 s only
     # guards against a hang.
     wait_for(lambda: fresh(session).status == "exited", 60, interval=0.05, what="exited")

@@ -107,7 +107,7 @@ def test_the_estimate_is_within_a_fifth_of_a_real_servers_resident_memory(local_
     assert abs(estimate.total - rss) <= 0.2 * rss
 
 
-# --- starts that fit (real servers, the real worker and beat) ---------------------------------
+# --- starts that fit (real servers, the real worker and its rounds) ---------------------------------
 
 
 @pytest.mark.django_db(transaction=True)

@@ -78,8 +78,8 @@ def test_a_step_whose_worker_died_for_good_is_taken_over_by_another(long_leases,
     turn ends truthfully on another worker — well before the lease would lapse."""
     stack = long_leases
     stack.stop_worker()
-    stack.start_worker(queue_names=(queues.SERVERS, queues.HOUSEKEEPING))  # with beat: recovery
-    stack.start_worker(queue_names=(queues.TURNS,), name="doomed", beat=False)
+    stack.start_worker(queue_names=(queues.SERVERS, queues.HOUSEKEEPING))  # its rounds: recovery
+    stack.start_worker(queue_names=(queues.TURNS,), name="doomed")
     try:
         machine = fake_machine([{"text": " ".join(f"word{i}" for i in range(200)), "delay": 0.25}, {"text": "Back."}])
         session = start_session(machine, alice, tmp_path)
@@ -87,7 +87,7 @@ def test_a_step_whose_worker_died_for_good_is_taken_over_by_another(long_leases,
         wait_for(lambda: len(payloads(session, "assistant_text")) >= 3, 20, what="the stream to start")
         assert "doomed@" in AgentSession.objects.get(pk=session.pk).lease_owner
         stack.stop_worker(sig=signal.SIGKILL, name="doomed")
-        stack.start_worker(queue_names=(queues.TURNS,), name="other", beat=False)
+        stack.start_worker(queue_names=(queues.TURNS,), name="other")
         wait_for(lambda: payloads(session, "turn_end"), TAKEOVER_WITHIN, what="the takeover (not the lease)")
         assert {"message": turns.RESUMING_NOTICE} in payloads(session, "notice")
         assert payloads(session, "error")[-1]["message"] == agent.WORKER_LOST_REPLY
@@ -101,9 +101,9 @@ def test_a_full_turn_pool_never_delays_health_checks_and_waiting_sessions_show_t
     stack, fake_machine, alice, tmp_path
 ):
     """Production's layout in small: a turns worker of 4 threads, another worker (with
-    beat) for servers and housekeeping. Ten turns stream at once."""
+    the housekeeping rounds) for servers and housekeeping. Ten turns stream at once."""
     stack.stop_worker()
-    stack.start_worker(concurrency=4, queue_names=(queues.TURNS,), name="turns", beat=False)
+    stack.start_worker(concurrency=4, queue_names=(queues.TURNS,), name="turns")
     stack.start_worker(concurrency=4, queue_names=(queues.SERVERS, queues.HOUSEKEEPING))
     try:
         reply = {"text": " ".join(f"word{i}" for i in range(60)), "delay": 0.25}

@@ -140,7 +140,7 @@ def test_a_session_deleted_while_its_stop_waits_out_the_grace_ends_the_stop_quie
             os.kill(pid, 9)
 
 
-def test_an_idle_stop_for_a_session_deleted_since_the_beat_found_it_does_nothing(alice, local_machine, tmp_path):
+def test_an_idle_stop_for_a_session_deleted_since_the_watch_found_it_does_nothing(alice, local_machine, tmp_path):
     session = AgentSession.objects.create(owner=alice, machine=local_machine, working_dir=str(tmp_path),
                                           model_key=model_key(local_machine, "llama"), status="idle")
     AgentSession.objects.filter(pk=session.pk).delete()
@@ -164,7 +164,7 @@ def test_a_server_whose_worker_died_before_recording_it_is_stopped_by_the_next_s
         spec = start._spec(session, transport, model, port, start.key_path_for(session, transport, port))
         start._launch(session, transport, model, spec, start.log_path_for(session, transport, port))
         lost = wait_for(lambda: servers_of(session), 30, what="the lost server")
-        start_server(session.pk)  # the beat's recovery, or a Restart
+        start_server(session.pk)  # the watch's recovery, or a Restart
         assert fresh(session).status == "idle"
         assert len(servers_of(session)) == 1 and not set(lost) & set(servers_of(session))
     finally:

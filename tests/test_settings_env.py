@@ -287,6 +287,24 @@ def test_the_run_workers_leave_out_celerys_worker_to_worker_chatter(tmp_path):
         assert {"--without-gossip", "--without-mingle", "--without-heartbeat"} <= set(line.split())
 
 
+def test_the_stack_runs_no_beat_process(tmp_path):
+    # Celery beat sent each periodic check as a task through Redis, a process of its own
+    # and 0.7 messages a second on an idle stack; the rounds run in the housekeeping
+    # worker now (sessions_app/rounds.py): nothing schedules through beat any more.
+    from django.conf import settings
+
+    from project import data_dir, launcher
+
+    data_dir.prepare(tmp_path)
+    config = launcher.supervisor_config(data=tmp_path, port=8000, daphne_args=[], turn_workers=2)
+    programs = [line.removeprefix("[program:").removesuffix("]") for line in config.splitlines()
+                if line.startswith("[program:")]
+    assert sorted(programs) == ["web", "worker-housekeeping", "worker-servers", "worker-turns"]
+    commands = [line for line in config.splitlines() if line.startswith("command=")]
+    assert not any(" beat" in line or " -B" in line for line in commands), commands
+    assert not hasattr(settings, "CELERY_BEAT_SCHEDULE")
+
+
 def test_each_worker_is_named_after_its_hosts_id_and_reads_its_hosts_own_queue(tmp_path, monkeypatch):
     # Two hosts with the same host name (a cloned VM) gave two workers the same turns@%h
     # name; the host id is drawn once per data directory (or set: CORRAL_HOST_ID).

@@ -1,7 +1,7 @@
 """Idle servers sleep (docs/behaviour.md §4 ``sleeping``, §5 "sleep"; failure C45): after its
 machine's idle time a session's llama-server is stopped through the Stop path (its slot
 saved first), the session shows ``sleeping``, and the next message starts it again with
-its prompt cache restored. Real llama-server, real worker and beat, a real browser."""
+its prompt cache restored. Real llama-server, real worker and its rounds, a real browser."""
 
 from __future__ import annotations
 

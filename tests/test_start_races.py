@@ -1,6 +1,6 @@
 """One start at a time (docs/behaviour.md §5): two start tasks for one session never spawn
 two servers, and a start that was lost leaves a session that can be restarted — by a
-person, or by the housekeeping beat on its own."""
+person, or by the housekeeping rounds on their own."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_a_start_that_holds_the_claim_makes_a_second_one_leave(fake_machine, ali
     assert not server_state.start_live(fresh(session))
 
 
-def test_a_lost_start_can_be_restarted_and_the_beat_starts_it_by_itself(stack, local_machine, alice, tmp_path):
+def test_a_lost_start_can_be_restarted_and_the_watch_starts_it_by_itself(stack, local_machine, alice, tmp_path):
     logs = stack.data_dir / "logs"  # the worker's private directory
     # A start whose task was lost with the broker: the session says loading, nobody starts it.
     session = AgentSession.objects.create(owner=alice, machine=local_machine,
@@ -107,13 +107,13 @@ def test_a_lost_start_can_be_restarted_and_the_beat_starts_it_by_itself(stack, l
     wait_for(lambda: fresh(session).status == "idle", 120, what="the restarted server")
     assert len(servers_of(session, logs)) == 1
 
-    # Lost again, and nobody clicks: the housekeeping beat finds it and starts it.
+    # Lost again, and nobody clicks: the housekeeping rounds find it and starts it.
     actions.do_stop(fresh(session), alice)
     wait_for(lambda: fresh(session).status == "stopped" and not servers_of(session, logs), 60, what="stopped")
     AgentSession.objects.filter(pk=session.pk).update(
         status="loading", last_activity_at=timezone.now() - timedelta(minutes=5)
     )
-    wait_for(lambda: fresh(session).status == "idle", 120, what="the beat to start the lost start again")
+    wait_for(lambda: fresh(session).status == "idle", 120, what="the watch to start the lost start again")
     notices = [e.payload["message"] for e in TranscriptEvent.objects.filter(session=session, kind="notice")]
     assert LOST_START in notices
     found = servers_of(session, logs)

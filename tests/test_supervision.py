@@ -31,7 +31,8 @@ from sessions_app.servers.models import ServerRecord
 from .conftest import ROOT, _database_url, model_key, wait_for
 from .helpers import payloads
 
-PROGRAMS = {"web", "worker-turns", "worker-servers", "worker-housekeeping", "beat"}
+# No beat: the periodic rounds run in the housekeeping worker (sessions_app/rounds.py).
+PROGRAMS = {"web", "worker-turns", "worker-servers", "worker-housekeeping"}
 
 
 def _free_port() -> int:
@@ -180,15 +181,16 @@ def test_an_idle_stack_stops_cleanly_and_logs_each_line_once(launcher, stop):
     file was /dev/stdout, and in the foreground it copies its log to stdout too). A Ctrl-C
     in a terminal reaches the launcher's whole process group: the embedded Redis must not
     be in it, or it is gone before the workers' warm shutdown. "slow exits": on a busy
-    host beat and worker-turns took 5–6 s to exit cleanly and were killed at 5 s; here
-    they are held (SIGSTOP) for 7 s of their stop, then let go."""
+    host beat (a program then) and worker-turns took 5–6 s to exit cleanly and were killed
+    at 5 s; here worker-housekeeping (its rounds' threads stopping too) and worker-turns
+    are held (SIGSTOP) for 7 s of their stop, then let go."""
     launcher.start(own_group=True)
     log_file = launcher.data.parent / "launcher.log"
     # Consumers up (workers at INFO say so), so each stop goes through Celery's warm shutdown.
     wait_for(lambda: re.search(r"turns@\S+ ready", (text := log_file.read_text())) and re.search(r"servers@\S+ ready",
              text), 60, interval=0.5, what="the turns and servers workers ready")
     everything = launcher.tree()
-    held = [launcher.running()[name] for name in ("beat", "worker-turns")] if stop == "slow exits" else []
+    held = [launcher.running()[name] for name in ("worker-housekeeping", "worker-turns")] if stop == "slow exits" else []
     for pid in held:
         os.kill(pid, signal.SIGSTOP)  # the SIGTERM supervisord sends waits until SIGCONT
     if stop == "ctrl-c":
@@ -219,7 +221,7 @@ def test_a_launcher_killed_outright_takes_every_corral_process_with_it(launcher)
 
 
 def test_supervisord_killed_outright_takes_its_programs_with_it(launcher):
-    """supervisord killed with -9 used to leave daphne and the four Celery processes
+    """supervisord killed with -9 used to leave daphne and the Celery processes
     running: the next ``./corral run`` refused with "port already in use". Each program
     now has supervisord's death signalled to it (PR_SET_PDEATHSIG through setpriv)."""
     launcher.start()

@@ -276,16 +276,16 @@ def test_turns_waiting_for_a_worker_are_counted_in_queue_order(session, alice, t
     assert turns.waiting_for_worker() == {third.pk: 0}
 
 
-def test_the_recovery_beat_reads_the_liveness_keys_only_while_a_step_holds_a_lease(
+def test_the_recovery_round_reads_the_liveness_keys_only_while_a_step_holds_a_lease(
         session, alice, queued, monkeypatch, django_capture_on_commit_callbacks):
     # With no lease held there is no step to take over: the idle stack reads nothing
     # (docs/live-page.md "What it costs"); a held lease still gets its two rounds.
-    from sessions_app import tasks
+    from sessions_app import rounds, tasks
 
     reads = []
-    monkeypatch.setattr(tasks, "live_workers", lambda: reads.append(1) or {"turns@a"})
-    monkeypatch.setattr(tasks, "ROUND_GAP", 0)
-    monkeypatch.setattr(tasks.dispatch, "enqueue", lambda *_args: True)
+    monkeypatch.setattr(rounds.liveness, "live_workers", lambda: reads.append(1) or {"turns@a"})
+    monkeypatch.setattr(rounds, "ROUND_GAP", 0)
+    monkeypatch.setattr(rounds.dispatch, "enqueue", lambda *_args: True)
     tasks.recover_turns.apply()
     assert reads == []
 
@@ -372,19 +372,3 @@ def test_freezing_the_start_up_heap_sets_aside_every_live_object_and_collects_th
     finally:
         gc.unfreeze()
     assert any(o is kept for o in gc.get_objects())
-
-
-def test_beat_sleeps_a_short_wait_whole_instead_of_ticking_without_sleeping():
-    """Celery's scheduler took 10 ms off every wait; a wait under 10 ms became negative, so
-    beat ticked again at once, about a hundred times before each run (project/beat.py)."""
-    from celery.beat import PersistentScheduler
-    from django.conf import settings
-
-    from project.beat import Scheduler
-
-    plain, ours = PersistentScheduler.__new__(PersistentScheduler), Scheduler.__new__(Scheduler)
-    assert plain.adjust(0.004) < 0  # the fault: no sleep at all
-    assert ours.adjust(0.004) == 0.004 and ours.adjust(0.019) == 0.019
-    assert ours.adjust(2.0) == pytest.approx(1.99)  # longer waits keep Celery's early wake-up
-    assert ours.adjust(0) == 0 and ours.adjust(-0.5) == -0.5  # due now: tick at once
-    assert settings.CELERY_BEAT_SCHEDULER == "project.beat:Scheduler"

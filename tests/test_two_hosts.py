@@ -4,7 +4,8 @@ Host 1 is this box; host 2 runs in network, PID, UTS and mount namespaces of its
 (tests/two_hosts.py), with its own data directory, so its own host id, and the same host
 name (a cloned VM). It reaches PostgreSQL, Redis and the test sshd only through the
 bridges the fixture makes. Each host runs the production workers
-(``python -m project.launcher worker <kind>``); beat runs on host 1.
+(``python -m project.launcher worker <kind>``); both housekeeping workers run the
+periodic rounds, each its own host's share, one of them each round's shared part.
 
 Before hosts had ids, a turn of a local session taken by host 2 dialled 127.0.0.1 there,
 met "connection refused", looked the pid up in host 2's process table and recorded
@@ -197,7 +198,7 @@ def test_each_host_answers_its_own_local_sessions_and_never_judges_the_others(tw
     for host in (one, two):
         host.start_worker("servers")
         host.start_worker("turns")
-    one.start_worker("housekeeping", "-B", "-s", str(one.data / "celerybeat-schedule"))
+    one.start_worker("housekeeping")
     two.start_worker("housekeeping")
     first = two_hosts.new_session("local", str(tmp_path), max_tokens=24)
     second = two_hosts.new_session(f"local-{two.id}", str(tmp_path), max_tokens=24)
@@ -236,7 +237,7 @@ def test_the_turns_of_a_dead_hosts_worker_on_an_ssh_machine_go_on_on_the_other_h
             if kind not in host.workers:
                 host.start_worker(kind)
     if "housekeeping" not in one.workers:
-        one.start_worker("housekeeping", "-B", "-s", str(one.data / "celerybeat-schedule"))
+        one.start_worker("housekeeping")
     # The gpu machine's llama-server never ends a reply before max_tokens (llama.cpp's
     # --ignore-eos): SmolLM2 ends its count by itself within seconds, sometimes before
     # host 1's worker could be killed mid-reply (CI, twice). A wrapper adds the flag;
@@ -402,7 +403,7 @@ def test_an_image_stored_by_one_host_is_read_by_the_other_hosts_server(two_hosts
             if kind not in host.workers:
                 host.start_worker(kind)
     if "housekeeping" not in one.workers:
-        one.start_worker("housekeeping", "-B", "-s", str(one.data / "celerybeat-schedule"))
+        one.start_worker("housekeeping")
     if "housekeeping" not in two.workers:
         two.start_worker("housekeeping")
     shells = {one: two_hosts.shell, two: two.shell()}

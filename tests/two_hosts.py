@@ -159,7 +159,7 @@ class Host:
 
     def start_worker(self, kind: str, *extra: str, concurrency: int = 2) -> None:
         """This host's production worker of ``kind`` (turns, servers, housekeeping), with
-        ``extra`` Celery arguments (``-B`` for beat); returns once its liveness key is
+        ``extra`` Celery arguments; returns once its liveness key is
         written (it consumes). Its output goes to ``<kind>.log`` beside the data directory."""
         import redis
 
@@ -197,7 +197,7 @@ class Host:
         except ProcessLookupError:
             pass
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # what is left of the group (an embedded beat)
+            os.killpg(proc.pid, signal.SIGKILL)  # what is left of the group
         except ProcessLookupError:
             pass
 

@@ -60,7 +60,7 @@ class StartClaim:
     """Holds the claim to start the session's server for the duration of a ``with``
     block, renewed every third of its lifetime by a thread of its own; ``held`` says
     whether it was got. Two start tasks for one session (a redelivered task, a restart
-    racing a start, the housekeeping beat's recovery) therefore never spawn two servers:
+    racing a start, the housekeeping rounds' recovery) therefore never spawn two servers:
     the second finds the claim held and does nothing. ``wait``: seconds to wait for a
     held claim to be let go before giving up (a restart waits for the start it replaces).
     """

@@ -143,7 +143,7 @@ def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict
         try:
             session = locked(session_id)
         except AgentSession.DoesNotExist:
-            return False  # deleted since the beat found it idle
+            return False  # deleted since the watch found it idle
         if session.turn_active or session.status != Status.IDLE:
             return False
         if session.api_busy_until is not None and session.api_busy_until > timezone.now():
@@ -160,7 +160,7 @@ def sleep_server(session_id: int, *, idle_for: timedelta | None = None, by: dict
 
 
 def sleep_idle_servers() -> list[int]:
-    """The housekeeping beat's part: hand every server idle past its machine's idle time to
+    """The health watch round's part: hand every server idle past its machine's idle time to
     the servers queue to be put to sleep (the sleep checks again under the lock)."""
     found = idle_sessions()
     for session_id in found:

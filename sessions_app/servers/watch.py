@@ -1,5 +1,5 @@
 """Watching the sessions' servers (docs/behaviour.md §5, the health watch, docs/ssh.md): the
-beat's round over every ready server (a dead one ``exited``, a frozen or unreachable one
+watch round over every ready server (a dead one ``exited``, a frozen or unreachable one
 ``unknown`` until it answers), the questions a turn asks when a reply breaks off, and
 the recovery of starts that were lost.
 """
@@ -74,7 +74,7 @@ def watch_servers(host: str | None = None, *, hosts: tuple[str | None, ...] | No
 
     ``hosts``, when given, instead of ``host``: several of those shares in one pass, one
     query for each kind of row (the round's shared part and this host's own:
-    sessions_app.tasks.watch_servers)."""
+    sessions_app.rounds.watch_servers)."""
     hosts = (host,) if hosts is None else hosts
     if not hosts:
         return
