@@ -32,13 +32,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import daphne.server
 from daphne.http_protocol import HTTPFactory, WebRequest
 from daphne.server import Server
 from daphne.ws_protocol import WebSocketProtocol
-from twisted.internet import reactor
+from twisted.internet import reactor as _reactor
 from twisted.web.http import datetimeToLogString
+
+#: twisted's reactor (daphne's asyncio one), as daphne uses it (twisted types the module
+#: as its interfaces, whose methods mypy reads unbound).
+reactor: Any = _reactor
 
 logger = logging.getLogger("daphne.server")
 
@@ -55,8 +60,8 @@ class QuietServer(Server):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._to_reap: set = set()  # connections noticed (an application ended, a socket closed), to look at
-        self._reap_call = None  # the planned look at them (a twisted DelayedCall)
-        self._timeouts_call = None  # the planned look at the timeouts
+        self._reap_call: Any = None  # the planned look at them (a twisted DelayedCall)
+        self._timeouts_call: Any = None  # the planned look at the timeouts
 
     # --- applications that ended, connections that closed
 
@@ -204,4 +209,4 @@ def install() -> None:
     from daphne.cli import CommandLineInterface
 
     CommandLineInterface.server_class = QuietServer
-    daphne.server.HTTPFactory = QuietHTTPFactory  # type: ignore[misc]
+    daphne.server.HTTPFactory = QuietHTTPFactory

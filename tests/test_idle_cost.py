@@ -619,6 +619,7 @@ def test_the_live_link_waits_in_redis_and_a_short_socket_timeout_does_not_cut_it
                    if c.get("cmd") == "blpop"]
         await asyncio.sleep(seconds / 2)
         live_link.forget(page)
+        assert live_link._task is not None
         await asyncio.wait_for(live_link._task, 4 * live_link.PING_EVERY)
         return page, blocked
 
@@ -633,6 +634,7 @@ def test_the_live_link_waits_in_redis_and_a_short_socket_timeout_does_not_cut_it
         monkeypatch.setattr(live_link, "_open", {page})
         monkeypatch.setattr(live_link, "_task", None)
         live_link.watch(page)
+        assert live_link._task is not None
         await asyncio.wait_for(live_link._task, 10 * live_link.PING_EVERY)
         return page
 
