@@ -107,21 +107,35 @@ class AttentionConsumer(AsyncJsonWebsocketConsumer):
         await self.close(code=CloseCode.LOGGED_OUT.value)
 
     async def _beat(self) -> None:
+        wait = presence.heartbeat_seconds()  # the first a whole beat after opening, then the process's beat
         while True:
-            await asyncio.sleep(presence.heartbeat_seconds())
+            await asyncio.sleep(wait)
+            wait = presence.until_next_beat(asyncio.get_running_loop().time())
             try:
-                if not await database_sync_to_async(self._login_holds)():
+                # One trip to the database thread for the whole beat (was three: each a
+                # wake-up of that thread and of daphne's loop; docs/live-page.md, "What it costs").
+                questions = await database_sync_to_async(self._beat_reads)()
+                if questions is None:
                     await self.close(code=CloseCode.LOGGED_OUT.value)
                     return
-                await database_sync_to_async(self._keep_page)()
-                await self._refresh()
+                await self._send_changed(questions)
             except Exception:
                 # A busy database or Redis now and then must not end the heartbeat.
                 logger.warning("attention heartbeat of user %s failed", self.user_id, exc_info=True)
 
+    def _beat_reads(self) -> list[dict] | None:
+        """A heartbeat's database work (database thread): None when this browser's login
+        no longer stands; else this page's row refreshed and the questions read."""
+        if not self._login_holds():
+            return None
+        self._keep_page()
+        return self._questions()
+
     async def _refresh(self) -> None:
         """Send the list when it differs from the last one sent."""
-        questions = await database_sync_to_async(self._questions)()
+        await self._send_changed(await database_sync_to_async(self._questions)())
+
+    async def _send_changed(self, questions: list[dict]) -> None:
         if questions != self.sent:
             self.sent = questions
             await self.send_json({"attention": {"count": len(questions), "questions": questions}})

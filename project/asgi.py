@@ -1,6 +1,7 @@
 """ASGI entry point: HTTP through Django, websockets through Channels (login required)."""
 
 import os
+import sys
 
 from django.core.asgi import get_asgi_application
 
@@ -23,6 +24,13 @@ application = ProtocolTypeRouter(
         ),
     }
 )
+
+if "daphne.cli" in sys.modules:
+    # Started by daphne's command line: its server wakes only when something is due
+    # (project/daphne_server.py). Imported here, where daphne has already installed its reactor.
+    from project import daphne_server
+
+    daphne_server.install()
 
 # Daphne imports this once, at start: what it built is kept for the process's life
 # (project/heap.py).

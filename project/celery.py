@@ -18,6 +18,30 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 BRPOP_SECONDS = 10
 kombu_redis.Transport.brpop_timeout = BRPOP_SECONDS
 
+#: Seconds between two looks of an idle worker's event loop at the broker's binding tables
+#: (kombu's own: every second). kombu keeps alive the tables of queues declared with
+#: ``x-expires`` and sweeps stale ones; Corral declares no such queue, so each look found
+#: nothing to do, and it was most of an idle worker's wake-ups (docs/live-page.md, "What
+#: it costs"). kombu refreshes a table at most every twenty minutes and sweeps at most
+#: every 60 s (``MIN_BINDING_TTL / 3``, ``BINDING_SWEEP_INTERVAL``), so a look every 60 s
+#: does all it did.
+BINDING_LOOK_SECONDS = 60.0
+_register_with_event_loop = kombu_redis.Transport.register_with_event_loop
+
+
+def _register_quietly(self, connection, loop) -> None:
+    """kombu's ``Transport.register_with_event_loop``, its binding look every
+    :data:`BINDING_LOOK_SECONDS` instead of every second."""
+    _register_with_event_loop(self, connection, loop)
+    cycle = self.cycle
+    every_second = getattr(cycle, "_binding_expiry_tref", None)
+    if every_second is not None:
+        every_second.cancel()
+        cycle._binding_expiry_tref = loop.call_repeatedly(BINDING_LOOK_SECONDS, cycle.maybe_refresh_binding_expiry)
+
+
+setattr(kombu_redis.Transport, "register_with_event_loop", _register_quietly)  # noqa: B010 (mypy: a method)
+
 #: Seconds a worker thread keeps its database connection between tasks (Django's
 #: ``CONN_MAX_AGE``, set in worker processes only: daphne keeps Django's default).
 WORKER_CONNECTION_SECONDS = 600

@@ -273,7 +273,14 @@ CELERY_TASK_ACKS_LATE = False
 # loop of a worker that does not run the event loop): a task sent during that sleep waited
 # up to 2 s (tests/test_broker_wakeup.py). The BRPOP's own timeout is set apart, without
 # that sleep: project/celery.py, BRPOP_SECONDS.
-CELERY_BROKER_TRANSPORT_OPTIONS = {**_BROKER.transport_options, "visibility_timeout": 2 * 60 * 60}
+# An idle worker's event loop also woke every 10 s to restore unacknowledged messages,
+# though kombu scans for them only every tenth time (every 100 s), and every 10 s to hand a
+# streaming credential provider's new token to its connections (Corral configures none:
+# REDIS_URL carries the password). Both now run when they have something to do: the scan
+# every 100 s as before, the token look every 5 minutes (docs/live-page.md, "What it costs").
+CELERY_BROKER_TRANSPORT_OPTIONS = {**_BROKER.transport_options, "visibility_timeout": 2 * 60 * 60,
+                                   "unacked_restore_interval": 100, "unacked_restore_throttle": 1,
+                                   "reauth_check_interval": 300}
 # Nothing in Corral sends Celery's remote control commands (which workers are alive is told
 # by keys in Redis: sessions_app/liveness.py), so workers do not listen for them.
 CELERY_WORKER_ENABLE_REMOTE_CONTROL = False

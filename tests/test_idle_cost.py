@@ -4,6 +4,7 @@ opens for its tasks. Counts, not times: the times are bench/run.py's."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -309,3 +310,324 @@ def test_a_turn_recovery_round_with_no_open_turn_asks_the_database_once(django_a
     is one, and stops (it asked three times: the held leases, the free and the lapsed ones)."""
     with django_assert_num_queries(1):
         tasks.recover_turns.apply()
+
+
+def test_an_idle_workers_event_loop_has_no_timer_sooner_than_its_broker_health_checks():
+    """kombu's Redis transport woke a worker's event loop every second to look at binding
+    tables Corral never declares, and every 10 s to restore unacknowledged messages (a
+    scan every tenth time) and for a credential provider Corral has none of
+    (project/celery.py, project/settings.py). Registered as a worker registers it: the
+    binding look is planned BINDING_LOOK_SECONDS on, and no timer of the transport's
+    sooner than its health checks (25 s)."""
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    try:
+        with app.connection_for_read() as conn:
+            conn.default_channel  # noqa: B018 (a channel, as a consuming worker has)
+            conn.transport.register_with_event_loop(conn.connection, hub)
+            now = time.monotonic()
+            planned = {item.entry: item.eta - now for item in hub.timer.queue if not item.entry.canceled}
+            cycle = conn.transport.cycle
+            assert planned[cycle._binding_expiry_tref] > 30
+            assert planned[cycle._restore_messages_tref] > 60
+            assert planned[cycle._reauth_tref] > 60
+            assert min(planned.values()) > 20, planned
+            assert corral_celery.BINDING_LOOK_SECONDS * 1000 <= 20 * 60 * 1000  # kombu's refresh: a third of an hour
+    finally:
+        hub.close()
+
+
+class _Planned:
+    """A twisted DelayedCall as the fake reactor below plans it."""
+
+    def __init__(self, reactor, at: float, fn, args) -> None:
+        self.reactor, self.at, self.fn, self.args, self.cancelled = reactor, at, fn, args, False
+
+    def active(self) -> bool:
+        return not self.cancelled and self in self.reactor.planned
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.reactor.planned.remove(self)
+
+    def getTime(self) -> float:  # noqa: N802 (twisted's name)
+        return self.at
+
+
+class _Reactor:
+    """Twisted's reactor as project.daphne_server uses it: plans calls, runs them when told."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now  # the same clock as time.time() here
+        self.planned: list[_Planned] = []
+
+    def seconds(self) -> float:
+        return self.now
+
+    def callLater(self, delay: float, fn, *args) -> _Planned:  # noqa: N802 (twisted's name)
+        call = _Planned(self, self.now + delay, fn, args)
+        self.planned.append(call)
+        return call
+
+    def run_due(self) -> None:
+        while due := sorted((c for c in self.planned if c.at <= self.now), key=lambda c: c.at):
+            self.planned.remove(due[0])
+            due[0].fn(*due[0].args)
+
+
+def _open_websocket(server, opened: float, checks: list, clock: list):
+    """An open websocket of ``server`` whose timeout check is daphne's ping rule alone."""
+    from daphne.ws_protocol import WebSocketProtocol
+
+    protocol = WebSocketProtocol.__new__(WebSocketProtocol)
+    protocol.state, protocol.socket_opened, protocol.last_ping = WebSocketProtocol.STATE_OPEN, opened, opened
+    protocol.client_addr, protocol.path = ["127.0.0.1", 50000], "/ws/attention/"  # its repr, in daphne's log
+
+    def check_timeouts() -> None:
+        checks.append(protocol)
+        if clock[0] - protocol.last_ping > server.ping_interval:  # a ping sent
+            protocol.last_ping = clock[0]
+
+    protocol.check_timeouts = check_timeouts
+    server.connections[protocol] = {"connected": opened}
+    return protocol
+
+
+def test_daphne_plans_its_looks_when_something_falls_due_not_on_a_clock(monkeypatch):
+    """daphne looked at every connection every second (ended applications) and every two
+    seconds (timeouts and pings) for as long as it ran (project/daphne_server.py). With
+    pages open and nothing happening, the next timeout look is planned for the pings
+    (one look for the pages that fall due within two seconds of each other), none for a
+    daphne without connections, and no application look at all; an application that
+    ends is looked at once, the next time round the loop, and forgotten with its closed
+    connection. Daphne's rules themselves are its own (the protocols' checks); a fake
+    reactor and clock stand in for twisted's."""
+    from project import daphne_server
+
+    reactor = _Reactor(1000.0)
+    clock = [1000.0]
+    monkeypatch.setattr(daphne_server, "reactor", reactor)
+    monkeypatch.setattr(daphne_server.time, "time", lambda: clock[0])
+    server = daphne_server.QuietServer(application=None, endpoints=["tcp:port=0"], ping_interval=20)
+    server.connections = {}
+    server.timeout_checker()
+    assert reactor.planned == []  # nothing open: nothing to look at, ever
+    checks: list = []
+    first = _open_websocket(server, 1000.0, checks, clock)
+    second = _open_websocket(server, 1001.0, checks, clock)
+    server.application_checker()
+    server.timeout_checker()
+    assert len(checks) == 2
+    [look] = reactor.planned
+    assert look.fn == server.timeout_checker
+    assert look.at == pytest.approx(1001.0 + 20 + daphne_server.SLACK)  # both pings' look, the later one's due
+    # A message from the first page moved its ping later (daphne's last_ping): the look
+    # pings the second only, and plans the next for the first's new due time.
+    reactor.now = clock[0] = look.at
+    first.last_ping = 1015.0
+    reactor.run_due()
+    assert second.last_ping == clock[0] and first.last_ping == 1015.0
+    assert [call.at for call in reactor.planned] == [pytest.approx(1015.0 + 20 + daphne_server.SLACK)]
+
+    # An application that ends is looked at in a call of its own, once for all noticed.
+    loop = asyncio.new_event_loop()
+    try:
+        ended = loop.create_future()
+        ended.set_result(None)
+        server.connections[first]["application_instance"] = ended
+        server.connections[first]["disconnected"] = clock[0]
+        server._look_at(first)
+        server._look_at(first)
+        assert [call.fn for call in reactor.planned].count(server._reap_noticed) == 1
+        reactor.run_due()
+        assert first not in server.connections
+    finally:
+        loop.close()
+
+
+def test_an_application_that_outlives_its_closed_connection_is_cancelled_as_daphne_does(monkeypatch):
+    """daphne cancels an application still running ``application_close_timeout`` seconds
+    after its connection closed (it looked every second). Here the close plans one look
+    just after that time: it cancels the application, and its end forgets the connection."""
+    from project import daphne_server
+
+    reactor = _Reactor(1000.0)
+    clock = [1000.0]
+    monkeypatch.setattr(daphne_server, "reactor", reactor)
+    monkeypatch.setattr(daphne_server.time, "time", lambda: clock[0])
+    server = daphne_server.QuietServer(application=None, endpoints=["tcp:port=0"], application_close_timeout=10)
+    server.connections = {}
+    protocol = _open_websocket(server, 1000.0, [], clock)
+    loop = asyncio.new_event_loop()
+    try:
+        running = loop.create_future()
+        server.connections[protocol]["application_instance"] = running
+        server.protocol_disconnected(protocol)
+        reactor.run_due()
+        assert protocol in server.connections and not running.cancelled()  # still has time
+        reactor.now = clock[0] = 1000.0 + 10 + daphne_server.SLACK
+        reactor.run_due()
+        assert running.cancelled()
+        server._reap(protocol)  # what its done callback asks for
+        assert protocol not in server.connections
+    finally:
+        loop.close()
+
+
+def test_daphnes_command_line_runs_the_quiet_server_for_corrals_application():
+    """Every way of starting daphne on Corral's application (``./corral run``, a systemd
+    unit, the tests' stack) gets project.daphne_server's server, without an argument:
+    loading the application as daphne's command line does installs it."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    code = ("import daphne.cli, daphne.server, django.utils.module_loading as m; "
+            "m.import_string('project.asgi.application'); "
+            "from project.daphne_server import QuietHTTPFactory, QuietServer; "
+            "assert daphne.cli.CommandLineInterface.server_class is QuietServer; "
+            "assert daphne.server.HTTPFactory is QuietHTTPFactory")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DJANGO_SETTINGS_MODULE": "project.settings",
+                               "SECRET_KEY": settings.SECRET_KEY, "REDIS_URL": settings.REDIS_URL})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_daphnes_http_factory_formats_its_log_date_per_line_not_every_second():
+    """twisted's HTTP factory formatted its access log's date every second, on a timer
+    (project/daphne_server.py): started, this one plans nothing, and a line logged still
+    carries the date of its moment."""
+    from project import daphne_server
+
+    factory = daphne_server.QuietHTTPFactory(server=None)
+    factory.startFactory()
+    try:
+        assert factory._logDateTimeCall is None
+        lines: list[str] = []
+
+        class Log:
+            def write(self, line: str) -> None:
+                lines.append(line)
+
+            def close(self) -> None:
+                pass
+
+        factory._logFile = Log()
+        factory._logDateTime = "stale"
+        factory._logFormatter = lambda date, request: date
+        factory.log(object())
+        assert lines and "stale" not in lines[0] and str(time.gmtime().tm_year) in lines[0]
+    finally:
+        factory.stopFactory()
+
+
+def test_a_liveness_write_waits_for_no_reply_and_a_reply_missing_a_beat_is_a_failure():
+    """A worker's liveness thread wrote its key and then waited for Redis's reply: a second
+    wake-up a beat (sessions_app/liveness.py). Its writes' replies are read at the next
+    beat, when they have come; one still missing then is a failure (Redis gone silent)."""
+    from sessions_app import liveness
+
+    class Connection:
+        def __init__(self, replies: int) -> None:
+            self.replies = replies
+
+        def can_read(self, timeout: float) -> bool:
+            assert timeout == 0  # never a wait
+            return self.replies > 0
+
+        def read_response(self) -> bytes:
+            self.replies -= 1
+            return b"OK"
+
+    both = Connection(2)
+    liveness._read_replies(both, 2)
+    assert both.replies == 0
+    with pytest.raises(redis.TimeoutError):
+        liveness._read_replies(Connection(1), 2)
+
+
+def test_a_heartbeat_keeps_both_keys_alive_from_one_write_a_beat():
+    """The worker's key and its host's, written together at each beat, both renewed."""
+    from sessions_app import liveness
+
+    name = f"beat-test-{uuid.uuid4().hex[:8]}@test"
+    host = uuid.uuid4().hex[:8]
+    beat = liveness.Heartbeat(name, host=host).start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (name in (liveness.live_workers() or set())
+                                                    and host in (liveness.live_hosts() or set())):
+            time.sleep(0.1)
+        assert name in liveness.live_workers()
+        assert host in liveness.live_hosts()
+        assert liveness.worker_pid(name) == os.getpid()
+        assert liveness.name_in_use(name) == os.getpid()  # renewed: its time to live went up
+    finally:
+        beat.stop()
+
+
+def test_the_live_link_waits_in_redis_and_a_short_socket_timeout_does_not_cut_it(monkeypatch, settings):
+    """Each daphne with pages open kept asking Redis PING every 2 s: two wake-ups each, its
+    clock's and the answer's (sessions_app/live/live_link.py). It keeps one question
+    waiting in Redis instead (a BLPOP of a list nobody writes, answered by Redis's own
+    clock). With a page open for longer than two answers the page is not closed, even on
+    a Redis URL whose socket timeout (1 s) is shorter than the wait; and Redis shows the
+    link's connection blocked in that BLPOP. A Redis that cannot be reached closes the page
+    as lost (4503) after FAILURES_BEFORE_LOST questions."""
+    from sessions_app.live import live_link
+
+    class Page:
+        closed: int | None = None
+
+        async def close(self, code: int) -> None:
+            self.closed = code
+
+    base = settings.REDIS_URL
+    settings.REDIS_URL = base + ("&" if "?" in base else "?") + "socket_timeout=1"
+
+    async def hold(seconds: float) -> tuple[Page, list]:
+        page = Page()
+        monkeypatch.setattr(live_link, "_open", {page})
+        monkeypatch.setattr(live_link, "_task", None)
+        live_link.watch(page)
+        await asyncio.sleep(seconds / 2)
+        blocked = [c for c in await asyncio.to_thread(lambda: redis.Redis.from_url(base).client_list())
+                   if c.get("cmd") == "blpop"]
+        await asyncio.sleep(seconds / 2)
+        live_link.forget(page)
+        assert live_link._task is not None
+        await asyncio.wait_for(live_link._task, 4 * live_link.PING_EVERY)
+        return page, blocked
+
+    page, blocked = asyncio.run(hold(2.5 * live_link.PING_EVERY))
+    assert page.closed is None
+    assert blocked, "no connection waits in Redis"
+
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+
+    async def lost() -> Page:
+        page = Page()
+        monkeypatch.setattr(live_link, "_open", {page})
+        monkeypatch.setattr(live_link, "_task", None)
+        live_link.watch(page)
+        assert live_link._task is not None
+        await asyncio.wait_for(live_link._task, 10 * live_link.PING_EVERY)
+        return page
+
+    assert asyncio.run(lost()).closed == live_link.LINK_LOST
+
+
+def test_a_daphnes_sockets_share_their_heartbeats_after_the_first(settings):
+    """Each socket's heartbeat (presence, rights, a lost push: every CORRAL_PRESENCE_SECONDS)
+    came at its own moment: a daphne with N pages open woke N times a beat. After its
+    first, a socket beats on the multiples of the heartbeat on the process's clock: sockets
+    whose last beats were apart beat next together, and never later than a beat on."""
+    from sessions_app.live import presence
+
+    settings.CORRAL_PRESENCE_SECONDS = 20
+    last_beats = [1000.0, 1003.5, 1013.0, 1019.99]
+    next_beats = [at + presence.until_next_beat(at) for at in last_beats]
+    assert next_beats == [pytest.approx(1020.0)] * 4
+    assert all(0 < presence.until_next_beat(at) <= 20 for at in [*last_beats, 1020.0, 0.0])

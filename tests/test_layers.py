@@ -132,7 +132,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         # The package itself loads the Celery app (Celery's pattern for Django projects).
         "project", "project.env", "project.data_dir", "project.settings", "project.celery", "project.launcher",
         "project.embedded_redis", "project.processes", "project.output_log",
-        "project.websocket_security", "project.login_throttle", "project.pubsub_layer",
+        "project.websocket_security", "project.login_throttle", "project.pubsub_layer", "project.daphne_server",
     )),
     # Rows and what reaches a machine: models, transports, the llama-server client, reads
     # and renderers of stored events; pushes and task hand-offs by name.

@@ -292,8 +292,10 @@ class SessionConsumer(AsyncJsonWebsocketConsumer):
         board().changed(self.session_id)  # this process's sockets learn of it without Redis
 
     async def _beat(self, user_id: int) -> None:
+        wait = presence.heartbeat_seconds()  # the first a whole beat after joining
         while True:
-            await asyncio.sleep(presence.heartbeat_seconds())
+            await asyncio.sleep(wait)
+            wait = presence.until_next_beat(asyncio.get_running_loop().time())
             try:
                 # One trip to the database thread for the whole beat (W pages: W trips a beat).
                 changed, holds, access, missed = await database_sync_to_async(self._beat_reads)(user_id)

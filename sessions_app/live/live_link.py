@@ -3,13 +3,22 @@
 Every push to a page goes through Redis (the Channels layer, sessions_app/live/broadcast.py).
 When Redis stops — killed, restarting — channels_redis keeps each daphne's subscription
 and retries in the background; the sockets stay open and the pages went on showing *live*
-while every push was lost. Here one task per daphne process asks Redis ``PING`` every
-:data:`PING_EVERY` seconds while any page is open; when Redis does not answer, every open
-socket of this process is closed with :data:`LINK_LOST` (after :data:`FAILURES_BEFORE_LOST` in a row), and a socket opened while Redis is
-down is closed the same way at once. The page then shows that its live link is lost and
-tries again (0.5 s, doubling up to 5 s: static/corral/session.js); once Redis answers, it
-connects and catches up from the database by ``seq`` (docs/live-page.md, "Staying
-connected"). What is sent meanwhile is stored and waits (docs/operations.md).
+while every push was lost. Here one task per daphne process keeps a question waiting in
+Redis while any page is open: a ``BLPOP`` of a list nobody writes, which Redis itself
+answers (empty) after :data:`PING_EVERY` seconds, when the task asks again at once. An
+answer that does not come within :data:`PING_EVERY` more seconds is a failure; after
+:data:`FAILURES_BEFORE_LOST` in a row every open socket of this process is closed with
+:data:`LINK_LOST`, and a socket opened while Redis is down is closed the same way at once.
+The page then shows that its live link is lost and tries again (0.5 s, doubling up to 5 s:
+static/corral/session.js); once Redis answers, it connects and catches up from the
+database by ``seq`` (docs/live-page.md, "Staying connected"). What is sent meanwhile is
+stored and waits (docs/operations.md).
+
+Why a wait in Redis and not a ``PING`` every :data:`PING_EVERY` seconds: a PING cost the
+daphne two wake-ups, its own clock's and the answer's; the wait costs one, the answer,
+timed by Redis's clock (docs/live-page.md, "What it costs"). Redis may end a wait up to one
+of its background rounds late (``hz``: a second for the embedded Redis), well within the
+time allowed for the answer.
 """
 
 from __future__ import annotations
@@ -22,11 +31,15 @@ import redis
 import redis.asyncio
 from django.conf import settings
 
+from project.channel_layer import channel_prefix
+
 log = logging.getLogger(__name__)
 
-#: Seconds between two PINGs while pages are open; also each PING's timeout.
-PING_EVERY = 2.0
-#: PINGs unanswered in a row before the pages are told their live link is lost.
+#: Seconds Redis holds each question before it answers (a whole number: BLPOP's timeout);
+#: also the time allowed for the answer after that, and the least time between two
+#: questions after a failure.
+PING_EVERY = 2
+#: Questions unanswered in a row before the pages are told their live link is lost.
 FAILURES_BEFORE_LOST = 2
 #: The close code of a socket whose live link went with Redis ("service unavailable", in
 #: the application's range: daphne's websocket library refuses to send 1013 and the like).
@@ -69,18 +82,22 @@ async def lost(consumer) -> None:
 async def _ping_while_open() -> None:
     client: redis.asyncio.Redis | None = None
     failures = 0
+    loop = asyncio.get_running_loop()
+    nobody_writes = channel_prefix(settings.REDIS_URL) + "live-link"  # a list that stays empty
     try:
         while _open:
-            await asyncio.sleep(PING_EVERY)
+            asked = loop.time()
             if client is None:
-                client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_timeout=PING_EVERY,
-                                                      socket_connect_timeout=PING_EVERY)
+                client = redis.asyncio.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=PING_EVERY)
+                # Set after the URL's options, which redis-py lets win: a shorter socket
+                # timeout of the URL's (``?socket_timeout=1``) would cut every answer.
+                client.connection_pool.connection_kwargs["socket_timeout"] = 2 * PING_EVERY
             try:
-                await asyncio.wait_for(client.ping(), PING_EVERY)
+                await asyncio.wait_for(client.blpop([nobody_writes], timeout=PING_EVERY), 2 * PING_EVERY)
                 failures = 0
             except UNREACHABLE as exc:
-                # A PING cut by its timeout leaves its answer unread on the connection: every
-                # later command would read the wrong answer. The next PING uses a new client.
+                # A question cut by its timeout leaves its answer unread on the connection:
+                # every later command would read the wrong answer. The next one uses a new client.
                 with contextlib.suppress(Exception):
                     await client.aclose()
                 client = None
@@ -88,6 +105,10 @@ async def _ping_while_open() -> None:
                 # One late answer is a busy process (a large upload read in this loop), not
                 # a lost Redis: only FAILURES_BEFORE_LOST in a row close the pages.
                 if failures < FAILURES_BEFORE_LOST:
+                    # A question refused at once (Redis killed) is followed when its answer
+                    # would have timed out, as one that went unanswered: the pages learn of a
+                    # killed Redis in 2–4 s and of a silent one within 8 s, as with PING.
+                    await asyncio.sleep(max(0.0, asked + 2 * PING_EVERY - loop.time()))
                     continue
                 if _open:
                     log.warning("Redis does not answer (%s): closing %d live page(s); they reconnect",

@@ -28,6 +28,17 @@ def heartbeat_seconds() -> float:
     return float(getattr(settings, "CORRAL_PRESENCE_SECONDS", 20.0))
 
 
+def until_next_beat(now: float) -> float:
+    """Seconds from ``now`` (the event loop's clock, ``loop.time()``) to this process's
+    next heartbeat, in (0, :func:`heartbeat_seconds`]: after its first beat, a whole beat
+    after it opened, every connection beats on the same multiples of the heartbeat, so a
+    daphne with many pages open wakes once a beat for all of them, not once for each at
+    its own moment (docs/live-page.md, "What it costs"). No connection waits longer
+    between two beats than it did."""
+    period = heartbeat_seconds()
+    return period - now % period
+
+
 def _expiry():
     return timezone.now() + timedelta(seconds=heartbeat_seconds() * MISSED_BEATS)
 
