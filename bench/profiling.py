@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -28,9 +29,10 @@ def py_spy() -> str | None:
 
 
 class Profiles:
-    """py-spy recording each of ``pids`` (name → pid) for ``seconds`` into ``directory``."""
+    """py-spy recording each of ``pids`` (name → pid) for ``seconds`` into ``directory``,
+    ``rate`` samples a second."""
 
-    def __init__(self, pids: dict[str, int], directory: Path, seconds: float) -> None:
+    def __init__(self, pids: dict[str, int], directory: Path, seconds: float, rate: int = 100) -> None:
         exe = py_spy()
         if exe is None:
             raise SystemExit("--profile needs py-spy: .venv/bin/python -m pip install py-spy")
@@ -38,7 +40,7 @@ class Profiles:
         self.paths = {name: directory / f"{name}.txt" for name in pids}
         self.procs = [
             subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
-                              "--rate", "100", "--nonblocking", "--format", "raw", "--output", str(self.paths[name])],
+                              "--rate", str(rate), "--nonblocking", "--format", "raw", "--output", str(self.paths[name])],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, pid in pids.items()
         ]
@@ -46,6 +48,13 @@ class Profiles:
     def wait(self) -> None:
         for proc in self.procs:
             proc.wait()
+
+    def stop(self) -> None:
+        """End the recordings now (before their ``seconds``): py-spy writes what it has on SIGINT."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        self.wait()
 
     def summaries(self, top: int = 15) -> list[str]:
         self.wait()

@@ -40,7 +40,8 @@ throwaway data directory with SQLite and an embedded Redis, unless DATABASE_URL 
 REDIS_URL are set. Numbers are noisy on a shared machine: ``uptime`` is printed first.
 ``--page-only`` runs item 5 alone (no model, no stack); ``--cpu-only`` runs item 1 and the
 goals alone; ``--turn-only`` the goals alone; ``--idle-only`` goal 2 alone (with
-``--profile DIR``, each process recorded by py-spy over it: bench/profiling.py); ``--live-only``
+``--profile DIR``, each process recorded by py-spy over it: bench/profiling.py; with
+``--turn-only``, daphne and the turns worker over goal 3's first reply too); ``--live-only``
 runs item 6 alone.
 """
 
@@ -586,8 +587,12 @@ def cpu_per_token_goal(stack: Stack, session, user, port: int, cookie: str, watc
         actions.do_clear(AgentSession.objects.get(pk=session.pk), user)
         after = AgentSession.objects.get(pk=session.pk).last_seq
         pages = [Page(port, session.pk, cookie, after) for _ in range(watchers)]
+        profiles = None
         try:
             stack.settle()
+            if PROFILE_DIR is not None and _run == 0:  # the first run of each, recorded by py-spy
+                profiles = Profiles({k: stack.pids()[k] for k in ("web", "worker-turns")},
+                                    PROFILE_DIR / f"goal3-{watchers}", 600, rate=1000)
             before = stack.cpu_seconds()
             actions.do_send_message(AgentSession.objects.get(pk=session.pk), user, PROMPT)
             for page in pages:
@@ -596,6 +601,9 @@ def cpu_per_token_goal(stack: Stack, session, user, port: int, cookie: str, watc
         finally:
             for page in pages:
                 page.close()
+            if profiles is not None:
+                profiles.stop()
+                print("\n".join(profiles.summaries(25)), flush=True)
         usage = TranscriptEvent.objects.filter(session=session, kind="usage").last().payload
         results.append((sum(cpu.values()) / usage["completion_tokens"] * 1000, cpu, usage))
     results.sort(key=lambda r: r[0])

@@ -9,8 +9,11 @@ here (``agent.run_turn_step``), as the worker's thread would: the step's CPU (th
 process's CPU-time clock, all its threads: the stream's, the interrupt watcher's, the
 lease keeper's) over the tokens streamed, without the worker's start-up or the rest of
 the box in the numbers. ``--profile FILE`` writes a cProfile of the steps' own thread
-(``pstats``, wall-clock) and prints its top. Printed too: the Redis commands per 100 tokens (Redis's
-own INFO commandstats, before and after each turn) and the events the turn stored.
+(``pstats``, wall-clock: a sleep shows as the call that sleeps) and prints its top; for
+where the CPU goes, sample it instead: ``py-spy record --rate 1000 --nonblocking --format
+raw -o FILE -- .venv/bin/python bench/turn_step.py``, then read the stacks under
+``run_turn_step`` and ``watch_interrupt``. Printed too: the Redis commands per 100 tokens
+(Redis's own INFO commandstats, before and after each turn) and the events the turn stored.
 """
 
 from __future__ import annotations

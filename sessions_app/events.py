@@ -4,7 +4,8 @@
   next sequence number (gap-free per session) and pushes the event to watchers after
   commit (:mod:`sessions_app.live.broadcast`).
 - :func:`append` does the same inside a transaction that already holds the lock (see
-  :func:`locked`), so an action can change columns and record events atomically.
+  :func:`locked`), so an action can change columns and record events atomically;
+  :func:`append_held` locks and appends at once for the step holding the turn lease.
 - :func:`change_status` is "set the status, then record a ``status`` event" — written once.
 
 The event kinds and their payloads are listed in docs/transcript.md.
@@ -12,7 +13,9 @@ The event kinds and their payloads are listed in docs/transcript.md.
 
 from __future__ import annotations
 
-from django.db import transaction
+import functools
+
+from django.db import connection, models, transaction
 from django.utils import timezone
 
 from . import dispatch
@@ -62,12 +65,60 @@ def append(session: AgentSession, kind: str, payload: dict) -> TranscriptEvent:
     kind = check_payload(kind, payload)
     payload = storable(payload)
     session.last_seq += 1
-    event = TranscriptEvent.objects.create(session_id=session.pk, seq=session.last_seq, kind=kind, payload=payload)
+    event = _insert(session.pk, session.last_seq, kind, payload)
     AgentSession.objects.filter(pk=session.pk).update(last_seq=session.last_seq, last_activity_at=timezone.now())
-    transaction.on_commit(lambda: broadcast.push_event(session.pk, event.seq, kind, payload))
+    return event
+
+
+def append_held(session_id: int, lease_owner: str, kind: str, payload: dict) -> TranscriptEvent | None:
+    """Append one event for the step holding the session's turn lease ``lease_owner``, in
+    the caller's transaction (which must be atomic); None, writing nothing, when the
+    session is gone or its lease is held by another (the caller says which).
+
+    What :func:`locked` and :func:`append` do, in one statement less: the row is locked,
+    its ``last_seq`` taken and its activity time set by one ``UPDATE … RETURNING``
+    (the same ``FOR NO KEY UPDATE`` lock as :func:`locked`, one write of the row), then
+    the event is inserted. A streaming reply stores an event every half second
+    (docs/live-page.md, "What it costs"), and each read the whole row (and built the
+    model instance) only to take one number from it. Raises
+    :class:`sessions_app.transcript.InvalidEvent` as :func:`append` does, before anything
+    is written."""
+    kind = check_payload(kind, payload)
+    payload = storable(payload)
+    with connection.cursor() as cursor:
+        cursor.execute(_take_seq_sql(), [connection.ops.adapt_datetimefield_value(timezone.now()), session_id,
+                                         lease_owner])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    return _insert(session_id, row[0], kind, payload)
+
+
+def session_column(name: str) -> str:
+    """The quoted column of the session model's field ``name`` (``"pk"`` for its primary
+    key), for the few statements written in SQL."""
+    meta = AgentSession._meta
+    field = meta.pk if name == "pk" else meta.get_field(name)
+    assert isinstance(field, models.Field) and field.column, name
+    return connection.ops.quote_name(field.column)
+
+
+@functools.cache
+def _take_seq_sql() -> str:
+    """:func:`append_held`'s statement (built once the models are loaded)."""
+    seq, at, pk, owner = map(session_column, ("last_seq", "last_activity_at", "pk", "lease_owner"))
+    table = connection.ops.quote_name(AgentSession._meta.db_table)
+    return f"UPDATE {table} SET {seq} = {seq} + 1, {at} = %s WHERE {pk} = %s AND {owner} = %s RETURNING {seq}"
+
+
+def _insert(session_id: int, seq: int, kind: str, payload: dict) -> TranscriptEvent:
+    """Insert event ``seq`` (the session's row locked and ``last_seq`` taken by the
+    caller) and push it to the watchers after commit."""
+    event = TranscriptEvent.objects.create(session_id=session_id, seq=seq, kind=kind, payload=payload)
+    transaction.on_commit(lambda: broadcast.push_event(session_id, seq, kind, payload))
     if kind == Kind.QUESTION:
         # Whoever may answer is told on their devices when no page of theirs shows it (docs/attention.md).
-        dispatch.enqueue_on_commit(dispatch.PUSH_QUESTION, session.pk, payload.get("id", ""))
+        dispatch.enqueue_on_commit(dispatch.PUSH_QUESTION, session_id, payload.get("id", ""))
     return event
 
 

@@ -34,6 +34,7 @@ Lower layers enqueue steps by task name (:mod:`sessions_app.dispatch`).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import uuid
@@ -48,7 +49,7 @@ from django.utils import timezone
 from usage_app import quota
 
 from . import db_link, dispatch, transcript
-from .events import append, change_status, load_events, locked
+from .events import append, append_held, change_status, load_events, locked, session_column
 from .models import AgentSession
 from .servers.models import ServerRecord
 from .transcript import Kind, TurnEnd
@@ -177,9 +178,12 @@ def record_for_step(session_id: int, owner: str, kind: str, payload: dict) -> in
     """Record an event for the step holding lease ``owner``; its seq. Raises
     :class:`LeaseLost` (writing nothing) when another step holds it now."""
     with transaction.atomic():
-        session = locked(session_id)
-        _check_holder(session, owner)
-        return append(session, kind, payload).seq
+        event = append_held(session_id, owner, kind, payload)
+        if event is None:
+            # Gone (AgentSession.DoesNotExist, as locked() raises) or held by another.
+            _check_holder(locked(session_id), owner)
+            raise LeaseLost(f"session {session_id}: the lease is no longer held by {owner}")
+        return event.seq
 
 
 def step_status(session_id: int, owner: str, status: str) -> None:
@@ -278,6 +282,24 @@ def claim_step(session_id: int, owner: str) -> str | None:
         .update(lease_owner=owner, lease_expires=now + lease_ttl())
     )
     return previous if taken == 1 else None
+
+
+def may_go_on(session_id: int, owner: str) -> bool:
+    """Whether the step holding lease ``owner`` may go on: the session is there, asks for
+    no interrupt, and ``owner`` still holds its lease. One read by primary key, written
+    in SQL: a streaming reply's interrupt watcher asks it every half second, and the
+    ORM's building of the query cost several times its running (docs/live-page.md,
+    "What it costs")."""
+    with connection.cursor() as cursor:
+        cursor.execute(_may_go_on_sql(), [session_id, False, owner])
+        return cursor.fetchone() is not None
+
+
+@functools.cache
+def _may_go_on_sql() -> str:
+    pk, flag, holder = map(session_column, ("pk", "interrupt_requested", "lease_owner"))
+    table = connection.ops.quote_name(AgentSession._meta.db_table)
+    return f"SELECT 1 FROM {table} WHERE {pk} = %s AND {flag} = %s AND {holder} = %s"
 
 
 def renew_lease(session_id: int, owner: str) -> bool:

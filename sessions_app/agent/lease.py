@@ -78,9 +78,7 @@ class LeasedStep:
     def interrupted(self) -> bool:
         """An interrupt was asked for, the session was deleted under the step, or another
         step holds the lease now (checked every INTERRUPT_POLL_EVERY while a reply streams)."""
-        return not AgentSession.objects.filter(
-            pk=self.session_id, interrupt_requested=False, lease_owner=self.owner
-        ).exists()
+        return not turns.may_go_on(self.session_id, self.owner)
 
     def server_stop_asked(self) -> bool:
         """Whether a stop of the server on purpose broke this turn off: a stop is under way
