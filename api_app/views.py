@@ -475,6 +475,16 @@ async def _finish_abandoned(relay: asyncio.Future) -> None:
         log.exception("an API request whose client went away did not finish")
 
 
+async def _broken_off(session_id: int, access: _Access, fallback: str) -> ApiError:
+    """Why a request to llama-server broke off: the refusal that ended it (``access``),
+    else 503 ``server_unavailable`` with why the server went away (serving.server_went_away),
+    or ``fallback`` when nothing is known of it."""
+    if access.lost is not None:
+        return access.ended()
+    why = await sync_to_async(serving.server_went_away)(session_id)
+    return ApiError(503, "server_unavailable", why or fallback, type="server_error")
+
+
 async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endpoint: Endpoint, content: bytes, *,
                  stream: bool, access: _Access) -> HttpResponseBase:
     started = time.monotonic()
@@ -497,11 +507,7 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
     except httpx.HTTPError as exc:
         await client.aclose()
         await done({}, None)
-        if access.lost is not None:
-            return _error(access.ended())
-        why = await sync_to_async(serving.server_went_away)(session_id)
-        return _error(ApiError(503, "server_unavailable", why or f"The model's server did not answer: {exc}.",
-                               type="server_error"))
+        return _error(await _broken_off(session_id, access, f"The model's server did not answer: {exc}."))
     content_type = upstream.headers.get("content-type", "application/json")
     if not stream or upstream.status_code != 200:
         failure: httpx.HTTPError | None = None
@@ -515,12 +521,8 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
             await client.aclose()
         usage, timings = _whole_usage(content) if failure is None and upstream.status_code == 200 else ({}, None)
         await done(usage, timings)
-        if failure is not None and access.lost is not None:
-            return _error(access.ended())
         if failure is not None:
-            why = await sync_to_async(serving.server_went_away)(session_id)
-            return _error(ApiError(503, "server_unavailable", why or f"The model's server broke off: {failure}.",
-                                   type="server_error"))
+            return _error(await _broken_off(session_id, access, f"The model's server broke off: {failure}."))
         return HttpResponse(content, status=upstream.status_code, content_type=content_type)
 
     recorded = False
@@ -545,12 +547,7 @@ async def _relay(user, model: ModelFile, session_id: int, hold: int | None, endp
                         await record(seen)
                     yield chunk
         except httpx.HTTPError as exc:
-            if access.lost is not None:
-                error = access.ended()
-            else:
-                why = await sync_to_async(serving.server_went_away)(session_id)
-                error = ApiError(503, "server_unavailable", why or f"The model's server broke off the reply: {exc}.",
-                                 type="server_error")
+            error = await _broken_off(session_id, access, f"The model's server broke off the reply: {exc}.")
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
         finally:
             await upstream.aclose()
