@@ -308,7 +308,8 @@ def test_a_turn_whose_worker_is_killed_ends_truthfully_and_its_server_outlives_t
     assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE  # the README's promise
     # ... and the stop says so: the server still holds its memory, and whose it is.
     log = (launcher.data.parent / "launcher.log").read_text()
-    assert "1 llama-server keeps running, holding memory; the next ./corral run takes them over:" in log
+    assert "1 llama-server keeps running, holding memory; the next ./corral run takes it over:" in log
+    assert "Stop one now with kill <pid>" in log  # Corral is stopped: its pages cannot stop it now
     assert f"{AgentSession.objects.get(pk=session.pk).display_title} (" in log and f"pid {server.pid})" in log
 
 

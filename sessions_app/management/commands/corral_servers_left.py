@@ -35,11 +35,13 @@ def describe(records: list[ServerRecord]) -> str:
     """The lines printed for ``records`` ("" when there are none)."""
     if not records:
         return ""
-    lines = [f"{len(records)} llama-server{'s' if len(records) != 1 else ''} keep{'s' if len(records) == 1 else ''} "
-             "running, holding memory; the next ./corral run takes them over:"]
+    one = len(records) == 1
+    lines = [f"{len(records)} llama-server{'' if one else 's'} keep{'s' if one else ''} running, holding memory; "
+             f"the next ./corral run takes {'it' if one else 'them'} over:"]
     lines += [f"  {record.session.display_title} ({getattr(record.session, "model_name", None) or record.model_key}, pid {record.pid})"
               for record in records]
-    lines.append("Stop one with its session's Menu → \"Stop server…\" (or Stop all idle servers on the machine list).")
+    lines.append("Stop one now with kill <pid> (its session says the server exited, and offers Restart server), "
+                 "or, with Corral running, its session's Menu → \"Stop server…\".")
     return "\n".join(lines)
 
 
