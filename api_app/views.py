@@ -30,7 +30,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods, require_POST
 
 from machines_app.llama_server import Endpoint, auth_headers, tls_context
-from machines_app.models import ModelFile
+from machines_app.models import Machine, ModelFile
 from usage_app import quota
 from usage_app.recording import record_usage
 
@@ -69,7 +69,13 @@ def _request_finished(user, model_file: ModelFile, usage: dict, seconds: float, 
     log.debug("API request of %s on %s/%s: usage %s, timings %s, %.2f s", user.get_username(),
               model_file.machine.name, model_file.key, usage, timings, seconds)
     with transaction.atomic():
-        record_usage(member=user, machine=model_file.machine, model_file=model_file, usage=usage, timings=timings,
+        # The machine or the account may be gone (deleted while the request ran, which
+        # ended it: serving.access_lost); the row then names them, as usage rows do. Locked,
+        # so neither goes between this read and the commit (the foreign keys are checked then).
+        machine = Machine.objects.select_for_update(no_key=True).filter(pk=model_file.machine_id).first()
+        member = type(user).objects.select_for_update(no_key=True).filter(pk=user.pk).first()
+        record_usage(member=member, member_name=user.get_username(), machine=machine,
+                     machine_name=model_file.machine.name, model_file=model_file, usage=usage, timings=timings,
                      source="api")
         quota.release(hold)
 
@@ -108,9 +114,9 @@ class _Access:
         self.client: httpx.AsyncClient | None = None
 
     async def check(self) -> None:
-        if self.lost is not None:
-            return
-        self.lost = await sync_to_async(serving.access_lost)(self.key_id, self.machine_id)
+        # Found lost before the request was sent (the client made after): closed now.
+        if self.lost is None:
+            self.lost = await sync_to_async(serving.access_lost)(self.key_id, self.machine_id)
         if self.lost is not None and self.client is not None:
             await self.client.aclose()
 
@@ -308,12 +314,21 @@ async def _held(session_id: int, hold: int | None, access: _Access):
         renewed = time.monotonic()
         while True:
             await asyncio.sleep(tick)
-            await access.check()
-            # Half a tick early rather than a whole tick late.
-            if time.monotonic() - renewed >= serving.RENEW_SECONDS - tick / 2:
-                renewed = time.monotonic()
-                await sync_to_async(serving.renew)(session_id)
-                await sync_to_async(quota.renew_hold)(hold)
+            try:
+                await access.check()
+                # Half a tick early rather than a whole tick late.
+                if time.monotonic() - renewed >= serving.RENEW_SECONDS - tick / 2:
+                    renewed = time.monotonic()
+                    await sync_to_async(serving.renew)(session_id)
+                    await sync_to_async(quota.renew_hold)(hold)
+            except Exception:
+                # The database away or the connection cut: the request goes on, the
+                # check and the renewals are tried again next tick on a new connection
+                # (one left broken would fail them all, and the request's end with them).
+                log.warning("API request on session %s: an access check or renewal failed", session_id,
+                            exc_info=True)
+                with contextlib.suppress(Exception):
+                    await sync_to_async(close_old_connections)()
 
     task = asyncio.create_task(renew())
     try:
@@ -378,6 +393,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
             try:
                 async with _held(session_id, hold, access):
                     endpoint = await _wait_for_server(session_id, after, wanted, access)
+                if access.lost is not None:  # found as the server became ready: not sent
+                    raise access.ended()
             except ApiError:
                 await sync_to_async(serving.finished)(session_id)
                 raise

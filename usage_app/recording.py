@@ -35,12 +35,13 @@ def _millis(value: Any) -> float:
 def record_usage(
     *,
     member,
-    machine: Machine,
+    machine: Machine | None,
     model_file: ModelFile | None,
     usage: Mapping[str, Any] | None,
     timings: Mapping[str, Any] | None,
     source: str,
     member_name: str = "",
+    machine_name: str = "",
     model_key: str = "",
     model_name: str = "",
 ) -> None:
@@ -49,7 +50,7 @@ def record_usage(
     - ``member``: the user it counts for (the author of the message that started the turn;
       for an API request, the key's owner), or None for a deleted account — then
       ``member_name`` names them.
-    - ``machine``: where it ran. ``model_file``: the ModelFile served; None when its row is
+    - ``machine``: where it ran; None when its row is gone, then ``machine_name`` names it. ``model_file``: the ModelFile served; None when its row is
       gone, then ``model_key`` / ``model_name`` name it.
     - ``usage``: the OpenAI ``usage`` object of the final chunk or response:
       ``{"prompt_tokens": int, "completion_tokens": int, "prompt_tokens_details":
@@ -83,7 +84,7 @@ def record_usage(
         member=member,
         member_name=member.get_username() if member is not None else member_name,
         machine=machine,
-        machine_name=machine.name,
+        machine_name=machine.name if machine is not None else machine_name,
         model_key=model_file.key if model_file is not None else model_key,
         model_name=model_file.display_name if model_file is not None else (model_name or model_key),
         source=source,
