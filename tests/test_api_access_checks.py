@@ -153,3 +153,19 @@ def test_a_request_on_a_machine_deleted_meanwhile_is_counted_and_its_hold_droppe
     row = UsageRecord.objects.get(member=alice)
     assert (row.machine_id, row.machine_name, row.completion_tokens) == (None, "gpu-gone", 7)
     assert not Hold.objects.filter(pk=hold).exists()
+
+
+def test_a_request_of_an_account_deleted_meanwhile_is_counted_under_its_name(transactional_db, alice):
+    """The account is deleted while its request is served (its keys go with it:
+    access_lost ends the request, 401). The usage row names the account, as a session's
+    rows of a deleted account do (member None, member_name)."""
+    from machines_app.models import Machine, ModelFile
+    from usage_app.models import UsageRecord
+
+    machine = Machine.objects.create(name="gpu1", models_dir="/nonexistent", workspace_roots="")
+    model = ModelFile.objects.select_related("machine").get(
+        pk=ModelFile.objects.create(machine=machine, key="smol.gguf", display_name="Smol").pk)
+    type(alice).objects.filter(pk=alice.pk).delete()
+    views._request_finished(alice, model, {"prompt_tokens": 5, "completion_tokens": 7}, 1.0, None, None)
+    row = UsageRecord.objects.get()
+    assert (row.member_id, row.member_name, row.machine_id, row.completion_tokens) == (None, "alice", machine.pk, 7)
