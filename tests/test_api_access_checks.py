@@ -169,3 +169,42 @@ def test_a_request_of_an_account_deleted_meanwhile_is_counted_under_its_name(tra
     views._request_finished(alice, model, {"prompt_tokens": 5, "completion_tokens": 7}, 1.0, None, None)
     row = UsageRecord.objects.get()
     assert (row.member_id, row.member_name, row.machine_id, row.completion_tokens) == (None, "alice", machine.pk, 7)
+
+
+def test_access_lost_while_a_non_streamed_reply_is_written_ends_it_within_the_check(monkeypatch):
+    """A non-streamed request: llama-server sends nothing until the whole reply is written.
+    The access is lost meanwhile; the check closes the request's client, which breaks off
+    the wait for the headers (a real socket here: a server that reads the request and then
+    says nothing for 5 s), and the client gets the refusal, not a 500 or the reply."""
+    import time
+
+    async def scenario():
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.sleep(5)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            user: Any = types.SimpleNamespace()
+            model: Any = types.SimpleNamespace()
+            began = time.monotonic()
+            response = await views._relay(user, model, 7, 11, Endpoint(f"http://127.0.0.1:{port}"), b"{}",
+                                          stream=False, access=views._Access(1, 2))
+            return response, time.monotonic() - began
+        finally:
+            server.close()
+
+    monkeypatch.setattr(views, "ACCESS_CHECK_SECONDS", 0.2)
+    finished: list = []
+    _quiet_bookkeeping(monkeypatch, finished)
+    monkeypatch.setattr(serving, "access_lost", lambda key_id, machine_id: ApiError(
+        401, "invalid_api_key", "This API key ('x', corral-abcde…) was revoked."))
+    response, seconds = asyncio.run(scenario())
+    assert response.status_code == 401, (response.status_code, response.content)
+    assert json.loads(response.content)["error"]["message"].startswith("Corral ended this request: ")
+    assert seconds < 2, seconds
+    assert ("finished", 7) in finished
