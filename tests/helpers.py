@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shlex
 import threading
 from html.parser import HTMLParser
 from pathlib import Path
@@ -157,6 +158,18 @@ def idle_session(machine, user, tmp_path, arch="llama", **sampling) -> AgentSess
     )
     wait_for(lambda: fresh(session).status == "idle", 120, what="idle")
     return fresh(session)
+
+
+def replies_run_to_max_tokens(machine, tmp_path) -> None:
+    """Have ``machine``'s llama-server write every reply to its length limit (llama.cpp's
+    ``--ignore-eos``, added by a wrapper script in ``tmp_path`` that runs the real binary):
+    for a test that cuts a reply mid-way (an interrupt, a kill), which SmolLM2 may
+    otherwise end by itself first. Set before the session's server starts."""
+    wrapper = tmp_path / "llama-server-ignore-eos"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(machine.llama_server_path)} "$@" --ignore-eos\n')
+    wrapper.chmod(0o755)
+    machine.llama_server_path = str(wrapper)
+    machine.save(update_fields=["llama_server_path"])
 
 
 def turns_ended(session, n, timeout=120):

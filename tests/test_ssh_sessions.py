@@ -30,6 +30,7 @@ from .helpers import (
     idle_session,
     llama_servers_on,
     payloads,
+    replies_run_to_max_tokens,
     step,
     text_reply,
     tool_call_reply,
@@ -159,6 +160,7 @@ def test_a_dead_peer_makes_the_session_unknown_then_it_recovers(stack, tmp_path,
         catalog.refresh_models(machine)
         workdir = tmp_path / "work"
         workdir.mkdir()
+        replies_run_to_max_tokens(machine, tmp_path)  # the link is cut mid-reply, never after it
         session = idle_session(machine, alice, workdir, max_tokens=1500)
         record = ServerRecord.objects.get(session=session)
         actions.do_send_message(session, alice, "Write a very long essay about shearing sheep.")
