@@ -165,11 +165,17 @@ def replies_run_to_max_tokens(machine, tmp_path) -> None:
     ``--ignore-eos``, added by a wrapper script in ``tmp_path`` that runs the real binary):
     for a test that cuts a reply mid-way (an interrupt, a kill), which SmolLM2 may
     otherwise end by itself first. Set before the session's server starts."""
-    wrapper = tmp_path / "llama-server-ignore-eos"
-    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(machine.llama_server_path)} "$@" --ignore-eos\n')
-    wrapper.chmod(0o755)
-    machine.llama_server_path = str(wrapper)
+    machine.llama_server_path = str(ignore_eos_wrapper(machine.llama_server_path, tmp_path))
     machine.save(update_fields=["llama_server_path"])
+
+
+def ignore_eos_wrapper(binary: str, directory) -> Path:
+    """A script in ``directory`` that runs the llama-server ``binary`` with its arguments
+    and ``--ignore-eos`` (every reply runs to its length limit); its path."""
+    wrapper = Path(directory) / "llama-server-ignore-eos"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(binary)} "$@" --ignore-eos\n')
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def turns_ended(session, n, timeout=120):

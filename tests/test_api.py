@@ -46,6 +46,15 @@ def client_for(stack, token: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=token, max_retries=0, timeout=300)
 
 
+def long_stream(stack, token: str, model: str, max_tokens: int):
+    """A streamed completion of ``max_tokens`` tokens exactly (``ignore_eos``: SmolLM2 cannot
+    end it sooner) as ``token``'s owner, opened with httpx (a context manager: the response)."""
+    return httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", timeout=300,
+                        headers={"Authorization": f"Bearer {token}"},
+                        json={"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                              "messages": [{"role": "user", "content": "Tell me a long story."}]})
+
+
 # --- the member's page -------------------------------------------------------------------------
 
 
@@ -410,10 +419,7 @@ def test_a_stream_the_client_cuts_counts_the_tokens_the_server_read_and_wrote(st
     smol, token = smol_id(local_machine), make_key(alice)
     Quota.objects.create(user=alice, tokens_per_day=10**9)
     received = 0
-    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", timeout=300,
-                      headers={"Authorization": f"Bearer {token}"},
-                      json={"model": smol, "max_tokens": 400, "ignore_eos": True, "stream": True,
-                            "messages": [{"role": "user", "content": "Tell me a long story."}]}) as response:
+    with long_stream(stack, token, smol, 400) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -495,10 +501,7 @@ def test_access_lost_while_a_reply_streams_ends_the_reply_as_a_new_request_would
     smol, token = smol_id(local_machine), make_key(alice)
     Quota.objects.create(user=alice, tokens_per_day=10**9)
     received, error = 0, None
-    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", timeout=300,
-                      headers={"Authorization": f"Bearer {token}"},
-                      json={"model": smol, "max_tokens": 6000, "ignore_eos": True, "stream": True,
-                            "messages": [{"role": "user", "content": "Tell me a long story."}]}) as response:
+    with long_stream(stack, token, smol, 6000) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith("data: {"):

@@ -25,7 +25,6 @@ runs on.
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -37,6 +36,7 @@ from django.conf import settings
 from sessions_app import turns
 
 from .conftest import wait_for
+from .helpers import ignore_eos_wrapper
 from .two_hosts import Host
 
 pytestmark = pytest.mark.skipif(
@@ -243,9 +243,7 @@ def test_the_turns_of_a_dead_hosts_worker_on_an_ssh_machine_go_on_on_the_other_h
     # host 1's worker could be killed mid-reply (CI, twice). A wrapper adds the flag;
     # the server is the real one, started over SSH as always.
     real = two_hosts.sql("SELECT llama_server_path FROM machines_app_machine WHERE name = 'local'")[0][0]
-    wrapper = tmp_path / "llama-server-ignore-eos"
-    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(real)} "$@" --ignore-eos\n')
-    wrapper.chmod(0o755)
+    wrapper = ignore_eos_wrapper(real, tmp_path)
     two_hosts.shell.run(f"""
 from pathlib import Path
 from machines_app import catalog, keystore
